@@ -1,0 +1,241 @@
+"""The state blob: one Arrow IPC file per (checkpoint, component, instance, key-group range).
+
+Layout (a plain Arrow IPC *file*; ``pyarrow.ipc.open_file`` reads it without
+this module)::
+
+    "ARROW1\\0\\0" | schema message | batch(g1) | batch(g2) | ... | footer | "ARROW1"
+
+- One record batch per *entry*: the state of one key group, either ``full``
+  (every live key of the key group) or ``delta`` (only keys changed since the
+  previous checkpoint, deletions as rows with ``_deleted = true``). Entries are
+  sorted by key group, so the entries of any contiguous key-group range are
+  one contiguous byte range of the blob.
+- The schema is the component's state schema (key columns, then value
+  columns) plus the bool column ``_deleted``. Its metadata records the format
+  and hash versions, the component, checkpoint id, instance and the key-group
+  range the blob was written for.
+- Each batch's custom metadata names its key group and kind, so the blob is
+  self-describing; the byte-offset index (``BlobIndex``) lives in the
+  manifest, so a reader fetches exactly the entries it needs and never the
+  footer.
+
+Offsets in the index are absolute byte offsets into the blob; ``length``
+covers the whole encapsulated IPC message (header, body and padding), so
+bytes ``[offset, offset + length)`` decode on their own given the schema.
+Each entry carries a CRC-32 of exactly those bytes, checked on every read:
+corrupted state raises ``CorruptBlobError``, it is never returned.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import pyarrow as pa
+
+from spark_state.errors import ConfigError, CorruptBlobError
+from spark_state.keygroups import HASH_VERSION, KeyGroupRange
+
+FORMAT_VERSION = 1
+DELETED_COLUMN = "_deleted"
+EntryKind = Literal["full", "delta"]
+ENTRY_KINDS: tuple[str, ...] = ("full", "delta")
+_MAGIC_PREFIX = 8  # b"ARROW1" plus two bytes of padding before the schema message
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    """One key group's batch inside a blob: bytes ``[offset, offset + length)``."""
+
+    key_group: int
+    kind: EntryKind
+    offset: int
+    length: int
+    rows: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class BlobIndex:
+    """The entries of one blob, sorted by key group, at most one per key group."""
+
+    entries: tuple[BlobEntry, ...]
+
+    def entry_for(self, key_group: int) -> BlobEntry | None:
+        """Return the entry of ``key_group`` or None if the blob holds none for it."""
+        lo, hi = 0, len(self.entries)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.entries[mid].key_group < key_group:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self.entries) and self.entries[lo].key_group == key_group:
+            return self.entries[lo]
+        return None
+
+    def to_json(self) -> dict:
+        """Columnar JSON form (compact for thousands of entries)."""
+        return {
+            "key_group": [e.key_group for e in self.entries],
+            "kind": [ENTRY_KINDS.index(e.kind) for e in self.entries],
+            "offset": [e.offset for e in self.entries],
+            "length": [e.length for e in self.entries],
+            "rows": [e.rows for e in self.entries],
+            "crc32": [e.crc32 for e in self.entries],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "BlobIndex":
+        columns = [obj[name] for name in ("key_group", "kind", "offset", "length", "rows", "crc32")]
+        return cls(
+            tuple(
+                BlobEntry(g, ENTRY_KINDS[k], o, n, r, c)  # type: ignore[arg-type]
+                for g, k, o, n, r, c in zip(*columns, strict=True)
+            )
+        )
+
+
+def blob_schema(state_schema: pa.Schema) -> pa.Schema:
+    """The schema of a blob's batches: the state schema plus ``_deleted``."""
+    if DELETED_COLUMN in state_schema.names:
+        raise ConfigError(f"state schema may not contain a column named {DELETED_COLUMN!r}; rename it")
+    for field in state_schema:
+        if pa.types.is_dictionary(field.type):
+            raise ConfigError(
+                f"state column {field.name!r} is dictionary-encoded; decode it first "
+                "(dictionary batches would break ranged reads of key groups)"
+            )
+    return state_schema.append(pa.field(DELETED_COLUMN, pa.bool_(), nullable=False)).remove_metadata()
+
+
+def serialize_schema(schema: pa.Schema) -> str:
+    """Base64 of the IPC schema message, as stored in the manifest."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
+
+
+def deserialize_schema(text: str) -> pa.Schema:
+    """Inverse of ``serialize_schema``."""
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def encode_blob(
+    schema: pa.Schema,
+    entries: Iterable[tuple[int, EntryKind, pa.Table | pa.RecordBatch]],
+    *,
+    key_group_range: KeyGroupRange,
+    metadata: dict[str, str],
+    compression: str | None = None,
+) -> tuple[bytes, BlobIndex]:
+    """Serialize ``(key_group, kind, rows)`` entries into one blob.
+
+    ``schema`` is the blob schema (``blob_schema(state_schema)``); every
+    ``rows`` must have exactly its column names and types, including
+    ``_deleted``. Key groups must be strictly increasing and inside
+    ``key_group_range`` (inclusive bounds). Returns the blob bytes and their
+    index; ``compression`` is an Arrow IPC codec ("lz4", "zstd") or None.
+    """
+    file_metadata = {
+        "spark_state.format_version": str(FORMAT_VERSION),
+        "spark_state.hash_version": str(HASH_VERSION),
+        "spark_state.key_group_start": str(key_group_range.start),
+        "spark_state.key_group_end": str(key_group_range.end),
+        **{f"spark_state.{k}": v for k, v in metadata.items()},
+    }
+    schema = schema.with_metadata(file_metadata)
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    sink = pa.BufferOutputStream()
+    writer = pa.ipc.new_file(sink, schema, options=options)
+    index: list[BlobEntry] = []
+    starts: list[int] = []
+    previous = -1
+    for key_group, kind, rows in entries:
+        if kind not in ENTRY_KINDS:
+            raise ConfigError(f"entry kind must be one of {ENTRY_KINDS}, got {kind!r}")
+        if key_group <= previous or key_group not in key_group_range:
+            raise ConfigError(
+                f"blob entries must have strictly increasing key groups inside {key_group_range}; "
+                f"got {key_group} after {previous}"
+            )
+        previous = key_group
+        batch = _as_single_batch(rows, schema)
+        starts.append(sink.tell())
+        writer.write_batch(
+            batch,
+            custom_metadata={"spark_state.key_group": str(key_group), "spark_state.kind": kind},
+        )
+        index.append(BlobEntry(key_group, kind, 0, 0, batch.num_rows, 0))
+    ends = starts[1:] + [sink.tell()]
+    writer.close()
+    data = sink.getvalue().to_pybytes()
+    if starts:
+        # The writer emits magic and schema lazily with the first batch.
+        starts[0] = _MAGIC_PREFIX + len(schema.serialize())
+    entries_out = tuple(
+        BlobEntry(e.key_group, e.kind, s, end - s, e.rows, zlib.crc32(data[s:end]))
+        for e, s, end in zip(index, starts, ends)
+    )
+    if entries_out:
+        first = entries_out[0]
+        if decode_entry(data[first.offset : first.offset + first.length], schema, first).num_rows != first.rows:
+            raise CorruptBlobError("blob self-check failed: the first entry does not decode at its offset")
+    return data, BlobIndex(entries_out)
+
+
+def _as_single_batch(rows: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    if isinstance(rows, pa.Table):
+        rows = rows.combine_chunks()
+        batches = rows.to_batches()
+        batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=schema)
+    else:
+        batch = rows
+    if batch.schema.names != schema.names or batch.schema.types != schema.types:
+        raise ConfigError(
+            f"entry rows have schema {batch.schema.remove_metadata()} but the blob needs {schema.remove_metadata()}"
+        )
+    return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+
+
+def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, *, where: str = "blob") -> pa.RecordBatch:
+    """Decode one entry's bytes (exactly ``entry.length`` of them) after checking its CRC-32."""
+    if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
+        raise CorruptBlobError(
+            f"key group {entry.key_group} in {where} fails its checksum (corrupt or truncated); "
+            "restore from an earlier checkpoint or restore the file from a replica"
+        )
+    try:
+        message = pa.ipc.read_message(pa.py_buffer(data))
+        batch = pa.ipc.read_record_batch(message, schema)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptBlobError(f"key group {entry.key_group} in {where} does not decode: {exc}") from exc
+    if batch.num_rows != entry.rows:
+        raise CorruptBlobError(
+            f"key group {entry.key_group} in {where} has {batch.num_rows} rows, index says {entry.rows}"
+        )
+    return batch
+
+
+def read_blob_file(data: bytes, index: BlobIndex | None = None) -> tuple[pa.Schema, list[tuple[int, str, pa.RecordBatch]]]:
+    """Read a whole blob without a manifest (offline inspection).
+
+    Returns the schema (with the blob's metadata) and ``(key_group, kind,
+    batch)`` per entry. When ``index`` (from the manifest) is given, every
+    entry's checksum and offset are verified too.
+    """
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+        batches = []
+        for i in range(reader.num_record_batches):
+            batch, meta = reader.get_batch_with_custom_metadata(i)
+            batches.append((int(meta[b"spark_state.key_group"]), meta[b"spark_state.kind"].decode(), batch))
+    except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as exc:
+        raise CorruptBlobError(f"not a readable spark-state blob: {exc}") from exc
+    if index is not None:
+        if [e.key_group for e in index.entries] != [g for g, _, _ in batches]:
+            raise CorruptBlobError("blob entries do not match the manifest's index")
+        view = memoryview(data)
+        for entry in index.entries:
+            decode_entry(view[entry.offset : entry.offset + entry.length], reader.schema, entry)
+    return reader.schema, batches

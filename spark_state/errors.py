@@ -1,0 +1,64 @@
+"""Typed errors of spark-state.
+
+Every error says what happened and what the operator should do next. Errors
+that come from bad configuration or bad arguments also subclass ``ValueError``
+so that generic callers can catch them as such.
+"""
+
+from __future__ import annotations
+
+
+class SparkStateError(Exception):
+    """Base class of every error raised by spark-state."""
+
+
+class ConfigError(SparkStateError, ValueError):
+    """A setting or argument is invalid; the message names it and the valid range."""
+
+
+class InvalidParallelismError(ConfigError):
+    """A parallelism, max parallelism, instance index or key group is out of range."""
+
+
+class UnsupportedKeyError(ConfigError, TypeError):
+    """A key has a type that has no canonical encoding for hashing."""
+
+
+class StorageError(SparkStateError):
+    """A storage backend failed; the message names the path and the backend."""
+
+
+class InvalidPathError(StorageError, ValueError):
+    """A storage path is not a clean relative path ('a/b/c', no '..', no leading '/')."""
+
+
+class BlobExistsError(StorageError, FileExistsError):
+    """``create`` was asked not to overwrite, and the path already exists."""
+
+
+class BlobNotFoundError(StorageError, FileNotFoundError):
+    """The path does not exist in the storage backend."""
+
+
+class ShortReadError(StorageError):
+    """A ranged read asked for bytes past the end of the blob."""
+
+
+class CorruptBlobError(StorageError):
+    """Stored bytes fail their checksum or do not parse; never returned as state."""
+
+
+class CheckpointError(SparkStateError):
+    """The checkpoint protocol was violated (for example committing an id twice)."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No committed checkpoint exists where one was required."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint cannot be restored as asked (key space, hash or format changed)."""
+
+
+class KeyGroupOwnershipError(SparkStateError):
+    """A row reached an instance that does not own its key group (routing disagrees with the store)."""

@@ -1,0 +1,228 @@
+"""The keyed state of one instance, in memory, with change tracking for incremental checkpoints.
+
+``InstanceState`` holds, for each key group of the instance's range, a dict
+from key (a tuple of key column values) to value (a tuple of value column
+values). It remembers which keys changed since the last snapshot, so that
+``snapshot`` writes only those (as ``delta`` entries), and how long each key
+group's chain in the store is, so that it writes a ``full`` entry instead
+when the chain would exceed ``max_chain_length`` (compaction bounds what a
+restore reads) or when most of the key group changed anyway.
+
+``restore_instance`` and ``checkpoint_instance`` connect it to a
+``CheckpointStore``; both are the only I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import pyarrow as pa
+
+from spark_state.blob import DELETED_COLUMN, EntryKind, blob_schema, serialize_schema
+from spark_state.checkpoint import CheckpointStore, FetchStats
+from spark_state.errors import ConfigError, KeyGroupOwnershipError
+from spark_state.keygroups import KeyGroupRange, key_group_range
+from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, check_compatible
+from spark_state.restore import InstanceRestorePlan, plan_instance_restore
+
+Key = tuple
+Value = tuple
+DEFAULT_MAX_CHAIN_LENGTH = 8
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Column layout of a component's state: key columns first, then value columns."""
+
+    schema: pa.Schema
+    key_columns: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        names = self.schema.names
+        if not self.key_columns:
+            raise ConfigError("a keyed state needs at least one key column")
+        if list(self.key_columns) != names[: len(self.key_columns)]:
+            raise ConfigError(
+                f"state schema {names} must start with the key columns {list(self.key_columns)}, in order"
+            )
+        blob_schema(self.schema)  # validates the column names and types
+
+    @property
+    def value_columns(self) -> tuple[str, ...]:
+        return tuple(self.schema.names[len(self.key_columns) :])
+
+    @property
+    def blob_schema(self) -> pa.Schema:
+        return blob_schema(self.schema)
+
+    def spec(self, name: str, parallelism: int, max_parallelism: int) -> ComponentSpec:
+        return ComponentSpec(name, max_parallelism, parallelism, self.key_columns, serialize_schema(self.blob_schema))
+
+
+class InstanceState:
+    """Keyed state of one instance: ``key_group -> {key: value}`` for the key groups it owns.
+
+    ``key_group_range`` is inclusive. Every access names the key group;
+    touching a key group outside the range raises ``KeyGroupOwnershipError``
+    (routing and store disagree), never silently stores it.
+    """
+
+    def __init__(self, layout: StateLayout, key_group_range: KeyGroupRange):
+        self.layout = layout
+        self.key_group_range = key_group_range
+        self._groups: dict[int, dict[Key, Value]] = {}
+        self._dirty: dict[int, set[Key]] = {}
+        self._chain_length: dict[int, int] = {}
+
+    # Access -----------------------------------------------------------------
+
+    def _check(self, key_group: int) -> None:
+        if key_group not in self.key_group_range:
+            raise KeyGroupOwnershipError(
+                f"key group {key_group} is not owned by this instance (owns {self.key_group_range}); "
+                "rows were routed with a different parallelism or max parallelism than the store uses"
+            )
+
+    def get(self, key_group: int, key: Key, default: Any = None) -> Value | Any:
+        self._check(key_group)
+        return self._groups.get(key_group, {}).get(key, default)
+
+    def put(self, key_group: int, key: Key, value: Value) -> None:
+        self._check(key_group)
+        self._groups.setdefault(key_group, {})[key] = value
+        self._dirty.setdefault(key_group, set()).add(key)
+
+    def delete(self, key_group: int, key: Key) -> None:
+        self._check(key_group)
+        group = self._groups.get(key_group)
+        if group is not None and key in group:
+            del group[key]
+            self._dirty.setdefault(key_group, set()).add(key)
+
+    def group(self, key_group: int) -> dict[Key, Value]:
+        """The live dict of one key group (mutations through it are NOT tracked; use put/delete)."""
+        self._check(key_group)
+        return self._groups.get(key_group, {})
+
+    def items(self) -> Iterator[tuple[int, Key, Value]]:
+        for key_group in sorted(self._groups):
+            for key, value in self._groups[key_group].items():
+                yield key_group, key, value
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    @property
+    def dirty_key_groups(self) -> int:
+        return len(self._dirty)
+
+    # Checkpointing ----------------------------------------------------------
+
+    def snapshot(
+        self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH
+    ) -> list[tuple[int, EntryKind, pa.Table]]:
+        """Entries for the changes since the last snapshot, in key-group order; clears the change set.
+
+        A key group gets a ``delta`` (changed keys, deleted ones as
+        tombstones) unless it has no stored base, its chain already has
+        ``max_chain_length`` entries, or at least half of its keys changed;
+        then it gets a ``full`` entry (zero rows when it became empty).
+        Assumes the entries will be committed: if the checkpoint fails,
+        discard this object and restore from the store.
+        """
+        if max_chain_length < 1:
+            raise ConfigError(f"max chain length must be >= 1, got {max_chain_length}")
+        entries = []
+        for key_group in sorted(self._dirty):
+            changed = self._dirty[key_group]
+            group = self._groups.get(key_group, {})
+            length = self._chain_length.get(key_group, 0)
+            if length == 0 or length >= max_chain_length or 2 * len(changed) >= max(len(group), 1):
+                entries.append((key_group, "full", self._table(group.items(), deleted=())))
+                self._chain_length[key_group] = 1 if group else 0
+            else:
+                live = [(k, group[k]) for k in changed if k in group]
+                gone = [k for k in changed if k not in group]
+                entries.append((key_group, "delta", self._table(live, deleted=gone)))
+                self._chain_length[key_group] = length + 1
+            if not group:
+                self._groups.pop(key_group, None)
+        self._dirty.clear()
+        return entries
+
+    def _table(self, live: Any, deleted: Sequence[Key]) -> pa.Table:
+        live = list(live)
+        n_keys = len(self.layout.key_columns)
+        n_values = len(self.layout.value_columns)
+        columns: list[list] = [[] for _ in range(n_keys + n_values)]
+        for key, value in live:
+            for i, part in enumerate(key):
+                columns[i].append(part)
+            for i, part in enumerate(value):
+                columns[n_keys + i].append(part)
+        for key in deleted:
+            for i, part in enumerate(key):
+                columns[i].append(part)
+            for i in range(n_values):
+                columns[n_keys + i].append(None)
+        flags = [False] * len(live) + [True] * len(deleted)
+        schema = self.layout.blob_schema
+        arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema)] + [pa.array(flags, pa.bool_())]
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    def load(self, key_group: int, rows: pa.Table, chain_length: int) -> None:
+        """Install a restored key group (live rows, no ``_deleted``) whose store chain has ``chain_length`` entries."""
+        self._check(key_group)
+        n_keys = len(self.layout.key_columns)
+        columns = [rows.column(name).to_pylist() for name in self.layout.schema.names]
+        keys = zip(*columns[:n_keys])
+        values = zip(*columns[n_keys:]) if len(columns) > n_keys else (() for _ in range(rows.num_rows))
+        self._groups[key_group] = dict(zip(keys, values))
+        self._chain_length[key_group] = chain_length
+
+
+def restore_instance(
+    store: CheckpointStore,
+    component: ComponentManifest | None,
+    layout: StateLayout,
+    instance: int,
+    parallelism: int,
+    max_parallelism: int,
+) -> tuple[InstanceState, InstanceRestorePlan | None, FetchStats | None]:
+    """Build instance ``instance``'s state at ``parallelism`` from ``component`` (None: start empty)."""
+    owned = key_group_range(instance, parallelism, max_parallelism)
+    state = InstanceState(layout, owned)
+    if component is None:
+        return state, None, None
+    check_compatible(component, layout.spec(component.name, parallelism, max_parallelism))
+    plan = plan_instance_restore(component, instance, parallelism)
+    rows, stats = store.fetch(component, plan)
+    for key_group, table in rows.items():
+        state.load(key_group, table, component.chain_length(key_group))
+    return state, plan, stats
+
+
+def checkpoint_instance(
+    store: CheckpointStore,
+    component: str,
+    checkpoint_id: int,
+    instance: int,
+    state: InstanceState,
+    *,
+    max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH,
+    compression: str | None = None,
+) -> BlobRef | None:
+    """Step 1 of the commit protocol for one instance; None when nothing changed."""
+    entries = state.snapshot(max_chain_length=max_chain_length)
+    if not entries:
+        return None
+    return store.write_blob(
+        component,
+        checkpoint_id,
+        instance,
+        state.key_group_range,
+        state.layout.blob_schema,
+        entries,
+        compression=compression,
+    )

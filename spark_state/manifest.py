@@ -1,0 +1,296 @@
+"""Checkpoint manifests: what a committed checkpoint holds, and how the next one is derived.
+
+A manifest is the single source of truth for a checkpoint. It records:
+
+- ``checkpoint_id`` and ``consistent_checkpoints``: the retained committed
+  checkpoint ids, newest first, starting with this one;
+- ``sources``: one opaque JSON value per source id (its end offsets for this
+  checkpoint), so that sources and state form one consistent cut;
+- per component: ``max_parallelism`` (the key space, fixed for the whole
+  chain), the ``parallelism`` that wrote this checkpoint, hash and format
+  versions, key columns, the blob schema, every blob still referenced (path,
+  writer instance, key-group range, size, CRC-32, entry index), and for every
+  key group with state its *chain*: the blobs holding its entries, oldest
+  first. A chain starts with a ``full`` entry followed by ``delta`` entries;
+  a key group without a chain has no state.
+
+Everything here is pure: no I/O. ``next_component`` derives a component's
+manifest from the previous one plus the blobs written for the new checkpoint,
+and raises instead of guessing when the blobs disagree with the routing.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from spark_state.blob import FORMAT_VERSION, BlobIndex
+from spark_state.errors import (
+    CheckpointError,
+    CorruptBlobError,
+    IncompatibleCheckpointError,
+    KeyGroupOwnershipError,
+)
+from spark_state.keygroups import HASH_VERSION, KeyGroupRange, key_group_range
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A written blob: where it is, who wrote it for which key groups, and its index."""
+
+    path: str
+    checkpoint_id: int
+    instance: int
+    key_group_range: KeyGroupRange
+    size: int
+    crc32: int
+    index: BlobIndex
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "checkpoint_id": self.checkpoint_id,
+            "instance": self.instance,
+            "key_group_start": self.key_group_range.start,
+            "key_group_end": self.key_group_range.end,
+            "size": self.size,
+            "crc32": self.crc32,
+            "index": self.index.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "BlobRef":
+        return cls(
+            path=obj["path"],
+            checkpoint_id=obj["checkpoint_id"],
+            instance=obj["instance"],
+            key_group_range=KeyGroupRange(obj["key_group_start"], obj["key_group_end"]),
+            size=obj["size"],
+            crc32=obj["crc32"],
+            index=BlobIndex.from_json(obj["index"]),
+        )
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """What the running job declares for a component at a checkpoint."""
+
+    name: str
+    max_parallelism: int
+    parallelism: int
+    key_columns: tuple[str, ...]
+    schema: str  # base64 IPC schema of the blob batches (see blob.serialize_schema)
+
+
+@dataclass(frozen=True)
+class ComponentManifest:
+    """One component's state in one checkpoint."""
+
+    name: str
+    max_parallelism: int
+    parallelism: int
+    key_columns: tuple[str, ...]
+    schema: str
+    blobs: Mapping[str, BlobRef]
+    chains: Mapping[int, tuple[str, ...]]
+    hash_version: int = HASH_VERSION
+    format_version: int = FORMAT_VERSION
+    instance_state: Mapping[int, str] = field(default_factory=dict)
+
+    def chain_length(self, key_group: int) -> int:
+        """Number of entries a restore of ``key_group`` reads (0 if it has no state)."""
+        return len(self.chains.get(key_group, ()))
+
+    def to_json(self) -> dict:
+        paths = sorted(self.blobs)
+        position = {path: i for i, path in enumerate(paths)}
+        groups = sorted(self.chains)
+        return {
+            "max_parallelism": self.max_parallelism,
+            "parallelism": self.parallelism,
+            "hash_version": self.hash_version,
+            "format_version": self.format_version,
+            "key_columns": list(self.key_columns),
+            "schema": self.schema,
+            "blobs": [self.blobs[p].to_json() for p in paths],
+            "chains": {
+                "key_group": groups,
+                "blobs": [[position[p] for p in self.chains[g]] for g in groups],
+            },
+            "instance_state": {str(i): p for i, p in sorted(self.instance_state.items())},
+        }
+
+    @classmethod
+    def from_json(cls, name: str, obj: dict) -> "ComponentManifest":
+        blobs = [BlobRef.from_json(b) for b in obj["blobs"]]
+        chains = {
+            g: tuple(blobs[i].path for i in refs)
+            for g, refs in zip(obj["chains"]["key_group"], obj["chains"]["blobs"], strict=True)
+        }
+        return cls(
+            name=name,
+            max_parallelism=obj["max_parallelism"],
+            parallelism=obj["parallelism"],
+            key_columns=tuple(obj["key_columns"]),
+            schema=obj["schema"],
+            blobs={b.path: b for b in blobs},
+            chains=chains,
+            hash_version=obj["hash_version"],
+            format_version=obj["format_version"],
+            instance_state={int(i): p for i, p in obj.get("instance_state", {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint."""
+
+    checkpoint_id: int
+    consistent_checkpoints: tuple[int, ...]
+    sources: Mapping[str, Any]
+    components: Mapping[str, ComponentManifest]
+    committed_at: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        """Canonical JSON with a CRC-32 over the body, checked by ``from_bytes``."""
+        body = {
+            "format_version": FORMAT_VERSION,
+            "checkpoint_id": self.checkpoint_id,
+            "consistent_checkpoints": list(self.consistent_checkpoints),
+            "committed_at": self.committed_at,
+            "sources": dict(self.sources),
+            "components": {name: c.to_json() for name, c in sorted(self.components.items())},
+        }
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return json.dumps({"crc32": zlib.crc32(text.encode()), "body": text}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
+        try:
+            outer = json.loads(data)
+            text = outer["body"]
+            if zlib.crc32(text.encode()) != outer["crc32"]:
+                raise CorruptBlobError(f"{where} fails its checksum")
+            body = json.loads(text)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptBlobError(f"{where} is not a readable manifest: {exc}") from exc
+        if body["format_version"] > FORMAT_VERSION:
+            raise IncompatibleCheckpointError(
+                f"{where} has format version {body['format_version']}, this spark-state reads "
+                f"up to {FORMAT_VERSION}; upgrade spark-state"
+            )
+        return cls(
+            checkpoint_id=body["checkpoint_id"],
+            consistent_checkpoints=tuple(body["consistent_checkpoints"]),
+            sources=body["sources"],
+            components={n: ComponentManifest.from_json(n, c) for n, c in body["components"].items()},
+            committed_at=body["committed_at"],
+        )
+
+
+def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
+    """Raise ``IncompatibleCheckpointError`` if ``spec`` cannot continue ``previous``'s chain.
+
+    The key space (``max_parallelism``), the hash and the key columns must
+    never change within a checkpoint chain: every stored key group would
+    silently belong to the wrong keys. Parallelism may change freely.
+    """
+    problems = []
+    if spec.max_parallelism != previous.max_parallelism:
+        problems.append(
+            f"max parallelism is {spec.max_parallelism} but the checkpoints were written with "
+            f"{previous.max_parallelism}; set it back to {previous.max_parallelism} (it is fixed "
+            "for the life of a checkpoint chain), or start a new state store location"
+        )
+    if previous.hash_version != HASH_VERSION:
+        problems.append(
+            f"checkpoints use key hash version {previous.hash_version}, this spark-state uses "
+            f"{HASH_VERSION}; restore with the spark-state version that wrote them"
+        )
+    if tuple(spec.key_columns) != tuple(previous.key_columns):
+        problems.append(
+            f"key columns are {list(spec.key_columns)} but the checkpoints are keyed by "
+            f"{list(previous.key_columns)}"
+        )
+    if spec.schema != previous.schema:
+        problems.append("the state schema differs from the one in the checkpoints (schema evolution is not supported)")
+    if problems:
+        raise IncompatibleCheckpointError(f"component {spec.name!r}: " + "; ".join(problems))
+
+
+def next_component(
+    previous: ComponentManifest | None,
+    spec: ComponentSpec,
+    checkpoint_id: int,
+    new_blobs: Sequence[BlobRef],
+    instance_state: Mapping[int, str] | None = None,
+) -> ComponentManifest:
+    """Derive a component's manifest for ``checkpoint_id`` from the previous one and the new blobs.
+
+    Each new blob must have been written for ``checkpoint_id`` by an instance
+    that, at ``spec.parallelism``, owns exactly the blob's key-group range;
+    at most one blob per instance. For every entry: ``full`` replaces the key
+    group's chain (a ``full`` entry with zero rows clears it), ``delta``
+    appends to it. Unreferenced blobs drop out of the manifest.
+    """
+    if previous is not None:
+        check_compatible(previous, spec)
+    chains: dict[int, tuple[str, ...]] = dict(previous.chains) if previous else {}
+    blobs: dict[str, BlobRef] = dict(previous.blobs) if previous else {}
+    seen_instances: set[int] = set()
+    for blob in new_blobs:
+        _check_blob(blob, spec, checkpoint_id, seen_instances)
+        blobs[blob.path] = blob
+        for entry in blob.index.entries:
+            if entry.kind == "full":
+                chains[entry.key_group] = (blob.path,) if entry.rows else ()
+            else:
+                if entry.key_group not in chains and entry.rows:
+                    raise CheckpointError(
+                        f"blob {blob.path} has a delta for key group {entry.key_group}, which has no "
+                        "base state; the writer must write a full entry first"
+                    )
+                chains[entry.key_group] = chains.get(entry.key_group, ()) + (blob.path,)
+    chains = {g: chain for g, chain in chains.items() if chain}
+    referenced = {path for chain in chains.values() for path in chain}
+    state = dict(instance_state if instance_state is not None else (previous.instance_state if previous else {}))
+    return ComponentManifest(
+        name=spec.name,
+        max_parallelism=spec.max_parallelism,
+        parallelism=spec.parallelism,
+        key_columns=tuple(spec.key_columns),
+        schema=spec.schema,
+        blobs={p: b for p, b in blobs.items() if p in referenced},
+        chains=chains,
+        instance_state=state,
+    )
+
+
+def _check_blob(blob: BlobRef, spec: ComponentSpec, checkpoint_id: int, seen: set[int]) -> None:
+    if blob.checkpoint_id != checkpoint_id:
+        raise CheckpointError(f"blob {blob.path} was written for checkpoint {blob.checkpoint_id}, not {checkpoint_id}")
+    if blob.instance in seen:
+        raise CheckpointError(
+            f"two blobs from instance {blob.instance} of {spec.name!r} for checkpoint {checkpoint_id}; "
+            "the coordinator must commit exactly one attempt per instance"
+        )
+    seen.add(blob.instance)
+    owned = key_group_range(blob.instance, spec.parallelism, spec.max_parallelism)
+    if blob.key_group_range != owned:
+        raise KeyGroupOwnershipError(
+            f"blob {blob.path} covers key groups {blob.key_group_range} but instance {blob.instance} "
+            f"owns {owned} at parallelism {spec.parallelism}; routing and store disagree"
+        )
+    for entry in blob.index.entries:
+        if entry.key_group not in owned:
+            raise KeyGroupOwnershipError(
+                f"blob {blob.path} holds key group {entry.key_group}, outside its range {owned}"
+            )
+
+
+def with_retention(manifest: Manifest, previous: Manifest | None, retained: int) -> Manifest:
+    """Set ``consistent_checkpoints``: this id, then the previous list, ``retained`` ids in all."""
+    older = previous.consistent_checkpoints if previous else ()
+    return replace(manifest, consistent_checkpoints=((manifest.checkpoint_id,) + tuple(older))[:retained])

@@ -1,0 +1,154 @@
+"""Restore planning: which byte ranges of which blobs each new instance must read.
+
+``plan_restore(component, parallelism)`` is a pure function of the manifest
+and the new parallelism (Flink's ``extractIntersectingState``): for new
+instance ``j`` it takes ``key_group_range(j, parallelism, max_parallelism)``,
+looks up the chain of every key group in it, and groups the needed entries
+into as few ranged reads as possible. Entries of one blob that are adjacent
+in the file (always the case for a contiguous key-group range of a blob
+written as one instance's snapshot) coalesce into one read, so an instance
+reads only the key groups it owns, whatever the old parallelism was.
+
+``apply_chain`` turns the decoded entries of one key group (oldest first)
+into its current rows. Both are pure; the I/O lives in ``checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from spark_state.blob import DELETED_COLUMN, BlobEntry
+from spark_state.keygroups import KeyGroupRange, key_group_range
+from spark_state.manifest import ComponentManifest
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """One ranged read: bytes ``[offset, offset + length)`` of ``path`` holding ``entries``."""
+
+    path: str
+    offset: int
+    length: int
+    entries: tuple[BlobEntry, ...]
+
+
+@dataclass(frozen=True)
+class InstanceRestorePlan:
+    """Everything new instance ``instance`` reads to restore its key groups.
+
+    ``chains`` maps each owned key group with state to ``(path, entry)``
+    pairs, oldest first; ``reads`` fetch exactly those entries.
+    ``bytes_owned`` is the size of those entries, ``bytes_to_read`` the sum
+    of the read lengths (larger only by gaps ``max_gap_bytes`` allowed).
+    """
+
+    instance: int
+    key_group_range: KeyGroupRange
+    reads: tuple[RangeRead, ...]
+    chains: dict[int, tuple[tuple[str, BlobEntry], ...]]
+    bytes_owned: int
+    bytes_to_read: int
+
+
+def plan_restore(
+    component: ComponentManifest, parallelism: int, *, max_gap_bytes: int = 0
+) -> tuple[InstanceRestorePlan, ...]:
+    """Plan the restore of every instance ``0 <= j < parallelism`` of ``component``.
+
+    ``parallelism`` may differ from the one that wrote the checkpoint;
+    ``1 <= parallelism <= component.max_parallelism`` (else
+    ``InvalidParallelismError``). Two entries of one blob are merged into one
+    read when the bytes between them are at most ``max_gap_bytes``.
+    """
+    return tuple(
+        plan_instance_restore(component, j, parallelism, max_gap_bytes=max_gap_bytes)
+        for j in range(parallelism)
+    )
+
+
+def plan_instance_restore(
+    component: ComponentManifest, instance: int, parallelism: int, *, max_gap_bytes: int = 0
+) -> InstanceRestorePlan:
+    """Plan the restore of one instance; see ``plan_restore``."""
+    owned = key_group_range(instance, parallelism, component.max_parallelism)
+    chains: dict[int, tuple[tuple[str, BlobEntry], ...]] = {}
+    per_blob: dict[str, list[BlobEntry]] = {}
+    for key_group in _owned_with_state(component, owned):
+        links = []
+        for path in component.chains[key_group]:
+            entry = component.blobs[path].index.entry_for(key_group)
+            if entry is None:
+                raise KeyError(f"manifest chain of key group {key_group} names {path}, which has no entry for it")
+            links.append((path, entry))
+            per_blob.setdefault(path, []).append(entry)
+        chains[key_group] = tuple(links)
+    reads = tuple(
+        read
+        for path in sorted(per_blob)
+        for read in _coalesce(path, sorted(per_blob[path], key=lambda e: e.offset), max_gap_bytes)
+    )
+    return InstanceRestorePlan(
+        instance=instance,
+        key_group_range=owned,
+        reads=reads,
+        chains=chains,
+        bytes_owned=sum(e.length for entries in per_blob.values() for e in entries),
+        bytes_to_read=sum(r.length for r in reads),
+    )
+
+
+def _owned_with_state(component: ComponentManifest, owned: KeyGroupRange) -> list[int]:
+    if len(component.chains) < len(owned):
+        return sorted(g for g in component.chains if g in owned)
+    return [g for g in owned if g in component.chains]
+
+
+def _coalesce(path: str, entries: Sequence[BlobEntry], max_gap_bytes: int) -> list[RangeRead]:
+    reads: list[RangeRead] = []
+    group: list[BlobEntry] = []
+    for entry in entries:
+        if group and entry.offset - (group[-1].offset + group[-1].length) > max_gap_bytes:
+            reads.append(_read_of(path, group))
+            group = []
+        group.append(entry)
+    if group:
+        reads.append(_read_of(path, group))
+    return reads
+
+
+def _read_of(path: str, entries: list[BlobEntry]) -> RangeRead:
+    start = entries[0].offset
+    end = entries[-1].offset + entries[-1].length
+    return RangeRead(path, start, end - start, tuple(entries))
+
+
+def apply_chain(
+    batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Sequence[str]
+) -> pa.Table:
+    """Fold one key group's entries (oldest first) into its live rows, without ``_deleted``.
+
+    The first entry must be ``full``. A key's last occurrence wins; a last
+    occurrence with ``_deleted = true`` removes the key. Rows keep the order
+    of their last occurrence.
+    """
+    if not batches:
+        raise ValueError("a chain has at least one entry")
+    if batches[0][0] != "full":
+        raise ValueError(f"a chain must start with a full entry, not {batches[0][0]!r}")
+    table = pa.Table.from_batches([b for _, b in batches])
+    if len(batches) > 1:
+        position = pa.array(range(table.num_rows), pa.int64())
+        last = (
+            table.select(list(key_columns))
+            .append_column("_position", position)
+            .group_by(list(key_columns), use_threads=False)
+            .aggregate([("_position", "max")])
+            .column("_position_max")
+        )
+        table = table.take(pc.sort_indices(last))
+    live = table.filter(pc.invert(table.column(DELETED_COLUMN)))
+    return live.drop_columns([DELETED_COLUMN])

@@ -1,0 +1,118 @@
+"""The storage interface every backend implements, and its guarantees.
+
+A ``Storage`` is a tree of immutable blobs addressed by clean relative paths
+(``"a/b/c.arrow"``: '/'-separated, no leading '/', no empty, '.' or '..'
+component, no component starting with ``".tmp-"``, which is reserved for
+in-flight writes). Directories exist implicitly: creating ``a/b/c`` makes
+``a`` and ``a/b`` listable. A path is a blob or a directory, never both.
+
+Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
+
+- ``create(path, data)`` is atomic: no reader ever sees a partial blob; the
+  blob becomes visible, complete, at one instant. Without ``overwrite=True``
+  it raises ``BlobExistsError`` if the path exists, and exactly one of two
+  racing creators succeeds. With ``overwrite=True`` the old content is
+  replaced (atomically on local disk; on HDFS there is a short window in
+  which the path is absent, never one in which it is partial). Creating a
+  blob where a directory exists, or below a blob, raises ``BlobExistsError``
+  even with ``overwrite=True``. If ``create`` fails with any other
+  ``StorageError`` the blob may or may not have been published (the outcome
+  of a remote call can be unknown), but it is never partial; retry with
+  ``overwrite=False`` and treat ``BlobExistsError`` as "already there".
+- ``read(path, offset, length)`` returns exactly ``length`` bytes starting at
+  byte ``offset`` (0-based); ``length=None`` reads to the end. The range is
+  valid when ``0 <= offset`` and ``offset + length <= size`` (``offset <=
+  size`` when ``length`` is None), so ``read(p, size(p), 0)`` is ``b""``. A
+  range past the end raises ``ShortReadError``; a negative offset or length
+  raises ``ConfigError``; a missing path, or a directory, raises
+  ``BlobNotFoundError``.
+- ``size(path)`` is the blob's length in bytes (``BlobNotFoundError`` for a
+  missing path or a directory).
+- ``exists(path)`` is true for a blob or a non-empty directory.
+- ``list(path)`` returns the sorted names (not paths) of the immediate
+  children of directory ``path`` (``""`` is the root); a missing directory,
+  or a blob, lists as ``[]``. Temporary files of in-flight or crashed
+  creates are never listed. Listings are for discovery and garbage
+  collection only: they never prove that a checkpoint was committed.
+- ``delete(path)`` removes a blob or a whole directory tree and does not fail
+  when the path is missing. Directories that it leaves empty are removed too,
+  so a directory exists only while it holds something. The one exception: a
+  create that is in progress, or that crashed before publishing, leaves a
+  directory that holds only its hidden temporary file; such a directory can
+  show in ``exists`` and ``list`` of its parent until it is deleted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from spark_state.errors import ConfigError, InvalidPathError
+
+TEMP_PREFIX = ".tmp-"
+"""Names starting with this are backends' in-flight writes: never listed, never valid in a path."""
+
+
+def check_path(path: str, *, allow_root: bool = False) -> str:
+    """Return ``path`` if it is a clean relative path, else raise ``InvalidPathError``."""
+    if not isinstance(path, str):
+        raise InvalidPathError(f"storage path must be a str, got {type(path).__name__}")
+    if path == "" and allow_root:
+        return path
+    parts = path.split("/")
+    if path == "" or any(part in ("", ".", "..") for part in parts):
+        raise InvalidPathError(
+            f"invalid storage path {path!r}: use a relative path like 'dir/name' "
+            "with no leading '/', no empty, '.' or '..' component"
+        )
+    if any(part.startswith(TEMP_PREFIX) for part in parts):
+        raise InvalidPathError(
+            f"invalid storage path {path!r}: names starting with {TEMP_PREFIX!r} are "
+            "reserved for in-flight writes; rename the component"
+        )
+    return path
+
+
+def check_range(offset: int, length: int | None) -> None:
+    """Raise ``ConfigError`` unless ``offset >= 0`` and ``length`` is None or ``>= 0``.
+
+    Whether the range fits the blob is the backend's check (``ShortReadError``).
+    """
+    if not isinstance(offset, int) or offset < 0:
+        raise ConfigError(f"read offset must be an int >= 0, got {offset!r}")
+    if length is not None and (not isinstance(length, int) or length < 0):
+        raise ConfigError(f"read length must be None or an int >= 0, got {length!r}")
+
+
+def join(*parts: str) -> str:
+    """Join path components with '/', skipping empty ones."""
+    return "/".join(part for part in parts if part)
+
+
+class Storage(ABC):
+    """A tree of immutable blobs; see the module docstring for the guarantees."""
+
+    uri: str
+
+    @abstractmethod
+    def create(self, path: str, data: bytes, *, overwrite: bool = False) -> None:
+        """Atomically make ``path`` hold ``data``; ``BlobExistsError`` if it exists and not ``overwrite``."""
+
+    @abstractmethod
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Return bytes ``[offset, offset + length)`` of the blob (to the end if ``length`` is None)."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Return the blob's length in bytes; ``BlobNotFoundError`` if missing."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Return whether ``path`` is a blob or a non-empty directory."""
+
+    @abstractmethod
+    def list(self, path: str = "") -> list[str]:
+        """Return the sorted child names of directory ``path``; ``[]`` if it does not exist."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove the blob or directory tree at ``path``; a missing path is not an error."""
