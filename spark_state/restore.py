@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spark_state.blob import DELETED_COLUMN, BlobEntry
-from spark_state.keygroups import KeyGroupRange, key_group_range
+from spark_state.keygroups import KeyGroupRange, check_parallelism, key_group_range
 from spark_state.manifest import ComponentManifest
 
 
@@ -64,6 +64,7 @@ def plan_restore(
     ``InvalidParallelismError``). Two entries of one blob are merged into one
     read when the bytes between them are at most ``max_gap_bytes``.
     """
+    parallelism, _ = check_parallelism(parallelism, component.max_parallelism)
     return tuple(
         plan_instance_restore(component, j, parallelism, max_gap_bytes=max_gap_bytes)
         for j in range(parallelism)
@@ -149,6 +150,6 @@ def apply_chain(
             .aggregate([("_position", "max")])
             .column("_position_max")
         )
-        table = table.take(pc.sort_indices(last))
+        table = table.take(pc.take(last, pc.sort_indices(last)))
     live = table.filter(pc.invert(table.column(DELETED_COLUMN)))
     return live.drop_columns([DELETED_COLUMN])

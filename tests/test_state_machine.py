@@ -1,0 +1,167 @@
+"""The store against a plain dict, through checkpoints, crashes, rescales and retention.
+
+A job of ``parallelism`` instances holds keyed state in ``InstanceState``s,
+routed with ``key_group_for`` / ``instance_for_key_group``. The model is a
+dict of the live state plus one dict per committed checkpoint. After every
+step the union of the instances' state must equal the live model, each key
+must live in the instance that owns its key group, and every retained
+checkpoint must restore to exactly the model committed with it.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from spark_state.checkpoint import CheckpointStore
+from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
+from spark_state.keyed_state import InstanceState, StateLayout, checkpoint_instance, restore_instance
+from spark_state.restore import plan_restore
+from spark_state.storage.memory import MemoryStorage
+
+MAX_PARALLELISM = 8
+MAX_CHAIN_LENGTH = 3
+RETAINED = 2
+COMPONENT = "counts"
+LAYOUT = StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64())]), ("key",))
+keys = st.text(alphabet="abcd", min_size=0, max_size=3)
+parallelisms = st.integers(min_value=1, max_value=MAX_PARALLELISM)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = CheckpointStore(MemoryStorage(), retained=RETAINED)
+        self.parallelism = 3
+        self.instances = self._empty(self.parallelism)
+        self.live: dict[str, int] = {}
+        self.committed: dict[int, dict[str, int]] = {}
+        self.next_id = 1
+
+    def _empty(self, parallelism: int) -> list[InstanceState]:
+        return [
+            InstanceState(LAYOUT, key_group_range(i, parallelism, MAX_PARALLELISM)) for i in range(parallelism)
+        ]
+
+    def _route(self, key: str) -> tuple[int, InstanceState]:
+        group = key_group_for(key, MAX_PARALLELISM)
+        return group, self.instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
+
+    def _write_blobs(self, checkpoint_id: int):
+        refs = [
+            checkpoint_instance(
+                self.store, COMPONENT, checkpoint_id, i, state, max_chain_length=MAX_CHAIN_LENGTH
+            )
+            for i, state in enumerate(self.instances)
+        ]
+        return [ref for ref in refs if ref is not None]
+
+    def _restore(self, parallelism: int, checkpoint_id: int | None = None) -> list[InstanceState]:
+        manifest = self.store.latest() if checkpoint_id is None else self.store.load(checkpoint_id)
+        component = manifest.components.get(COMPONENT) if manifest else None
+        return [
+            restore_instance(self.store, component, LAYOUT, i, parallelism, MAX_PARALLELISM)[0]
+            for i in range(parallelism)
+        ]
+
+    @staticmethod
+    def _contents(instances: list[InstanceState]) -> dict[str, int]:
+        return {key[0]: value[0] for state in instances for _, key, value in state.items()}
+
+    @rule(key=keys, value=st.integers(min_value=-(2**63), max_value=2**63 - 1))
+    def put(self, key: str, value: int) -> None:
+        group, state = self._route(key)
+        state.put(group, (key,), (value,))
+        self.live[key] = value
+
+    @rule(first=st.integers(0, 60), count=st.integers(1, 40), value=st.integers(-5, 5))
+    def put_many(self, first: int, count: int, value: int) -> None:
+        """Fill key groups densely, so that later single changes become delta entries."""
+        for n in range(first, first + count):
+            self.put(f"k{n}", value)
+
+    @rule(key=keys)
+    def delete(self, key: str) -> None:
+        group, state = self._route(key)
+        state.delete(group, (key,))
+        self.live.pop(key, None)
+
+    @rule()
+    def checkpoint(self) -> None:
+        checkpoint_id = self.next_id
+        self.next_id += 1
+        spec = LAYOUT.spec(COMPONENT, self.parallelism, MAX_PARALLELISM)
+        manifest = self.store.commit(
+            checkpoint_id, {COMPONENT: (spec, self._write_blobs(checkpoint_id))}, {"log": {"0": checkpoint_id}}
+        )
+        self.store.cleanup(manifest)
+        self.committed[checkpoint_id] = dict(self.live)
+        retained = sorted(self.committed, reverse=True)[:RETAINED]
+        assert self.store.committed_ids() == sorted(retained)
+        assert self._stored_blobs() == self._referenced_blobs(retained)
+
+    def _stored_blobs(self) -> set[str]:
+        storage = self.store.storage
+        root = f"blobs/{COMPONENT}"
+        return {
+            f"{root}/{d}/{name}"
+            for d in storage.list(root)
+            if int(d) < self.next_id
+            for name in storage.list(f"{root}/{d}")
+        }
+
+    def _referenced_blobs(self, checkpoint_ids: list[int]) -> set[str]:
+        return {
+            path
+            for checkpoint_id in checkpoint_ids
+            for path in self.store.load(checkpoint_id).components[COMPONENT].blobs
+        }
+
+    @rule(parallelism=parallelisms, write_blobs=st.booleans())
+    def crash_and_restore(self, parallelism: int, write_blobs: bool) -> None:
+        """Lose the process; blobs of an uncommitted checkpoint may already be written."""
+        if write_blobs:
+            self._write_blobs(self.next_id)
+        self.parallelism = parallelism
+        self.instances = self._restore(parallelism)
+        latest = max(self.committed, default=None)
+        self.live = dict(self.committed[latest]) if latest is not None else {}
+
+    @precondition(lambda self: bool(self.committed))
+    @rule(parallelism=parallelisms, data=st.data())
+    def every_retained_checkpoint_restores_exactly(self, parallelism: int, data) -> None:
+        manifest = self.store.latest()
+        assert manifest is not None
+        expected_ids = sorted(self.committed, reverse=True)[:RETAINED]
+        assert list(manifest.consistent_checkpoints) == expected_ids
+        checkpoint_id = data.draw(st.sampled_from(expected_ids))
+        restored = self._restore(parallelism, checkpoint_id)
+        assert self._contents(restored) == self.committed[checkpoint_id]
+
+    @precondition(lambda self: bool(self.committed))
+    @rule(parallelism=parallelisms)
+    def restore_reads_only_owned_bytes(self, parallelism: int) -> None:
+        component = self.store.latest().components.get(COMPONENT)
+        if component is None:
+            return
+        for plan in plan_restore(component, parallelism):
+            assert plan.bytes_to_read == plan.bytes_owned
+            assert all(g in plan.key_group_range for g in plan.chains)
+            assert all(len(links) <= MAX_CHAIN_LENGTH for links in plan.chains.values())
+
+    @invariant()
+    def instances_hold_exactly_the_live_state(self) -> None:
+        assert self._contents(self.instances) == self.live
+
+    @invariant()
+    def every_key_lives_in_its_owner(self) -> None:
+        for index, state in enumerate(self.instances):
+            for group, key, _ in state.items():
+                assert group == key_group_for(key[0], MAX_PARALLELISM)
+                assert instance_for_key_group(group, self.parallelism, MAX_PARALLELISM) == index
+
+
+StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+TestStoreMachine = StoreMachine.TestCase
