@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
-from spark_state.blob import EntryKind, decode_entry, encode_blob
+from spark_state.blob import EntryKind, decode_entry, deserialize_schema, encode_blob
 from spark_state.errors import (
     BlobExistsError,
     BlobNotFoundError,
@@ -237,16 +237,14 @@ class CheckpointStore:
         self._manifests[checkpoint_id] = manifest
         return manifest
 
-    def fetch(
+    def fetch_entries(
         self, component: ComponentManifest, plan: InstanceRestorePlan
-    ) -> tuple[dict[int, pa.Table], FetchStats]:
-        """Execute ``plan``: read its ranges, verify checksums, fold chains.
+    ) -> tuple[dict[int, list[tuple[str, pa.RecordBatch]]], FetchStats]:
+        """Execute ``plan``'s reads and verify every entry's checksum.
 
-        Returns the live rows (key and value columns) of every owned key group
-        that has state, and what the reads cost.
+        Returns, per planned key group, its ``(kind, batch)`` entries oldest
+        first (batches in the blob schema, with ``_deleted``), and the cost.
         """
-        from spark_state.blob import deserialize_schema
-
         started = time.perf_counter()
         schema = deserialize_schema(component.schema)
         decoded: dict[tuple[str, int], pa.RecordBatch] = {}
@@ -260,13 +258,21 @@ class CheckpointStore:
                 decoded[(read.path, entry.key_group)] = decode_entry(
                     view[start : start + entry.length], schema, entry, where=read.path
                 )
-        rows = {
-            key_group: apply_chain(
-                [(entry.kind, decoded[(path, key_group)]) for path, entry in links], component.key_columns
-            )
+        entries = {
+            key_group: [(entry.kind, decoded[(path, key_group)]) for path, entry in links]
             for key_group, links in plan.chains.items()
         }
-        return rows, FetchStats(bytes_read, len(plan.reads), time.perf_counter() - started)
+        return entries, FetchStats(bytes_read, len(plan.reads), time.perf_counter() - started)
+
+    def fetch(
+        self, component: ComponentManifest, plan: InstanceRestorePlan
+    ) -> tuple[dict[int, pa.Table], FetchStats]:
+        """Execute a plan made without ``have``: the live rows of every planned key group, and the cost."""
+        if plan.appends:
+            raise ValueError("fetch folds whole chains; use fetch_entries for a catch-up plan")
+        entries, stats = self.fetch_entries(component, plan)
+        rows = {g: apply_chain(batches, component.key_columns) for g, batches in entries.items()}
+        return rows, stats
 
     # Step 5 -----------------------------------------------------------------
 

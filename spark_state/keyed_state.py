@@ -3,13 +3,17 @@
 ``InstanceState`` holds, for each key group of the instance's range, a dict
 from key (a tuple of key column values) to value (a tuple of value column
 values). It remembers which keys changed since the last snapshot, so that
-``snapshot`` writes only those (as ``delta`` entries), and how long each key
-group's chain in the store is, so that it writes a ``full`` entry instead
-when the chain would exceed ``max_chain_length`` (compaction bounds what a
-restore reads) or when most of the key group changed anyway.
+``snapshot`` writes only those (as ``delta`` entries), and, per key group,
+the chain of blobs in the store that its content reflects. The chain drives
+two things: a ``full`` entry is written instead of a delta when the chain
+would exceed ``max_chain_length`` (compaction bounds what a restore reads) or
+when most of the key group changed anyway; and ``catch_up`` brings resident
+state to any committed checkpoint by reading only what differs (the missing
+delta suffix of a chain, or the whole chain of a key group whose content is
+unknown or diverged, for example after a failed attempt).
 
-``restore_instance`` and ``checkpoint_instance`` connect it to a
-``CheckpointStore``; both are the only I/O here.
+``catch_up``, ``restore_instance`` and ``checkpoint_instance`` connect it to
+a ``CheckpointStore``; they are the only I/O here.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from spark_state.checkpoint import CheckpointStore, FetchStats
 from spark_state.errors import ConfigError, KeyGroupOwnershipError
 from spark_state.keygroups import KeyGroupRange, key_group_range
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, check_compatible
-from spark_state.restore import InstanceRestorePlan, plan_instance_restore
+from spark_state.restore import InstanceRestorePlan, apply_chain, plan_instance_restore
 
 Key = tuple
 Value = tuple
+Chain = tuple[str, ...]
 DEFAULT_MAX_CHAIN_LENGTH = 8
+PENDING = "<pending>"  # chain link of an entry snapshotted but not yet written (see record_blob)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class InstanceState:
         self.key_group_range = key_group_range
         self._groups: dict[int, dict[Key, Value]] = {}
         self._dirty: dict[int, set[Key]] = {}
-        self._chain_length: dict[int, int] = {}
+        self._chains: dict[int, Chain | None] = {}
 
     # Access -----------------------------------------------------------------
 
@@ -128,8 +134,10 @@ class InstanceState:
         tombstones) unless it has no stored base, its chain already has
         ``max_chain_length`` entries, or at least half of its keys changed;
         then it gets a ``full`` entry (zero rows when it became empty).
-        Assumes the entries will be committed: if the checkpoint fails,
-        discard this object and restore from the store.
+        The chains record the new entries as ``PENDING`` until
+        ``record_blob`` names the blob they were written to. If that blob is
+        never committed, ``catch_up`` notices (the manifest's chain differs)
+        and reloads those key groups.
         """
         if max_chain_length < 1:
             raise ConfigError(f"max chain length must be >= 1, got {max_chain_length}")
@@ -137,15 +145,18 @@ class InstanceState:
         for key_group in sorted(self._dirty):
             changed = self._dirty[key_group]
             group = self._groups.get(key_group, {})
-            length = self._chain_length.get(key_group, 0)
-            if length == 0 or length >= max_chain_length or 2 * len(changed) >= max(len(group), 1):
+            chain = self._chains.get(key_group, ())
+            if chain == () and not group:  # never stored and empty again: nothing to write
+                self._groups.pop(key_group, None)
+                continue
+            if not chain or len(chain) >= max_chain_length or 2 * len(changed) >= max(len(group), 1):
                 entries.append((key_group, "full", self._table(group.items(), deleted=())))
-                self._chain_length[key_group] = 1 if group else 0
+                self._chains[key_group] = (PENDING,) if group else ()
             else:
                 live = [(k, group[k]) for k in changed if k in group]
                 gone = [k for k in changed if k not in group]
                 entries.append((key_group, "delta", self._table(live, deleted=gone)))
-                self._chain_length[key_group] = length + 1
+                self._chains[key_group] = chain + (PENDING,)
             if not group:
                 self._groups.pop(key_group, None)
         self._dirty.clear()
@@ -171,15 +182,78 @@ class InstanceState:
         arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema)] + [pa.array(flags, pa.bool_())]
         return pa.Table.from_arrays(arrays, schema=schema)
 
-    def load(self, key_group: int, rows: pa.Table, chain_length: int) -> None:
-        """Install a restored key group (live rows, no ``_deleted``) whose store chain has ``chain_length`` entries."""
+    def record_blob(self, path: str) -> None:
+        """Name the blob the last snapshot's entries were written to (replaces ``PENDING`` links)."""
+        for key_group, chain in self._chains.items():
+            if chain and PENDING in chain:
+                self._chains[key_group] = tuple(path if link == PENDING else link for link in chain)
+
+    def discard_uncommitted(self) -> None:
+        """Forget that changes since the last snapshot happened: their key groups reload on ``catch_up``."""
+        for key_group in self._dirty:
+            self._chains[key_group] = None
+        self._dirty.clear()
+
+    def chains(self) -> dict[int, Chain | None]:
+        """Per key group, the store chain its content reflects (None: unknown, reload on catch-up)."""
+        return dict(self._chains)
+
+    def load(self, key_group: int, rows: pa.Table, chain: Chain | int) -> None:
+        """Install a key group's live rows (no ``_deleted``) reflecting store chain ``chain``.
+
+        An int ``chain`` is a chain of that length whose blobs are not named
+        (they can only be compared by length, never caught up).
+        """
         self._check(key_group)
         n_keys = len(self.layout.key_columns)
         columns = [rows.column(name).to_pylist() for name in self.layout.schema.names]
         keys = zip(*columns[:n_keys])
         values = zip(*columns[n_keys:]) if len(columns) > n_keys else (() for _ in range(rows.num_rows))
         self._groups[key_group] = dict(zip(keys, values))
-        self._chain_length[key_group] = chain_length
+        self._dirty.pop(key_group, None)
+        self._chains[key_group] = (PENDING,) * chain if isinstance(chain, int) else tuple(chain)
+
+    def _apply_deltas(self, key_group: int, batches: list[tuple[str, pa.RecordBatch]]) -> None:
+        group = self._groups.setdefault(key_group, {})
+        n_keys = len(self.layout.key_columns)
+        for _, batch in batches:
+            columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+            for row in zip(*columns):
+                key, value, deleted = row[:n_keys], row[n_keys:-1], row[-1]
+                if deleted:
+                    group.pop(key, None)
+                else:
+                    group[key] = value
+        if not group:
+            del self._groups[key_group]
+
+    def catch_up(
+        self, store: CheckpointStore, component: ComponentManifest, instance: int, parallelism: int
+    ) -> tuple[InstanceRestorePlan, FetchStats]:
+        """Bring every owned key group to exactly ``component``'s state, reading only what differs.
+
+        ``instance`` at ``parallelism`` must own this object's key-group
+        range. Uncommitted changes are discarded first.
+        """
+        owned = key_group_range(instance, parallelism, component.max_parallelism)
+        if owned != self.key_group_range:
+            raise KeyGroupOwnershipError(
+                f"instance {instance} at parallelism {parallelism} owns {owned}, this state holds "
+                f"{self.key_group_range}; build a new InstanceState for the new parallelism"
+            )
+        self.discard_uncommitted()
+        plan = plan_instance_restore(component, instance, parallelism, have=self._chains)
+        entries, stats = store.fetch_entries(component, plan)
+        for key_group in plan.clear:
+            self._groups.pop(key_group, None)
+            self._chains[key_group] = ()
+        for key_group, batches in entries.items():
+            if key_group in plan.appends:
+                self._apply_deltas(key_group, batches)
+            else:
+                self.load(key_group, apply_chain(batches, self.layout.key_columns), ())
+            self._chains[key_group] = component.chains[key_group]
+        return plan, stats
 
 
 def restore_instance(
@@ -196,10 +270,7 @@ def restore_instance(
     if component is None:
         return state, None, None
     check_compatible(component, layout.spec(component.name, parallelism, max_parallelism))
-    plan = plan_instance_restore(component, instance, parallelism)
-    rows, stats = store.fetch(component, plan)
-    for key_group, table in rows.items():
-        state.load(key_group, table, component.chain_length(key_group))
+    plan, stats = state.catch_up(store, component, instance, parallelism)
     return state, plan, stats
 
 
@@ -217,7 +288,7 @@ def checkpoint_instance(
     entries = state.snapshot(max_chain_length=max_chain_length)
     if not entries:
         return None
-    return store.write_blob(
+    ref = store.write_blob(
         component,
         checkpoint_id,
         instance,
@@ -226,3 +297,5 @@ def checkpoint_instance(
         entries,
         compression=compression,
     )
+    state.record_blob(ref.path)
+    return ref

@@ -16,7 +16,7 @@ into its current rows. Both are pure; the I/O lives in ``checkpoint.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -38,12 +38,17 @@ class RangeRead:
 
 @dataclass(frozen=True)
 class InstanceRestorePlan:
-    """Everything new instance ``instance`` reads to restore its key groups.
+    """Everything instance ``instance`` reads to bring its key groups to the manifest's state.
 
-    ``chains`` maps each owned key group with state to ``(path, entry)``
-    pairs, oldest first; ``reads`` fetch exactly those entries.
-    ``bytes_owned`` is the size of those entries, ``bytes_to_read`` the sum
-    of the read lengths (larger only by gaps ``max_gap_bytes`` allowed).
+    ``chains`` maps each owned key group that needs reading to ``(path,
+    entry)`` pairs, oldest first; ``reads`` fetch exactly those entries.
+    Key groups in ``appends`` already hold a prefix of their chain (see
+    ``have`` in ``plan_instance_restore``): their links are the missing
+    ``delta`` suffix, to apply on top. All other key groups in ``chains`` are
+    rebuilt from their whole chain. ``clear`` lists key groups the caller
+    holds state for that have none in the manifest. ``bytes_owned`` is the
+    size of the planned entries, ``bytes_to_read`` the sum of the read
+    lengths (larger only by gaps ``max_gap_bytes`` allowed).
     """
 
     instance: int
@@ -52,6 +57,8 @@ class InstanceRestorePlan:
     chains: dict[int, tuple[tuple[str, BlobEntry], ...]]
     bytes_owned: int
     bytes_to_read: int
+    appends: frozenset[int] = frozenset()
+    clear: frozenset[int] = frozenset()
 
 
 def plan_restore(
@@ -64,7 +71,7 @@ def plan_restore(
     ``InvalidParallelismError``). Two entries of one blob are merged into one
     read when the bytes between them are at most ``max_gap_bytes``.
     """
-    parallelism, _ = check_parallelism(parallelism, component.max_parallelism)
+    check_parallelism(parallelism, component.max_parallelism)
     return tuple(
         plan_instance_restore(component, j, parallelism, max_gap_bytes=max_gap_bytes)
         for j in range(parallelism)
@@ -72,21 +79,44 @@ def plan_restore(
 
 
 def plan_instance_restore(
-    component: ComponentManifest, instance: int, parallelism: int, *, max_gap_bytes: int = 0
+    component: ComponentManifest,
+    instance: int,
+    parallelism: int,
+    *,
+    max_gap_bytes: int = 0,
+    have: Mapping[int, tuple[str, ...] | None] | None = None,
 ) -> InstanceRestorePlan:
-    """Plan the restore of one instance; see ``plan_restore``."""
+    """Plan one instance's restore; see ``plan_restore``.
+
+    ``have`` maps key groups the caller already holds in memory to the chain
+    (blob paths, oldest first) that content reflects, or None when unknown.
+    A key group whose held chain equals the manifest's needs nothing; one
+    whose held chain is a proper non-empty prefix of it reads only the
+    missing suffix (a catch-up); any other is rebuilt from its whole chain.
+    """
     owned = key_group_range(instance, parallelism, component.max_parallelism)
+    have = have or {}
     chains: dict[int, tuple[tuple[str, BlobEntry], ...]] = {}
+    appends: set[int] = set()
     per_blob: dict[str, list[BlobEntry]] = {}
     for key_group in _owned_with_state(component, owned):
+        target = component.chains[key_group]
+        held = have.get(key_group)
+        if held == target:
+            continue
+        start = 0
+        if held and len(held) < len(target) and target[: len(held)] == held:
+            start = len(held)
+            appends.add(key_group)
         links = []
-        for path in component.chains[key_group]:
+        for path in target[start:]:
             entry = component.blobs[path].index.entry_for(key_group)
             if entry is None:
                 raise KeyError(f"manifest chain of key group {key_group} names {path}, which has no entry for it")
             links.append((path, entry))
             per_blob.setdefault(path, []).append(entry)
         chains[key_group] = tuple(links)
+    clear = frozenset(g for g, held in have.items() if held != () and g in owned and g not in component.chains)
     reads = tuple(
         read
         for path in sorted(per_blob)
@@ -99,6 +129,8 @@ def plan_instance_restore(
         chains=chains,
         bytes_owned=sum(e.length for entries in per_blob.values() for e in entries),
         bytes_to_read=sum(r.length for r in reads),
+        appends=frozenset(appends),
+        clear=clear,
     )
 
 

@@ -10,6 +10,8 @@ checkpoint must restore to exactly the model committed with it.
 
 from __future__ import annotations
 
+import copy
+
 import pyarrow as pa
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -128,6 +130,25 @@ class StoreMachine(RuleBasedStateMachine):
         self.instances = self._restore(parallelism)
         latest = max(self.committed, default=None)
         self.live = dict(self.committed[latest]) if latest is not None else {}
+
+    @rule()
+    def remember_resident(self) -> None:
+        """A Python worker keeps a copy of the instances; it may be reused many batches later."""
+        self.stale = (self.parallelism, copy.deepcopy(self.instances))
+
+    @rule(use_stale=st.booleans())
+    def crash_and_catch_up_resident(self, use_stale: bool) -> None:
+        """Lose uncommitted changes, then bring resident (possibly stale) state to the latest checkpoint."""
+        resident = self.instances
+        if use_stale and getattr(self, "stale", None) and self.stale[0] == self.parallelism:
+            resident = copy.deepcopy(self.stale[1])
+        manifest = self.store.latest()
+        if manifest is None:
+            return
+        for i, state in enumerate(resident):
+            state.catch_up(self.store, manifest.components[COMPONENT], i, self.parallelism)
+        self.instances = resident
+        self.live = dict(self.committed[manifest.checkpoint_id])
 
     @precondition(lambda self: bool(self.committed))
     @rule(parallelism=parallelisms, data=st.data())
