@@ -1,0 +1,557 @@
+"""Key groups: the fixed key space keyed state is sharded by, and its assignment to instances.
+
+Routing has two steps, and both are pure functions of their arguments:
+
+1. ``key -> key_group``: ``key_group = key_hash(key) mod max_parallelism``
+   (Python's ``%``, always in ``[0, max_parallelism)``). ``max_parallelism``
+   is the size of the key space and is fixed for the life of a checkpoint
+   chain; changing it moves almost every key to another key group.
+2. ``key_group -> instance``: the key space is cut into ``parallelism``
+   contiguous ranges whose sizes differ by at most one, the larger ranges
+   first (see ``key_group_range``). Changing ``parallelism`` moves whole key
+   groups between instances, never single keys; that is what makes state
+   rescalable.
+
+The hash is Spark's ``hash()`` (Murmur3 x86_32, seed 42, nulls skipped) over a
+canonical encoding of each key component, so the JVM computes the same key
+group with ``pmod(hash(enc(c1), enc(c2), ...), max_parallelism)`` and no
+Python UDF (``spark_state.routing`` builds that expression). Encoding of one
+component:
+
+- ``None``: skipped; the running hash is unchanged (Spark skips nulls). A key
+  whose components are all ``None`` hashes to ``HASH_SEED``.
+- ``bool``: as the int 0 or 1 (so ``True`` and ``1`` share a key group).
+- ``int`` (Python or numpy) in ``[-2**63, 2**63)``: 8 bytes, little-endian
+  two's complement, i.e. Spark's ``hash(CAST(c AS BIGINT))``.
+- ``str``: its UTF-8 bytes; ``bytes``/``bytearray``/``memoryview``: the bytes.
+  Both are then zero-padded at the end to a multiple of 4 bytes (so ``"ab"``,
+  ``b"ab"`` and ``"ab\\0"`` share a key group). Spark's Murmur3 mixes a
+  1-3 byte tail differently from standard Murmur3; with no tail both agree.
+
+Anything else (``float``, ``Decimal``, ``datetime``, nested tuples, ...) raises
+``UnsupportedKeyError``: cast it to one of the supported types first, the same
+way on the Spark side and in Python. Python's built-in ``hash()`` is never
+used: it is randomised per process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mmh3
+import numpy as np
+
+from spark_state.errors import ConfigError, InvalidParallelismError, UnsupportedKeyError
+
+HASH_SEED = 42
+"""Initial value of the running hash; Spark's ``hash()`` uses 42 too."""
+
+HASH_VERSION = 1
+"""Version of the key encoding and hash. Checkpoints record it; a restore with
+a different version must refuse, because every key could map to another key
+group. Bump it on any change to ``key_hash``."""
+
+DEFAULT_MAX_PARALLELISM = 4096
+"""Default key space size.
+
+With ``M`` key groups and ``p`` instances the largest instance owns
+``ceil(M/p)`` key groups and the smallest ``floor(M/p)``, so with evenly
+spread keys the busiest instance carries at most ``1/floor(M/p)`` more load
+than the idlest. ``M = 4096`` keeps that at most 3.2% for ``p <= 128``
+(``floor(4096/128) = 32``) and at 5% for ``p = 200``, Spark's default number
+of shuffle partitions (``floor(4096/200) = 20``). A larger key space costs no
+extra files: all key groups of an instance live in one blob with an offset
+index, so only the index grows (a few bytes per key group).
+"""
+
+UPPER_BOUND_MAX_PARALLELISM = 32768
+"""Largest allowed ``max_parallelism`` (inclusive): ``1 <= max_parallelism <= 32768``."""
+
+_INT64_MIN = -(2**63)
+_INT64_END = 2**63  # exclusive
+_U32 = 0xFFFFFFFF
+_SUPPORTED_COMPONENTS = "None, bool, int (64-bit signed range), str, bytes, bytearray, memoryview"
+_SUPPORTED_ARROW = (
+    "int8, int16, int32, int64, uint8, uint16, uint32, bool, string, large_string, "
+    "binary, large_binary, string_view, binary_view, null"
+)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: object) -> int:
+    """Return ``value`` as an ``int``; reject ``bool``, ``float`` and every non-integer."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidParallelismError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}: pass a whole number"
+        )
+    return int(value)
+
+
+def check_max_parallelism(max_parallelism: int) -> int:
+    """Return ``max_parallelism`` as an ``int`` if ``1 <= max_parallelism <= 32768``.
+
+    Raises:
+        InvalidParallelismError: not an int, or out of range.
+    """
+    m = _check_int("max_parallelism", max_parallelism)
+    if not 1 <= m <= UPPER_BOUND_MAX_PARALLELISM:
+        raise InvalidParallelismError(
+            f"max_parallelism={m} is out of range: need 1 <= max_parallelism <= "
+            f"{UPPER_BOUND_MAX_PARALLELISM}; the default is {DEFAULT_MAX_PARALLELISM}"
+        )
+    return m
+
+
+def check_parallelism(parallelism: int, max_parallelism: int) -> tuple[int, int]:
+    """Return ``(parallelism, max_parallelism)`` as ints if ``1 <= parallelism <= max_parallelism``.
+
+    ``max_parallelism`` is checked first, as by ``check_max_parallelism``.
+
+    Raises:
+        InvalidParallelismError: not ints, or out of range.
+    """
+    m = check_max_parallelism(max_parallelism)
+    p = _check_int("parallelism", parallelism)
+    if not 1 <= p <= m:
+        raise InvalidParallelismError(
+            f"parallelism={p} is out of range: need 1 <= parallelism <= max_parallelism (={m}). "
+            "Lower the parallelism, or start a new checkpoint chain with a larger max_parallelism "
+            "(it is fixed for the life of a chain)"
+        )
+    return p, m
+
+
+def _check_instance(instance: object, parallelism: int) -> int:
+    i = _check_int("instance", instance)
+    if not 0 <= i < parallelism:
+        raise InvalidParallelismError(
+            f"instance={i} is out of range: need 0 <= instance < parallelism (={parallelism})"
+        )
+    return i
+
+
+def _check_key_group(key_group: object, max_parallelism: int) -> int:
+    g = _check_int("key_group", key_group)
+    if not 0 <= g < max_parallelism:
+        raise InvalidParallelismError(
+            f"key_group={g} is out of range: need 0 <= key_group < max_parallelism "
+            f"(={max_parallelism}); compute it with key_group_for(key, max_parallelism)"
+        )
+    return g
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class KeyGroupRange:
+    """The key groups ``start..end``, both ends inclusive, never empty.
+
+    Attributes:
+        start: first key group, ``0 <= start <= end``.
+        end: last key group (inclusive), ``start <= end < 32768``.
+
+    Length is ``end - start + 1``. ``intersection`` returns ``None`` rather than
+    an empty range when two ranges are disjoint.
+    """
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        start = _check_int("start", self.start)
+        end = _check_int("end", self.end)
+        if not 0 <= start <= end < UPPER_BOUND_MAX_PARALLELISM:
+            raise InvalidParallelismError(
+                f"KeyGroupRange(start={start}, end={end}) is invalid: need "
+                f"0 <= start <= end < {UPPER_BOUND_MAX_PARALLELISM} (end is inclusive)"
+            )
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
+
+    def __len__(self) -> int:
+        return self.end - self.start + 1
+
+    def __contains__(self, key_group: object) -> bool:
+        if isinstance(key_group, (bool, np.bool_)) or not isinstance(key_group, (int, np.integer)):
+            return False
+        return bool(self.start <= key_group <= self.end)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end + 1))
+
+    def intersection(self, other: KeyGroupRange) -> KeyGroupRange | None:
+        """Return the key groups in both ranges, or ``None`` if they share none."""
+        start = max(self.start, other.start)
+        end = min(self.end, other.end)
+        return KeyGroupRange(start, end) if start <= end else None
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end}]"
+
+
+def key_group_range(instance: int, parallelism: int, max_parallelism: int) -> KeyGroupRange:
+    """Return the key groups owned by ``instance``.
+
+    With ``q, r = divmod(max_parallelism, parallelism)``, instances ``0..r-1``
+    own ``q + 1`` key groups each and instances ``r..parallelism-1`` own ``q``;
+    the ranges are contiguous, in instance order, and cover
+    ``[0, max_parallelism)`` with no gap or overlap.
+
+    Args:
+        instance: ``0 <= instance < parallelism``.
+        parallelism: ``1 <= parallelism <= max_parallelism``.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Raises:
+        InvalidParallelismError: an argument is not an int or out of range.
+    """
+    p, m = check_parallelism(parallelism, max_parallelism)
+    i = _check_instance(instance, p)
+    q, r = divmod(m, p)
+    start = i * q + min(i, r)
+    size = q + 1 if i < r else q
+    return KeyGroupRange(start, start + size - 1)
+
+
+def instance_for_key_group(key_group: int, parallelism: int, max_parallelism: int) -> int:
+    """Return the instance that owns ``key_group``: the ``i`` with ``key_group in key_group_range(i, ...)``.
+
+    Args:
+        key_group: ``0 <= key_group < max_parallelism``.
+        parallelism: ``1 <= parallelism <= max_parallelism``.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Returns:
+        ``0 <= instance < parallelism``.
+
+    Raises:
+        InvalidParallelismError: an argument is not an int or out of range.
+    """
+    p, m = check_parallelism(parallelism, max_parallelism)
+    g = _check_key_group(key_group, m)
+    q, r = divmod(m, p)
+    first_small = r * (q + 1)  # first key group of the first q-sized range
+    if g < first_small:
+        return g // (q + 1)
+    return r + (g - first_small) // q
+
+
+def instances_for_key_groups(key_groups: np.ndarray, parallelism: int, max_parallelism: int) -> np.ndarray:
+    """Vectorized ``instance_for_key_group``: the owning instance of every element.
+
+    Args:
+        key_groups: integer array (any shape), every element
+            ``0 <= key_group < max_parallelism``.
+        parallelism: ``1 <= parallelism <= max_parallelism``.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Returns:
+        ``int32`` array of the same shape, ``0 <= instance < parallelism``.
+
+    Raises:
+        InvalidParallelismError: a non-integer array, an element out of range,
+            or bad ``parallelism``/``max_parallelism``.
+    """
+    p, m = check_parallelism(parallelism, max_parallelism)
+    groups = np.asarray(key_groups)
+    if groups.dtype.kind not in "iu":
+        raise InvalidParallelismError(
+            f"key_groups must be an integer array, got dtype {groups.dtype}: "
+            "compute them with key_groups_for_columns"
+        )
+    if groups.size:
+        bad = (groups < 0) | (groups >= m)
+        if bad.any():
+            _check_key_group(groups[bad].flat[0], m)
+    q, r = divmod(m, p)
+    owner = np.repeat(np.arange(p, dtype=np.int32), [q + 1] * r + [q] * (p - r))
+    return owner[groups]
+
+
+# --------------------------------------------------------------------------- scalar hash
+
+
+def _encode_component(component: object) -> bytes:
+    """Return the canonical bytes of one non-null key component (see the module docstring)."""
+    if isinstance(component, (bool, np.bool_)):
+        component = int(component)
+    if isinstance(component, (int, np.integer)):
+        value = int(component)
+        if not _INT64_MIN <= value < _INT64_END:
+            raise UnsupportedKeyError(
+                f"int key component {value} is outside the 64-bit signed range "
+                "[-2**63, 2**63): use a str or bytes key instead"
+            )
+        return value.to_bytes(8, "little", signed=True)
+    if isinstance(component, str):
+        try:
+            data = component.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UnsupportedKeyError(
+                f"str key component {component!r} is not valid Unicode (it has a lone surrogate) "
+                "and cannot be encoded as UTF-8: clean the key or use bytes"
+            ) from exc
+    elif isinstance(component, (bytes, bytearray, memoryview)):
+        data = bytes(component)
+    else:
+        raise UnsupportedKeyError(
+            f"key component of type {type(component).__name__} ({component!r}) has no canonical "
+            f"encoding; supported component types: {_SUPPORTED_COMPONENTS}. "
+            "Cast it (for example to str) the same way on the Spark side"
+        )
+    return data + b"\0" * (-len(data) % 4)
+
+
+def key_hash(key: Any) -> int:
+    """Return the signed 32-bit hash of ``key``, equal to Spark's ``hash(enc(c1), enc(c2), ...)``.
+
+    Args:
+        key: a supported scalar, treated as the 1-tuple ``(key,)``, or a
+            non-empty tuple of supported components (``None`` allowed).
+
+    Returns:
+        ``-2**31 <= hash < 2**31``.
+
+    Raises:
+        UnsupportedKeyError: an unsupported component type, an int outside
+            64 bits, a str that is not valid Unicode, or the empty tuple.
+    """
+    components = key if isinstance(key, tuple) else (key,)
+    if not components:
+        raise UnsupportedKeyError(
+            "the empty tuple is not a key: a key needs at least one component "
+            "(Spark's hash() needs at least one argument)"
+        )
+    h = HASH_SEED
+    for component in components:
+        if component is not None:
+            h = mmh3.hash(_encode_component(component), h & _U32, signed=True)
+    return h
+
+
+def key_group_for(key: Any, max_parallelism: int) -> int:
+    """Return the key group of ``key``: ``key_hash(key) % max_parallelism``.
+
+    Args:
+        key: as for ``key_hash``.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Returns:
+        ``0 <= key_group < max_parallelism`` (Python's ``%``, which equals Spark's ``pmod``).
+
+    Raises:
+        InvalidParallelismError: bad ``max_parallelism``.
+        UnsupportedKeyError: as for ``key_hash``.
+    """
+    m = check_max_parallelism(max_parallelism)
+    return key_hash(key) % m
+
+
+# --------------------------------------------------------------------------- vectorized hash
+
+_C1 = np.uint32(0xCC9E2D51)
+_C2 = np.uint32(0x1B873593)
+_TAIL_MASKS = np.array([0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF], dtype=np.uint32)
+_MAX_VECTOR_BLOCKS = 16
+"""Strings and binaries of at most 16 blocks (64 bytes) are hashed in numpy; longer ones by ``mmh3``."""
+
+
+def _rotl(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def _mix_block(h: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """One Murmur3 x86_32 body step: mix the 4-byte little-endian block ``k`` into ``h``."""
+    k = _rotl(k * _C1, 15) * _C2
+    h = _rotl(h ^ k, 13)
+    return h * np.uint32(5) + np.uint32(0xE6546B64)
+
+
+def _finalize(h: np.ndarray, n_bytes: np.ndarray | int) -> np.ndarray:
+    """Murmur3 x86_32 finalization; ``n_bytes`` is the hashed (padded) length."""
+    h = h ^ np.asarray(n_bytes, dtype=np.uint32)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def _hash_int64(values: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """Hash each int64 as 8 little-endian bytes (two blocks), seeded per row."""
+    blocks = values.astype("<i8", copy=False).view("<u4").reshape(-1, 2)
+    h = _mix_block(seeds, blocks[:, 0])
+    h = _mix_block(h, blocks[:, 1])
+    return _finalize(h, 8)
+
+
+def _hash_var_bytes(array: Any, seeds: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Hash each value of a (large_)string/(large_)binary Arrow array, zero-padded to 4 bytes.
+
+    Reads the Arrow offsets and data buffers directly. Rows are bucketed by
+    their number of 4-byte blocks ``b``; a bucket with ``b <= 16`` (values up
+    to 64 bytes) is hashed in numpy as a ``(b, rows)`` matrix of words gathered
+    from the data buffer, the last word masked so the bytes of the next value
+    never leak in. Longer valid values fall back to ``mmh3`` one row at a time.
+    Null rows are hashed too (from whatever bytes their offsets span); the
+    caller discards them.
+    """
+    import pyarrow as pa
+
+    n = len(array)
+    offset_type = "<i8" if pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type) else "<i4"
+    offsets = np.frombuffer(array.buffers()[1], dtype=offset_type)[array.offset : array.offset + n + 1]
+    offsets = offsets.astype(np.int64)
+    base, stop = int(offsets[0]), int(offsets[-1])
+    padded = np.zeros(stop - base + 4, dtype=np.uint8)
+    if stop > base:
+        padded[: stop - base] = np.frombuffer(array.buffers()[2], dtype=np.uint8)[base:stop]
+    # words[i] is the little-endian uint32 starting at byte i (unaligned view, no copy).
+    words = np.ndarray(shape=(len(padded) - 3,), dtype="<u4", buffer=padded, strides=(1,))
+
+    starts = offsets[:-1] - base
+    lengths = offsets[1:] - offsets[:-1]
+    n_blocks = (lengths + 3) // 4
+    h = seeds.copy()
+    counts = np.bincount(np.minimum(n_blocks, _MAX_VECTOR_BLOCKS + 1), minlength=_MAX_VECTOR_BLOCKS + 2)
+    for blocks in np.flatnonzero(counts[: _MAX_VECTOR_BLOCKS + 1]):
+        rows = slice(None) if counts[blocks] == n else np.flatnonzero(n_blocks == blocks)
+        acc = h[rows]
+        if blocks:
+            block_words = words[np.add.outer(np.arange(0, 4 * blocks, 4), starts[rows])]
+            block_words[-1] &= _TAIL_MASKS[lengths[rows] - 4 * (blocks - 1)]
+            for block in block_words:
+                acc = _mix_block(acc, block)
+        h[rows] = _finalize(acc, 4 * blocks)
+    for row in np.flatnonzero((n_blocks > _MAX_VECTOR_BLOCKS) & valid):
+        start, length = int(starts[row]), int(lengths[row])
+        data = padded[start : start + length].tobytes() + b"\0" * (-length % 4)
+        h[row] = mmh3.hash(data, int(h[row]), signed=False)
+    return h
+
+
+def _hash_arrow_chunk(array: Any, seeds: np.ndarray, column_index: int) -> np.ndarray:
+    """Fold one key column (a non-chunked Arrow array) into the running hashes ``seeds``."""
+    import pyarrow as pa
+
+    kind = array.type
+    if pa.types.is_null(kind):
+        return seeds
+    if array.null_count:
+        valid = array.is_valid().to_numpy(zero_copy_only=False)
+    else:
+        valid = np.ones(len(array), dtype=bool)
+    if pa.types.is_string_view(kind) or pa.types.is_binary_view(kind):
+        array = array.cast(pa.large_binary())
+        kind = array.type
+    if (pa.types.is_integer(kind) and not pa.types.is_uint64(kind)) or pa.types.is_boolean(kind):
+        array = array.cast(pa.int64())
+        values = np.frombuffer(array.buffers()[1], dtype=np.int64)[array.offset : array.offset + len(array)]
+        hashed = _hash_int64(values, seeds)
+    elif kind in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
+        hashed = _hash_var_bytes(array, seeds, valid)
+    else:
+        raise UnsupportedKeyError(
+            f"key column {column_index} has Arrow type {kind}, which has no canonical encoding; "
+            f"supported types: {_SUPPORTED_ARROW}. Cast it (for example uint64 or a timestamp "
+            "to int64) the same way on the Spark side"
+        )
+    return np.where(valid, hashed, seeds)
+
+
+def _as_arrow(column: Any, column_index: int) -> Any:
+    """Return ``column`` as a pyarrow Array or ChunkedArray; numpy arrays are converted."""
+    import pyarrow as pa
+
+    if isinstance(column, (pa.Array, pa.ChunkedArray)):
+        return column
+    if isinstance(column, np.ndarray):
+        if column.ndim != 1:
+            raise ConfigError(f"key column {column_index} has shape {column.shape}: pass 1-dimensional columns")
+        try:
+            return pa.array(column)
+        except (pa.ArrowException, OverflowError) as exc:
+            raise UnsupportedKeyError(
+                f"key column {column_index} (numpy dtype {column.dtype}) cannot be converted to Arrow "
+                f"({exc}); use one supported type per column: {_SUPPORTED_ARROW}"
+            ) from exc
+    raise UnsupportedKeyError(
+        f"key column {column_index} is a {type(column).__name__}; pass a pyarrow.Array, "
+        "pyarrow.ChunkedArray or 1-dimensional numpy.ndarray"
+    )
+
+
+def key_hashes_for_columns(columns: Sequence[Any]) -> np.ndarray:
+    """Vectorized ``key_hash``: row ``i`` hashes the tuple ``(columns[0][i], columns[1][i], ...)``.
+
+    Nulls are skipped per row exactly like ``None`` components in ``key_hash``.
+
+    Args:
+        columns: one or more key columns of equal length, each a
+            ``pyarrow.Array``, ``pyarrow.ChunkedArray`` or 1-dimensional
+            ``numpy.ndarray`` of a supported type (integers up to 64 bits
+            signed or 32 bits unsigned, bool, string, binary; see
+            ``key_groups_for_columns``).
+
+    Returns:
+        ``int32`` array of length ``len(columns[0])``, ``-2**31 <= hash < 2**31``.
+
+    Raises:
+        UnsupportedKeyError: no columns, or a column of an unsupported type.
+        ConfigError: columns of different lengths, or not 1-dimensional.
+    """
+    import pyarrow as pa
+
+    if isinstance(columns, (pa.Array, pa.ChunkedArray, pa.Table, pa.RecordBatch, np.ndarray)) or not len(columns):
+        raise UnsupportedKeyError(
+            f"columns must be a non-empty sequence of key columns, got {type(columns).__name__}: "
+            "pass e.g. [table['user_id']]; a key needs at least one component"
+        )
+    arrays = [_as_arrow(column, index) for index, column in enumerate(columns)]
+    n_rows = len(arrays[0])
+    for index, array in enumerate(arrays):
+        if len(array) != n_rows:
+            raise ConfigError(
+                f"key column {index} has {len(array)} rows but column 0 has {n_rows}: "
+                "all key columns must have the same length"
+            )
+    h = np.full(n_rows, HASH_SEED, dtype=np.uint32)
+    for index, array in enumerate(arrays):
+        chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+        start = 0
+        for chunk in chunks:
+            stop = start + len(chunk)
+            h[start:stop] = _hash_arrow_chunk(chunk, h[start:stop], index)
+            start = stop
+    return h.view(np.int32)
+
+
+def key_groups_for_columns(columns: Sequence[Any], max_parallelism: int) -> np.ndarray:
+    """Vectorized ``key_group_for``: the key group of every row of the key columns.
+
+    Row ``i``'s key is the tuple ``(columns[0][i], columns[1][i], ...)``;
+    nulls are skipped like ``None`` components. Supported Arrow types (numpy
+    arrays are converted with ``pyarrow.array``): int8..int64 and
+    uint8..uint32 (hashed as int64), bool (as 0/1), string and large_string
+    (UTF-8 bytes), binary and large_binary, the string/binary view types, and
+    null (an all-null column, skipped).
+
+    Args:
+        columns: one or more key columns of equal length.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Returns:
+        ``int32`` array, ``0 <= key_group < max_parallelism``, one per row.
+
+    Raises:
+        InvalidParallelismError: bad ``max_parallelism``.
+        UnsupportedKeyError, ConfigError: as for ``key_hashes_for_columns``.
+    """
+    m = check_max_parallelism(max_parallelism)
+    return np.mod(key_hashes_for_columns(columns), np.int32(m))

@@ -1,0 +1,135 @@
+"""The Spark edge of routing: key groups and instances as Column expressions.
+
+These expressions compute, on the JVM and without a Python UDF, exactly what
+``spark_state.keygroups.key_group_for`` and ``instance_for_key_group`` compute
+in Python (``tests/test_routing_spark.py`` checks it row by row). Each key
+column is encoded the way ``keygroups`` encodes a key component:
+
+- byte, short, int, long, boolean: ``CAST(c AS BIGINT)``, hashed as 8 bytes;
+- string: its UTF-8 bytes (``CAST(c AS BINARY)``), zero-padded to a multiple
+  of 4 bytes; only the default ``UTF8_BINARY`` collation is accepted, because
+  under another collation Spark treats keys with different bytes as equal
+  while their hashes differ;
+- binary: zero-padded to a multiple of 4 bytes;
+- void (NullType): passed through; ``hash`` skips nulls like ``keygroups`` does.
+
+Any other type raises ``UnsupportedKeyError`` when the expression is built:
+cast it first, the same way on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from spark_state.errors import UnsupportedKeyError
+from spark_state.keygroups import check_max_parallelism, check_parallelism
+
+_INTEGRAL_TYPES = (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.BooleanType)
+_BINARY_COLLATION = "UTF8_BINARY"
+
+
+def _pad_to_4_bytes(binary: Column) -> Column:
+    """Append 0-3 zero bytes so the length is a multiple of 4; null stays null."""
+    pad_length = F.pmod(-F.octet_length(binary), F.lit(4))
+    return F.concat(binary, F.substring(F.unhex(F.lit("000000")), F.lit(1), pad_length))
+
+
+def _encode(column: Column, data_type: T.DataType, index: int) -> Column:
+    """Return ``column`` encoded for ``hash`` as ``keygroups`` encodes a component."""
+    if isinstance(data_type, _INTEGRAL_TYPES):
+        return column.cast("bigint")
+    if isinstance(data_type, T.StringType):
+        collation = getattr(data_type, "collation", _BINARY_COLLATION)
+        if collation != _BINARY_COLLATION:
+            raise UnsupportedKeyError(
+                f"key column {index} is a string with collation {collation}: keys that the collation "
+                "treats as equal would get different key groups. Normalise the key (for example "
+                f"lower()) and collate it as {_BINARY_COLLATION}"
+            )
+        return _pad_to_4_bytes(column.cast("binary"))
+    if isinstance(data_type, T.BinaryType):
+        return _pad_to_4_bytes(column)
+    if isinstance(data_type, T.NullType):
+        return column
+    raise UnsupportedKeyError(
+        f"key column {index} has Spark type {data_type.simpleString()}, which has no canonical "
+        "encoding; supported: tinyint, smallint, int, bigint, boolean, string, binary, void. "
+        "Cast it (for example a timestamp to bigint) the same way in Python"
+    )
+
+
+def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parallelism: int) -> Column:
+    """Return an int Column with each row's key group: ``pmod(hash(enc(c1), ...), max_parallelism)``.
+
+    Equals ``keygroups.key_group_for((c1, c2, ...), max_parallelism)`` on every
+    row, nulls included. Resolving the key column types analyses ``df`` (no
+    job runs).
+
+    Args:
+        df: the DataFrame the key columns belong to; used only for their types.
+        key_cols: one or more column names or Columns of ``df``, in key order.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Returns:
+        Column of int, ``0 <= key_group < max_parallelism``.
+
+    Raises:
+        InvalidParallelismError: bad ``max_parallelism``.
+        UnsupportedKeyError: no key columns, or a column of an unsupported type.
+    """
+    m = check_max_parallelism(max_parallelism)
+    if isinstance(key_cols, (str, Column)) or not key_cols:
+        raise UnsupportedKeyError(
+            "key_cols must be a non-empty list of column names or Columns, e.g. ['user_id']"
+        )
+    columns = [F.col(c) if isinstance(c, str) else c for c in key_cols]
+    data_types = [field.dataType for field in df.select(*columns).schema.fields]
+    encoded = [_encode(column, data_type, i) for i, (column, data_type) in enumerate(zip(columns, data_types))]
+    return F.pmod(F.hash(*encoded), F.lit(m))
+
+
+def instance_column(key_group_col: str | Column, parallelism: int, max_parallelism: int) -> Column:
+    """Return an int Column with the instance that owns each row's key group.
+
+    Equals ``keygroups.instance_for_key_group(g, parallelism, max_parallelism)``.
+    A null key group gives null; a key group outside ``[0, max_parallelism)``
+    fails the query rather than routing the row to a nonexistent instance.
+
+    Args:
+        key_group_col: name or Column of key groups, ``0 <= key_group < max_parallelism``.
+        parallelism: ``1 <= parallelism <= max_parallelism``.
+        max_parallelism: ``1 <= max_parallelism <= 32768``.
+
+    Returns:
+        Column of int, ``0 <= instance < parallelism``.
+
+    Raises:
+        InvalidParallelismError: bad ``parallelism`` or ``max_parallelism``.
+    """
+    p, m = check_parallelism(parallelism, max_parallelism)
+    group = F.col(key_group_col) if isinstance(key_group_col, str) else key_group_col
+    q, r = divmod(m, p)
+    first_small = r * (q + 1)
+    # floor() of a double quotient is exact here: operands are at most 2**15, and
+    # a true quotient below an integer is below it by at least 1/divisor >= 2**-15.
+    in_large = F.floor(group / F.lit(q + 1))
+    in_small = F.lit(r) + F.floor((group - F.lit(first_small)) / F.lit(q))
+    out_of_range = (group < F.lit(0)) | (group >= F.lit(m))
+    return (
+        F.when(
+            out_of_range,
+            F.raise_error(
+                F.concat(
+                    F.lit(f"key group out of range, need 0 <= key_group < {m}: "),
+                    group.cast("string"),
+                )
+            ),
+        )
+        .when(group < F.lit(first_small), in_large)
+        .otherwise(in_small)
+        .cast("int")
+    )
