@@ -208,7 +208,7 @@ def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, 
     try:
         message = pa.ipc.read_message(pa.py_buffer(data))
         batch = pa.ipc.read_record_batch(message, schema)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowInvalid, EOFError, OSError) as exc:
         raise CorruptBlobError(f"key group {entry.key_group} in {where} does not decode: {exc}") from exc
     if batch.num_rows != entry.rows:
         raise CorruptBlobError(

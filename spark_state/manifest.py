@@ -212,10 +212,14 @@ def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
     if tuple(spec.key_columns) != tuple(previous.key_columns):
         problems.append(
             f"key columns are {list(spec.key_columns)} but the checkpoints are keyed by "
-            f"{list(previous.key_columns)}"
+            f"{list(previous.key_columns)}; restore with the original key columns, or start a new "
+            "state store location"
         )
     if spec.schema != previous.schema:
-        problems.append("the state schema differs from the one in the checkpoints (schema evolution is not supported)")
+        problems.append(
+            "the state schema differs from the one in the checkpoints (schema evolution is not supported); "
+            "restore with the original state schema, or start a new state store location"
+        )
     if problems:
         raise IncompatibleCheckpointError(f"component {spec.name!r}: " + "; ".join(problems))
 
@@ -246,13 +250,13 @@ def next_component(
         for entry in blob.index.entries:
             if entry.kind == "full":
                 chains[entry.key_group] = (blob.path,) if entry.rows else ()
-            else:
-                if entry.key_group not in chains and entry.rows:
-                    raise CheckpointError(
-                        f"blob {blob.path} has a delta for key group {entry.key_group}, which has no "
-                        "base state; the writer must write a full entry first"
-                    )
-                chains[entry.key_group] = chains.get(entry.key_group, ()) + (blob.path,)
+            elif entry.key_group in chains:
+                chains[entry.key_group] = chains[entry.key_group] + (blob.path,)
+            elif entry.rows:
+                raise CheckpointError(
+                    f"blob {blob.path} has a delta for key group {entry.key_group}, which has no "
+                    "base state; the writer must write a full entry first"
+                )
     chains = {g: chain for g, chain in chains.items() if chain}
     referenced = {path for chain in chains.values() for path in chain}
     state = dict(instance_state if instance_state is not None else (previous.instance_state if previous else {}))

@@ -1,0 +1,463 @@
+"""Tests of spark_state.restore: the pure restore plan and ``apply_chain`` (no Spark, no storage).
+
+Manifests are built two ways: synthetically (one ``BlobRef`` per old instance
+with a made-up index, fed through ``manifest.next_component``) for exhaustive
+sweeps over small key spaces, and from real ``InstanceState.snapshot`` blobs
+over several checkpoints and a rescale, decoded through the plan and compared
+with a dict model.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spark_state.blob import DELETED_COLUMN, BlobEntry, BlobIndex, decode_entry, deserialize_schema, encode_blob
+from spark_state.errors import CheckpointError, InvalidParallelismError
+from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_range
+from spark_state.keyed_state import InstanceState, StateLayout
+from spark_state.manifest import BlobRef, ComponentManifest, next_component
+from spark_state.restore import InstanceRestorePlan, apply_chain, plan_instance_restore, plan_restore
+
+LAYOUT = StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64())]), ("key",))
+HEADER = 600  # synthetic blobs: bytes before the first entry
+
+
+# --------------------------------------------------------------------------- synthetic manifests
+
+
+def _entry_length(key_group: int) -> int:
+    return 200 + (key_group * 37) % 101  # varied, so a wrong entry cannot add up to the right bytes
+
+
+def _synthetic_blob(checkpoint_id: int, instance: int, owned: KeyGroupRange, with_state, gaps=None) -> BlobRef:
+    """A blob of instance ``instance`` with one full entry per key group in ``with_state``.
+
+    ``gaps[g]`` bytes (default 0) separate entry ``g`` from the one before it.
+    """
+    entries = []
+    offset = HEADER
+    for g in sorted(with_state):
+        offset += (gaps or {}).get(g, 0)
+        length = _entry_length(g)
+        entries.append(BlobEntry(g, "full", offset, length, 1 + g % 3, g * 7919 % 2**32))
+        offset += length
+    path = f"blobs/c/{checkpoint_id:020d}/{instance:05d}-{owned.start}-{owned.end}-x.arrow"
+    return BlobRef(path, checkpoint_id, instance, owned, offset + 400, instance, BlobIndex(tuple(entries)))
+
+
+def _single_snapshot(max_parallelism: int, parallelism: int, with_state: set[int]) -> ComponentManifest:
+    spec = LAYOUT.spec("c", parallelism, max_parallelism)
+    blobs = []
+    for i in range(parallelism):
+        owned = key_group_range(i, parallelism, max_parallelism)
+        mine = [g for g in owned if g in with_state]
+        if mine:  # an instance without state writes no blob
+            blobs.append(_synthetic_blob(1, i, owned, mine))
+    return next_component(None, spec, 1, blobs)
+
+
+def _state_pattern(max_parallelism: int, parallelism: int) -> set[int]:
+    """Most key groups have state, with irregular holes (depending on both arguments)."""
+    return {g for g in range(max_parallelism) if (g * 5 + parallelism * 3) % 7 not in (0, 4)}
+
+
+def _check_single_snapshot_plans(component: ComponentManifest, new_parallelism: int, with_state: set[int]) -> None:
+    m = component.max_parallelism
+    old_p = component.parallelism
+    path_of = {b.instance: b.path for b in component.blobs.values()}
+    plans = plan_restore(component, new_parallelism)
+    assert [p.instance for p in plans] == list(range(new_parallelism))
+    covered: list[int] = []
+    for plan in plans:
+        owned = key_group_range(plan.instance, new_parallelism, m)
+        assert plan.key_group_range == owned
+        expected_groups = sorted(g for g in owned if g in with_state)
+        assert sorted(plan.chains) == expected_groups
+        covered.extend(plan.chains)
+        for g, links in plan.chains.items():
+            assert len(links) == 1
+            path, entry = links[0]
+            assert path == path_of[instance_for_key_group(g, old_p, m)]
+            assert (entry.key_group, entry.kind) == (g, "full")
+        # the reads fetch exactly the chains' entries, each byte once
+        read_entries = sorted((r.path, e.key_group) for r in plan.reads for e in r.entries)
+        assert read_entries == sorted((links[0][0], g) for g, links in plan.chains.items())
+        owned_bytes = sum(_entry_length(g) for g in expected_groups)
+        assert plan.bytes_owned == owned_bytes
+        assert plan.bytes_to_read == owned_bytes
+        for read in plan.reads:
+            assert read.offset == read.entries[0].offset
+            assert read.length == sum(e.length for e in read.entries)
+        # one read per old blob holding some of the owned key groups, never more
+        holding = {path_of[instance_for_key_group(g, old_p, m)] for g in expected_groups}
+        intersecting = {
+            b.path for b in component.blobs.values() if b.key_group_range.intersection(owned) is not None
+        }
+        assert sorted(r.path for r in plan.reads) == sorted(holding)
+        assert len(plan.reads) <= len(intersecting)
+    assert len(covered) == len(set(covered))
+    assert set(covered) == with_state
+
+
+@pytest.mark.parametrize("max_parallelism", [1, 2, 7, 16, 37])
+def test_every_rescale_of_a_small_key_space(max_parallelism):
+    for old_p in range(1, max_parallelism + 1):
+        with_state = _state_pattern(max_parallelism, old_p)
+        component = _single_snapshot(max_parallelism, old_p, with_state)
+        for new_p in range(1, max_parallelism + 1):
+            _check_single_snapshot_plans(component, new_p, with_state)
+
+
+def test_every_key_group_with_state_in_a_small_key_space():
+    """All 2**7 subsets of key groups with state, every old and new parallelism."""
+    m = 7
+    for mask in range(2**m):
+        with_state = {g for g in range(m) if mask >> g & 1}
+        for old_p in (1, 3, 7):
+            component = _single_snapshot(m, old_p, with_state)
+            for new_p in range(1, m + 1):
+                _check_single_snapshot_plans(component, new_p, with_state)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), max_parallelism=st.integers(38, 1024))
+def test_rescale_property_for_larger_key_spaces(data, max_parallelism):
+    old_p = data.draw(st.integers(1, min(max_parallelism, 64)), label="old parallelism")
+    new_p = data.draw(st.integers(1, min(max_parallelism, 64)), label="new parallelism")
+    density = data.draw(st.sampled_from([0.0, 0.05, 0.5, 1.0]), label="density")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    with_state = {g for g in range(max_parallelism) if (g * 2654435761 + seed) % 1000 < density * 1000}
+    component = _single_snapshot(max_parallelism, old_p, with_state)
+    _check_single_snapshot_plans(component, new_p, with_state)
+
+
+def test_empty_component_plans_no_reads():
+    component = _single_snapshot(16, 4, set())
+    assert component.blobs == {}
+    for plan in plan_restore(component, 3):
+        assert (plan.reads, plan.chains, plan.bytes_owned, plan.bytes_to_read) == ((), {}, 0, 0)
+
+
+@pytest.mark.parametrize("parallelism", [0, 17, -1])
+def test_parallelism_out_of_range_is_rejected(parallelism):
+    component = _single_snapshot(16, 4, {1, 2})
+    with pytest.raises(InvalidParallelismError):
+        plan_restore(component, parallelism)
+
+
+def test_plan_instance_restore_matches_plan_restore():
+    component = _single_snapshot(37, 5, _state_pattern(37, 5))
+    plans = plan_restore(component, 6)
+    for j in range(6):
+        assert plan_instance_restore(component, j, 6) == plans[j]
+
+
+# --------------------------------------------------------------------------- gaps and coalescing
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    gaps=st.lists(st.integers(0, 500), min_size=1, max_size=20),
+    max_gap=st.integers(0, 600),
+)
+def test_max_gap_merges_reads_and_costs_exactly_the_gaps(gaps, max_gap):
+    """One old blob, its entries separated by ``gaps``; one new instance reads them all."""
+    m = len(gaps)
+    owned = KeyGroupRange(0, m - 1)
+    blob = _synthetic_blob(1, 0, owned, range(m), gaps=dict(enumerate(gaps)))
+    component = next_component(None, LAYOUT.spec("c", 1, m), 1, [blob])
+    plan = plan_instance_restore(component, 0, 1, max_gap_bytes=max_gap)
+    inner = gaps[1:]  # the gap before the first entry is never read
+    assert plan.bytes_owned == sum(_entry_length(g) for g in range(m))
+    assert plan.bytes_to_read == plan.bytes_owned + sum(g for g in inner if g <= max_gap)
+    assert len(plan.reads) == 1 + sum(1 for g in inner if g > max_gap)
+    assert [e.key_group for r in plan.reads for e in r.entries] == list(range(m))
+    for read in plan.reads:
+        assert read.offset == read.entries[0].offset
+        assert read.offset + read.length == read.entries[-1].offset + read.entries[-1].length
+
+
+def test_gap_from_a_superseded_entry_is_bridged_only_when_allowed():
+    """Key group 2 got a new full entry in checkpoint 2: checkpoint 1's blob now has a hole."""
+    m = 4
+    spec = LAYOUT.spec("c", 1, m)
+    first = _synthetic_blob(1, 0, KeyGroupRange(0, 3), [1, 2, 3])
+    second = _synthetic_blob(2, 0, KeyGroupRange(0, 3), [2])
+    component = next_component(next_component(None, spec, 1, [first]), spec, 2, [second])
+    assert component.chains == {1: (first.path,), 2: (second.path,), 3: (first.path,)}
+    hole = _entry_length(2)
+    tight = plan_instance_restore(component, 0, 1)
+    assert sorted((r.path, len(r.entries)) for r in tight.reads) == sorted([(first.path, 1), (first.path, 1), (second.path, 1)])
+    assert tight.bytes_to_read == tight.bytes_owned == _entry_length(1) + 2 * _entry_length(2) + _entry_length(3) - hole
+    for max_gap in (hole - 1, hole, 10**6):
+        loose = plan_instance_restore(component, 0, 1, max_gap_bytes=max_gap)
+        merged = max_gap >= hole
+        assert len(loose.reads) == (2 if merged else 3)
+        assert loose.bytes_owned == tight.bytes_owned
+        assert loose.bytes_to_read == tight.bytes_owned + (hole if merged else 0)
+
+
+# --------------------------------------------------------------------------- real chains
+
+
+class _Job:
+    """Instances of one component plus a dict model, snapshotting into real blobs (no storage)."""
+
+    def __init__(self, max_parallelism: int, parallelism: int, max_chain_length: int):
+        self.m = max_parallelism
+        self.max_chain_length = max_chain_length
+        self.files: dict[str, bytes] = {}
+        self.component: ComponentManifest | None = None
+        self.model: dict[int, dict[str, int]] = {}  # key group -> key -> value
+        self.history: list[tuple[int, ComponentManifest, dict]] = []
+        self._start(parallelism)
+
+    def _start(self, parallelism: int) -> None:
+        self.p = parallelism
+        self.instances = []
+        for i in range(parallelism):
+            state = InstanceState(LAYOUT, key_group_range(i, parallelism, self.m))
+            for g in state.key_group_range:
+                if g in self.model and self.component is not None:
+                    rows = pa.table(
+                        {"key": list(self.model[g]), "value": list(self.model[g].values())}, schema=LAYOUT.schema
+                    )
+                    state.load(g, rows, self.component.chain_length(g))
+            self.instances.append(state)
+
+    def rescale(self, parallelism: int) -> None:
+        self._start(parallelism)
+
+    def put(self, g: int, key: str, value: int) -> None:
+        self.instances[instance_for_key_group(g, self.p, self.m)].put(g, (key,), (value,))
+        self.model.setdefault(g, {})[key] = value
+
+    def delete(self, g: int, key: str) -> None:
+        self.instances[instance_for_key_group(g, self.p, self.m)].delete(g, (key,))
+        self.model.get(g, {}).pop(key, None)
+        if g in self.model and not self.model[g]:
+            del self.model[g]
+
+    def checkpoint(self, checkpoint_id: int) -> dict[int, list[tuple[int, str]]]:
+        """Snapshot every instance; return key group -> [(checkpoint_id, kind)] written now."""
+        written = {}
+        blobs = []
+        for i, state in enumerate(self.instances):
+            entries = state.snapshot(max_chain_length=self.max_chain_length)
+            if not entries:
+                continue
+            data, index = encode_blob(
+                LAYOUT.blob_schema, entries, key_group_range=state.key_group_range, metadata={}
+            )
+            path = f"blobs/c/{checkpoint_id:020d}/{i:05d}.arrow"
+            self.files[path] = data
+            blobs.append(BlobRef(path, checkpoint_id, i, state.key_group_range, len(data), zlib.crc32(data), index))
+            for g, kind, _ in entries:
+                written[g] = kind
+        self.component = next_component(self.component, LAYOUT.spec("c", self.p, self.m), checkpoint_id, blobs)
+        self.history.append((checkpoint_id, self.component, {g: dict(kv) for g, kv in self.model.items()}))
+        return written
+
+
+def _fetch(files: dict[str, bytes], component: ComponentManifest, plan: InstanceRestorePlan) -> dict[int, dict]:
+    """Execute a plan against in-memory files: only the planned byte ranges are sliced."""
+    schema = deserialize_schema(component.schema)
+    decoded = {}
+    for read in plan.reads:
+        data = files[read.path][read.offset : read.offset + read.length]
+        assert len(data) == read.length
+        for entry in read.entries:
+            start = entry.offset - read.offset
+            decoded[(read.path, entry.key_group)] = decode_entry(data[start : start + entry.length], schema, entry)
+    result = {}
+    for g, links in plan.chains.items():
+        table = apply_chain([(entry.kind, decoded[(path, g)]) for path, entry in links], component.key_columns)
+        result[g] = dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
+    return result
+
+
+def _run_job(max_chain_length: int = 4) -> _Job:
+    """Ten checkpoints over 16 key groups: parallelism 2, then 3, then 1; puts, overwrites, deletes."""
+    job = _Job(16, 2, max_chain_length)
+    checkpoint_id = 0
+    for round_ in range(10):
+        if round_ == 4:
+            job.rescale(3)
+        if round_ == 7:
+            job.rescale(1)
+        for g in range(16):
+            if g == 5:  # key group 5 is written once and never touched again
+                if round_ == 0:
+                    for k in range(3):
+                        job.put(g, f"k{k}", k)
+                continue
+            if g == 9:  # key group 9 gets one small change per checkpoint: a long delta chain
+                for k in range(8) if round_ == 0 else ():
+                    job.put(g, f"base{k}", k)
+                job.put(g, f"k{round_}", round_)
+                continue
+            if (g + round_) % 3 == 0:
+                for k in range(6):
+                    job.put(g, f"k{k}", round_ * 100 + k)  # everything changes: full entry
+            elif (g * round_) % 4 == 1:
+                job.put(g, f"k{round_ % 6}", -round_)  # one key: delta
+            elif (g + round_) % 5 == 2 and g in job.model:
+                job.delete(g, sorted(job.model[g])[0])
+            if g == 11 and round_ == 6:
+                for key in list(job.model.get(11, {})):
+                    job.delete(11, key)  # key group 11 becomes empty
+        checkpoint_id += 1
+        job.checkpoint(checkpoint_id)
+    return job
+
+
+def test_chains_are_planned_oldest_first_full_then_deltas():
+    job = _run_job()
+    component = job.component
+    assert any(len(chain) > 1 for chain in component.chains.values())  # the scenario has deltas
+    for new_p in range(1, 17):
+        for plan in plan_restore(component, new_p):
+            for g, links in plan.chains.items():
+                ids = [component.blobs[path].checkpoint_id for path, _ in links]
+                assert ids == sorted(ids) and len(set(ids)) == len(ids)
+                assert [entry.kind for _, entry in links] == ["full"] + ["delta"] * (len(links) - 1)
+                assert [path for path, _ in links] == list(component.chains[g])
+                assert all(entry.key_group == g for _, entry in links)
+
+
+def test_untouched_key_group_keeps_its_first_blob():
+    job = _run_job()
+    (path,) = job.component.chains[5]
+    assert job.component.blobs[path].checkpoint_id == 1
+
+
+@pytest.mark.parametrize("max_gap", [0, 700, 10**9])
+def test_every_checkpoint_of_a_rescaled_chain_restores_exactly(max_gap):
+    job = _run_job()
+    for checkpoint_id, component, model in job.history:
+        for new_p in (1, 2, 3, 5, 16):
+            restored = {}
+            for plan in plan_restore(component, new_p, max_gap_bytes=max_gap):
+                assert plan.bytes_to_read >= plan.bytes_owned
+                for read in plan.reads:  # within a read, gaps are at most max_gap
+                    for a, b in zip(read.entries, read.entries[1:]):
+                        assert 0 <= b.offset - (a.offset + a.length) <= max_gap
+                by_path: dict[str, list] = {}
+                for read in plan.reads:
+                    by_path.setdefault(read.path, []).append(read)
+                for reads in by_path.values():  # reads of one blob could not have been merged
+                    reads.sort(key=lambda r: r.offset)
+                    for a, b in zip(reads, reads[1:]):
+                        assert b.offset - (a.offset + a.length) > max_gap
+                part = _fetch(job.files, component, plan)
+                assert not set(part) & set(restored)
+                restored.update(part)
+            assert restored == model, (checkpoint_id, new_p)
+
+
+def test_chains_never_exceed_max_chain_length():
+    for limit in (1, 2, 3):
+        job = _run_job(max_chain_length=limit)
+        longest = max(len(chain) for _, component, _ in job.history for chain in component.chains.values())
+        assert longest == limit  # reached (the scenario has long delta runs), never exceeded
+        if limit == 1:
+            assert all(e.kind == "full" for b in job.component.blobs.values() for e in b.index.entries)
+
+
+def test_delta_without_base_state_is_rejected_but_an_empty_one_is_ignored():
+    spec = LAYOUT.spec("c", 1, 4)
+    schema = LAYOUT.blob_schema
+    empty = pa.table({"key": [], "value": [], DELETED_COLUMN: []}, schema=schema)
+    one = pa.table({"key": ["a"], "value": [1], DELETED_COLUMN: [False]}, schema=schema)
+
+    def ref(checkpoint_id, entries):
+        data, index = encode_blob(schema, entries, key_group_range=KeyGroupRange(0, 3), metadata={})
+        return BlobRef(f"b{checkpoint_id}", checkpoint_id, 0, KeyGroupRange(0, 3), len(data), zlib.crc32(data), index)
+
+    base = next_component(None, spec, 1, [ref(1, [(1, "full", one)])])
+    with pytest.raises(CheckpointError, match="delta for key group 2, which has no base state"):
+        next_component(base, spec, 2, [ref(2, [(2, "delta", one)])])
+    after = next_component(base, spec, 2, [ref(2, [(1, "delta", one), (2, "delta", empty)])])
+    assert after.chains == {1: ("b1", "b2")}
+    for plan in plan_restore(after, 2):
+        for links in plan.chains.values():
+            assert links[0][1].kind == "full"
+
+
+# --------------------------------------------------------------------------- apply_chain
+
+SCHEMA = LAYOUT.blob_schema
+
+
+def _batch(rows: list[tuple[str, int | None, bool]]) -> pa.RecordBatch:
+    keys, values, deleted = (list(c) for c in zip(*rows)) if rows else ([], [], [])
+    return pa.RecordBatch.from_arrays(
+        [pa.array(keys, pa.string()), pa.array(values, pa.int64()), pa.array(deleted, pa.bool_())], schema=SCHEMA
+    )
+
+
+def _pairs(table: pa.Table) -> list[tuple]:
+    return list(zip(*(table.column(n).to_pylist() for n in table.column_names)))
+
+
+def test_apply_full_only():
+    table = apply_chain([("full", _batch([("a", 1, False), ("b", None, False)]))], ("key",))
+    assert table.column_names == ["key", "value"]
+    assert _pairs(table) == [("a", 1), ("b", None)]
+
+
+def test_apply_full_then_deltas_last_write_wins_and_tombstones_delete():
+    chain = [
+        ("full", _batch([("a", 1, False), ("b", 2, False), ("c", 3, False)])),
+        ("delta", _batch([("b", 20, False), ("d", 4, False)])),
+        ("delta", _batch([("a", None, True), ("b", 200, False)])),
+        ("delta", _batch([("c", None, True), ("zz", None, True)])),  # zz never existed
+    ]
+    assert sorted(_pairs(apply_chain(chain, ("key",)))) == [("b", 200), ("d", 4)]
+
+
+def test_apply_reput_after_delete():
+    chain = [
+        ("full", _batch([("a", 1, False)])),
+        ("delta", _batch([("a", None, True)])),
+        ("delta", _batch([("a", 7, False)])),
+    ]
+    assert _pairs(apply_chain(chain, ("key",))) == [("a", 7)]
+    deleted_again = chain + [("delta", _batch([("a", None, True)]))]
+    assert _pairs(apply_chain(deleted_again, ("key",))) == []
+
+
+def test_apply_rows_follow_their_last_occurrence():
+    chain = [
+        ("full", _batch([("a", 1, False), ("b", 2, False), ("c", 3, False)])),
+        ("delta", _batch([("a", 10, False)])),
+    ]
+    assert _pairs(apply_chain(chain, ("key",))) == [("b", 2), ("c", 3), ("a", 10)]
+
+
+def test_apply_composite_keys_with_nulls():
+    schema = pa.schema([("k1", pa.string()), ("k2", pa.int64()), ("v", pa.int64()), (DELETED_COLUMN, pa.bool_())])
+
+    def batch(rows):
+        return pa.RecordBatch.from_pylist([dict(zip(schema.names, r)) for r in rows], schema=schema)
+
+    chain = [
+        ("full", batch([("x", 1, 1, False), ("x", 2, 2, False), ("y", 1, 3, False), (None, 1, 4, False)])),
+        ("delta", batch([("x", 2, None, True), ("y", 1, 30, False), (None, 1, 40, False), ("x", None, 5, False)])),
+    ]
+    result = apply_chain(chain, ("k1", "k2"))
+    assert sorted(_pairs(result), key=repr) == sorted(
+        [("x", 1, 1), ("y", 1, 30), (None, 1, 40), ("x", None, 5)], key=repr
+    )
+
+
+def test_apply_chain_must_start_full():
+    with pytest.raises(ValueError, match="must start with a full entry"):
+        apply_chain([("delta", _batch([("a", 1, False)]))], ("key",))
+    with pytest.raises(ValueError, match="at least one entry"):
+        apply_chain([], ("key",))
