@@ -1,0 +1,453 @@
+"""The Spark edge: the user API and the driver's part of every micro-batch.
+
+Usage::
+
+    from spark_state import keyed
+
+    query = (
+        keyed(events, "user", name="clicks")      # key column(s) and a component name
+        .count()                                  # or .sum("amount") or .apply(fn, ...)
+        .writeStream.format("replayable")         # any sink, written once per batch id
+        .option("path", "/data/click-counts")
+        .option("checkpointLocation", "/chk/clicks")
+        .start()
+    )
+
+A ``StatefulQuery`` is a Structured Streaming query whose ``foreachBatch``
+runs ``MicroBatch.run`` on the driver for every micro-batch N:
+
+1. read the settings (``spark.state.*``) from the session that started the
+   query, so a changed parallelism applies from the next batch on;
+2. find the base checkpoint: the latest committed one, or, when batch N of
+   this query was already committed (the driver died after our commit but
+   before Spark's), the one before it, so the batch is recomputed exactly;
+3. route rows: key group and instance are computed in the JVM from the same
+   hash as ``key_group_for``; ``repartitionById`` makes Spark task i
+   instance i; each task runs ``operator.run_instance``;
+4. write the output rows to the sink with batch id N (idempotently);
+5. commit checkpoint N with this batch's source end offsets, read from
+   ``<checkpointLocation>/offsets/N``, the record Spark replays from;
+6. clean up what no retained checkpoint needs.
+
+A crash before step 5 leaves checkpoint N uncommitted: Spark replays batch N
+with the same offsets, tasks restart from the same base, and the sink skips
+or overwrites what step 4 had written. A crash after step 5 is step 2's case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import pyarrow as pa
+
+from spark_state.checkpoint import CheckpointExistsError, CheckpointStore, open_checkpoint_store
+from spark_state.conf import PARALLELISM, StateConf
+from spark_state.errors import CheckpointError, ConfigError, NoCheckpointError
+from spark_state.keyed_state import StateLayout
+from spark_state.manifest import Manifest
+from spark_state.operator import (
+    INSTANCE_COLUMN,
+    KEY_GROUP_COLUMN,
+    META_COLUMN,
+    Aggregate,
+    PythonFunction,
+    TaskSpec,
+    blob_ref_from_meta,
+    run_instance,
+)
+
+SPARK_RUN_KEY = "spark"
+
+
+def keyed(df, *key_columns: str, name: str) -> "KeyedStream":
+    """Key a streaming DataFrame by ``key_columns`` for rescalable state stored as component ``name``."""
+    if not key_columns:
+        raise ConfigError("keyed() needs at least one key column")
+    missing = [c for c in key_columns if c not in df.columns]
+    if missing:
+        raise ConfigError(f"key column(s) {missing} are not in the DataFrame; it has {df.columns}")
+    if not df.isStreaming:
+        raise ConfigError("keyed() works on streaming DataFrames (spark.readStream...); use groupBy for batch data")
+    return KeyedStream(df, tuple(key_columns), name)
+
+
+def _to_arrow_schema(schema) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    if isinstance(schema, pa.Schema):
+        return schema
+    if isinstance(schema, str):
+        schema = StructType.fromDDL(schema)
+    if not isinstance(schema, StructType):
+        raise ConfigError(f"a schema must be a DDL string, a StructType or a pyarrow.Schema, got {type(schema).__name__}")
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def _to_spark_schema(schema: pa.Schema):
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(schema)
+
+
+@dataclass(frozen=True)
+class KeyedStream:
+    """A streaming DataFrame keyed for rescalable state; choose what to compute per key."""
+
+    df: Any
+    key_columns: tuple[str, ...]
+    name: str
+
+    def _key_fields(self) -> list[pa.Field]:
+        schema = _to_arrow_schema(self.df.schema)
+        return [schema.field(c) for c in self.key_columns]
+
+    def count(self, output: str = "count") -> "StatefulStream":
+        """Running count of rows per key; emits ``(keys..., output)`` for every key seen in a batch."""
+        fields = self._key_fields() + [pa.field(output, pa.int64())]
+        schema = pa.schema(fields)
+        return StatefulStream(self, Aggregate("count", None, output), schema, schema, ())
+
+    def sum(self, column: str, output: str | None = None) -> "StatefulStream":
+        """Running sum of ``column`` per key (int64 for integers, float64 otherwise)."""
+        if column not in self.df.columns:
+            raise ConfigError(f"sum({column!r}): no such column; the DataFrame has {self.df.columns}")
+        output = output or f"sum_{column}"
+        function = Aggregate("sum", column, output)
+        value_type = function.value_type(_to_arrow_schema(self.df.schema))
+        schema = pa.schema(self._key_fields() + [pa.field(output, value_type)])
+        return StatefulStream(self, function, schema, schema, (column,))
+
+    def apply(
+        self,
+        fn: Callable,
+        *,
+        state_schema,
+        output_schema,
+        style: str = "pandas",
+    ) -> "StatefulStream":
+        """Call ``fn(key, rows, state)`` once per key and batch; see ``operator.PythonFunction``.
+
+        ``state_schema`` holds the value columns of the per-key state (DDL
+        string, StructType or pyarrow schema; key columns are added in
+        front); ``output_schema`` the columns ``fn`` returns.
+        """
+        values = _to_arrow_schema(state_schema)
+        clash = [f.name for f in values if f.name in self.key_columns]
+        if clash:
+            raise ConfigError(f"state_schema repeats key column(s) {clash}; list only the value columns")
+        state = pa.schema(self._key_fields() + list(values))
+        outputs = _to_arrow_schema(output_schema)
+        return StatefulStream(self, PythonFunction(fn, style), state, outputs, tuple(self.df.columns))
+
+
+@dataclass(frozen=True)
+class StatefulStream:
+    """A keyed computation ready to be written; ``writeStream`` starts it like any streaming DataFrame."""
+
+    keyed: KeyedStream
+    function: Any
+    state_schema: pa.Schema
+    output_schema: pa.Schema
+    input_columns: tuple[str, ...]
+
+    @property
+    def writeStream(self) -> "StatefulStreamWriter":
+        StateLayout(self.state_schema, self.keyed.key_columns)  # validate now, not at the first batch
+        return StatefulStreamWriter(self)
+
+
+class StatefulStreamWriter:
+    """Mirrors ``DataStreamWriter``: ``format``, ``option(s)``, ``trigger``, ``queryName``, ``foreachBatch``, ``start``.
+
+    The sink receives each batch's output once per batch id: ``replayable``
+    skips a batch id it already holds; file formats (parquet, json, ...) are
+    written with mode overwrite to ``<path>/batch_id=N``; ``foreachBatch(fn)``
+    hands ``(output_df, batch_id)`` to ``fn``, which must be idempotent per
+    batch id (Spark may call it again for the same id after a failure).
+    """
+
+    def __init__(self, stream: StatefulStream):
+        self._stream = stream
+        self._format: str | None = None
+        self._options: dict[str, str] = {}
+        self._trigger: dict[str, Any] | None = None
+        self._query_name: str | None = None
+        self._foreach_batch: Callable | None = None
+
+    def format(self, source: str) -> "StatefulStreamWriter":
+        self._format = source
+        return self
+
+    def option(self, key: str, value: Any) -> "StatefulStreamWriter":
+        self._options[key] = str(value)
+        return self
+
+    def options(self, **options: Any) -> "StatefulStreamWriter":
+        for key, value in options.items():
+            self.option(key, value)
+        return self
+
+    def trigger(self, **trigger: Any) -> "StatefulStreamWriter":
+        self._trigger = trigger
+        return self
+
+    def queryName(self, name: str) -> "StatefulStreamWriter":
+        self._query_name = name
+        return self
+
+    def foreachBatch(self, fn: Callable) -> "StatefulStreamWriter":
+        self._foreach_batch = fn
+        return self
+
+    def start(self, path: str | None = None) -> "StatefulQuery":
+        if path is not None:
+            self._options["path"] = path
+        checkpoint_location = self._options.pop("checkpointLocation", None)
+        if not checkpoint_location:
+            raise ConfigError(
+                "option('checkpointLocation', ...) is required: it holds Spark's offsets log, from which "
+                "each state checkpoint records its source offsets"
+            )
+        if self._foreach_batch is None and self._format is None:
+            raise ConfigError("choose a sink: .format(name).option('path', ...) or .foreachBatch(fn)")
+        session = self._stream.keyed.df.sparkSession
+        batch = MicroBatch(
+            stream=self._stream,
+            session=session,
+            checkpoint_location=_local_path(checkpoint_location),
+            sink_format=self._format,
+            sink_options=dict(self._options),
+            foreach_batch=self._foreach_batch,
+        )
+        batch.conf()  # fail now on bad settings, not at the first batch
+        writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
+            "checkpointLocation", checkpoint_location
+        )
+        if self._trigger:
+            writer = writer.trigger(**self._trigger)
+        if self._query_name:
+            writer = writer.queryName(self._query_name)
+        return StatefulQuery(writer.start(), batch)
+
+
+def _local_path(location: str) -> str:
+    parsed = urlparse(location)
+    if parsed.scheme in ("", "file"):
+        return os.path.abspath(parsed.path if parsed.scheme else location)
+    raise ConfigError(
+        f"checkpointLocation {location!r}: only local paths are supported for now (the driver reads "
+        "Spark's offsets log from it); the state store itself may be on HDFS (spark.state.store)"
+    )
+
+
+def read_batch_offsets(checkpoint_location: str, batch_id: int) -> dict[str, Any]:
+    """Source end offsets of ``batch_id`` from Spark's offsets log, keyed by source id.
+
+    The log file ``offsets/N`` holds a version line, a metadata line and one
+    JSON offset per source, in the query's source order. An offset that names
+    itself (a JSON object with a ``source_id`` string) is keyed by that id,
+    any other by ``spark-source-<position>``.
+    """
+    path = Path(checkpoint_location) / "offsets" / str(batch_id)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise CheckpointError(f"Spark's offsets log has no entry {path}; is checkpointLocation right?") from None
+    result: dict[str, Any] = {}
+    for position, line in enumerate(lines[2:]):
+        if line.strip() in ("", "-"):
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            value = line
+        source_id = value.get("source_id") if isinstance(value, dict) else None
+        result[source_id if isinstance(source_id, str) else f"spark-source-{position}"] = value
+    return result
+
+
+@dataclass
+class MicroBatch:
+    """The driver's part of every micro-batch (see the module docstring); one per query."""
+
+    stream: StatefulStream
+    session: Any
+    checkpoint_location: str
+    sink_format: str | None
+    sink_options: dict[str, str]
+    foreach_batch: Callable | None
+    parallelism_override: int | None = None
+    history: list[dict] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def conf(self) -> StateConf:
+        """Settings for the next batch, from the session that started the query."""
+        get = lambda key: self.session.conf.get(key, None)  # noqa: E731
+        default_parallelism = int(self.session.conf.get("spark.sql.shuffle.partitions", "200"))
+        conf = StateConf.parse(
+            get,
+            default_store=os.path.join(self.checkpoint_location, "state"),
+            default_parallelism=default_parallelism,
+        )
+        if self.parallelism_override is not None:
+            conf = replace(conf, parallelism=self.parallelism_override)
+        return conf
+
+    def _base(self, store: CheckpointStore, batch_id: int) -> tuple[int, Manifest | None, bool]:
+        """(checkpoint id to write, base manifest, whether batch_id is already committed)."""
+        latest = store.latest()
+        if latest is None:
+            return 0, None, False
+        run = latest.sources.get(SPARK_RUN_KEY, {})
+        same_run = run.get("checkpoint_location") == self.checkpoint_location
+        if not same_run or run.get("batch_id", -1) < batch_id:
+            return latest.checkpoint_id + 1, latest, False
+        for newer, older in zip(latest.consistent_checkpoints, latest.consistent_checkpoints[1:] + (None,)):
+            manifest = store.load(newer)
+            if manifest.sources.get(SPARK_RUN_KEY, {}).get("batch_id") == batch_id:
+                return newer, (store.load(older) if older is not None else None), True
+        raise CheckpointError(
+            f"batch {batch_id} is older than the retained checkpoints of {store.storage.uri} "
+            f"({list(latest.consistent_checkpoints)}); raise {PARALLELISM.rsplit('.', 1)[0]}.checkpointsRetained "
+            "or restart from a new checkpointLocation"
+        )
+
+    def run(self, batch_df, batch_id: int) -> None:
+        with self._lock:
+            self._run(batch_df, batch_id)
+
+    def _run(self, batch_df, batch_id: int) -> None:
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        from spark_state.routing import instance_column, key_group_column
+
+        conf = self.conf()
+        store = open_checkpoint_store(conf.store, retained=conf.checkpoints_retained)
+        checkpoint_id, base, replayed = self._base(store, batch_id)
+        stream = self.stream
+        layout = StateLayout(stream.state_schema, stream.keyed.key_columns)
+        spec = layout.spec(stream.keyed.name, conf.parallelism, conf.max_parallelism)
+        if base is not None and stream.keyed.name in base.components:
+            from spark_state.manifest import check_compatible
+
+            check_compatible(base.components[stream.keyed.name], spec)
+        task = TaskSpec(
+            store_uri=store.storage.uri,
+            component=stream.keyed.name,
+            state_schema=stream.state_schema.serialize().to_pybytes(),
+            key_columns=stream.keyed.key_columns,
+            input_columns=stream.input_columns,
+            output_schema=stream.output_schema.serialize().to_pybytes(),
+            function=stream.function,
+            checkpoint_id=checkpoint_id,
+            base_checkpoint_id=base.checkpoint_id if base is not None else None,
+            parallelism=conf.parallelism,
+            max_parallelism=conf.max_parallelism,
+            max_chain_length=conf.max_chain_length,
+            compression=conf.compression,
+            retained=conf.checkpoints_retained,
+        )
+        key_group = key_group_column(batch_df, list(stream.keyed.key_columns), conf.max_parallelism)
+        needed = list(dict.fromkeys(list(stream.keyed.key_columns) + list(stream.input_columns)))
+        routed = batch_df.select(
+            *needed,
+            key_group.alias(KEY_GROUP_COLUMN),
+        ).withColumn(
+            INSTANCE_COLUMN, instance_column(F.col(KEY_GROUP_COLUMN), conf.parallelism, conf.max_parallelism)
+        )
+
+        def process(batches):
+            from pyspark import TaskContext
+
+            yield from run_instance(task, TaskContext.get().partitionId(), batches)
+
+        out_schema = _to_spark_schema(stream.output_schema.append(pa.field(META_COLUMN, pa.string())))
+        result = (
+            routed.repartitionById(conf.parallelism, F.col(INSTANCE_COLUMN))
+            .drop(INSTANCE_COLUMN)
+            .mapInArrow(process, out_schema)
+            .persist(StorageLevel.MEMORY_AND_DISK)
+        )
+        try:
+            metas = [json.loads(r[0]) for r in result.where(F.col(META_COLUMN).isNotNull()).select(META_COLUMN).collect()]
+            self._check_instances(metas, conf.parallelism)
+            output = result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN)
+            self._write_output(output, batch_id)
+            if not replayed:
+                sources = read_batch_offsets(self.checkpoint_location, batch_id)
+                sources[SPARK_RUN_KEY] = {"checkpoint_location": self.checkpoint_location, "batch_id": batch_id}
+                refs = [ref for ref in map(blob_ref_from_meta, metas) if ref is not None]
+                try:
+                    manifest = store.commit(checkpoint_id, {stream.keyed.name: (spec, refs)}, sources)
+                except CheckpointExistsError as exc:
+                    raise CheckpointError(
+                        f"checkpoint {checkpoint_id} was committed by another query writing to the same "
+                        f"state store {conf.store}; give each query its own spark.state.store"
+                    ) from exc
+                store.cleanup(manifest)
+        finally:
+            result.unpersist()
+        self.history.append(
+            {
+                "batch_id": batch_id,
+                "checkpoint_id": checkpoint_id,
+                "replayed": replayed,
+                "parallelism": conf.parallelism,
+                "instances": sorted(metas, key=lambda m: m["instance"]),
+            }
+        )
+
+    @staticmethod
+    def _check_instances(metas: list[dict], parallelism: int) -> None:
+        seen = sorted(m["instance"] for m in metas)
+        if seen != list(range(parallelism)):
+            raise CheckpointError(
+                f"expected one report from each of {parallelism} instances, got {seen}; not committing"
+            )
+
+    def _write_output(self, output, batch_id: int) -> None:
+        if self.foreach_batch is not None:
+            self.foreach_batch(output, batch_id)
+            return
+        options = dict(self.sink_options)
+        if self.sink_format == "replayable":
+            options.setdefault("sinkId", f"spark-state:{self.checkpoint_location}")
+            options["batchId"] = str(batch_id)
+            output.write.format("replayable").mode("append").options(**options).save()
+            return
+        path = options.pop("path", None)
+        if not path:
+            raise ConfigError(f"sink format {self.sink_format!r} needs option('path', ...)")
+        output.write.format(self.sink_format).mode("overwrite").options(**options).save(
+            f"{path.rstrip('/')}/batch_id={batch_id}"
+        )
+
+
+class StatefulQuery:
+    """A running stateful query: the ``StreamingQuery`` plus rescaling and restore reports."""
+
+    def __init__(self, query, batch: MicroBatch):
+        self.query = query
+        self._batch = batch
+
+    def set_parallelism(self, parallelism: int) -> None:
+        """Use ``parallelism`` instances from the next micro-batch on (no restart needed)."""
+        conf = self._batch.conf()
+        StateConf(conf.store, parallelism, conf.max_parallelism, conf.checkpoints_retained)
+        self._batch.parallelism_override = parallelism
+
+    @property
+    def batches(self) -> list[dict]:
+        """Per completed micro-batch: ids, parallelism and each instance's report (restore cost, keys)."""
+        return list(self._batch.history)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.query, name)
