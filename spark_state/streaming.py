@@ -284,6 +284,7 @@ class MicroBatch:
     sink_options: dict[str, str]
     foreach_batch: Callable | None
     parallelism_override: int | None = None
+    fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
     history: list[dict] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -379,8 +380,10 @@ class MicroBatch:
         try:
             metas = [json.loads(r[0]) for r in result.where(F.col(META_COLUMN).isNotNull()).select(META_COLUMN).collect()]
             self._check_instances(metas, conf.parallelism)
+            self._fault("tasks_done", batch_id)
             output = result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN)
             self._write_output(output, batch_id)
+            self._fault("output_written", batch_id)
             if not replayed:
                 sources = read_batch_offsets(self.checkpoint_location, batch_id)
                 sources[SPARK_RUN_KEY] = {"checkpoint_location": self.checkpoint_location, "batch_id": batch_id}
@@ -392,6 +395,7 @@ class MicroBatch:
                         f"checkpoint {checkpoint_id} was committed by another query writing to the same "
                         f"state store {conf.store}; give each query its own spark.state.store"
                     ) from exc
+                self._fault("committed", batch_id)
                 store.cleanup(manifest)
         finally:
             result.unpersist()
@@ -404,6 +408,10 @@ class MicroBatch:
                 "instances": sorted(metas, key=lambda m: m["instance"]),
             }
         )
+
+    def _fault(self, stage: str, batch_id: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(stage, batch_id)
 
     @staticmethod
     def _check_instances(metas: list[dict], parallelism: int) -> None:

@@ -1,0 +1,266 @@
+"""End-to-end: the keyed operator in Spark, through rescales, faults and live parallelism changes.
+
+Input is a directory of Parquet files read one file per micro-batch, so the
+input of every batch is fixed and replayable. The sink keeps each batch's
+output by batch id (overwriting on replay, as an idempotent sink must), and
+the expected output is computed from the same files by a plain Python model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spark_state import keyed
+from spark_state.checkpoint import open_checkpoint_store
+from spark_state.errors import ConfigError
+from spark_state.streaming import MicroBatch
+
+pytestmark = pytest.mark.spark
+
+SCHEMA = "user string, amount long"
+
+
+class Job:
+    """One logical job: input files, state store, Spark checkpoint and the exact expected outputs."""
+
+    def __init__(self, spark, root: Path, name: str = "clicks"):
+        self.spark = spark
+        self.root = root
+        self.name = name
+        self.input = root / "input"
+        self.input.mkdir(parents=True)
+        self.files: list[list[tuple[str, int]]] = []
+        self.outputs: dict[int, dict[str, int]] = {}
+
+    def add_batch(self, n: int, keys: int, salt: int) -> None:
+        rows = [(f"u{(i * 7 + salt) % keys}", i % 5 + 1) for i in range(n)]
+        index = len(self.files)
+        path = self.input / f"part-{index:05d}.parquet"
+        pq.write_table(pa.table({"user": [r[0] for r in rows], "amount": [r[1] for r in rows]}), path)
+        # The file source takes files in modification-time order: make it the batch order.
+        os.utime(path, (1_700_000_000 + index, 1_700_000_000 + index))
+        self.files.append(rows)
+
+    def expected(self) -> dict[int, dict[str, int]]:
+        """Per batch id: the running count of every user seen in that batch."""
+        totals: Counter = Counter()
+        result = {}
+        for batch_id, rows in enumerate(self.files):
+            totals.update(user for user, _ in rows)
+            result[batch_id] = {user: totals[user] for user, _ in rows}
+        return result
+
+    def stream(self):
+        return (
+            self.spark.readStream.schema(SCHEMA)
+            .option("maxFilesPerTrigger", 1)
+            .parquet(str(self.input))
+        )
+
+    def sink(self, out, batch_id: int) -> None:
+        self.outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
+
+    def run(self, parallelism: int, stream_fn=None):
+        """Process everything available at ``parallelism``; returns the StatefulQuery (stopped)."""
+        self.spark.conf.set("spark.state.parallelism", str(parallelism))
+        self.spark.conf.set("spark.state.store", str(self.root / "state"))
+        stream = stream_fn(keyed(self.stream(), "user", name=self.name)) if stream_fn else keyed(
+            self.stream(), "user", name=self.name
+        ).count()
+        query = (
+            stream.writeStream.foreachBatch(self.sink)
+            .option("checkpointLocation", str(self.root / "chk"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        try:
+            query.awaitTermination()
+        finally:
+            query.stop()
+        return query
+
+
+@pytest.fixture(autouse=True)
+def _clean_conf(spark):
+    yield
+    for key in ("spark.state.parallelism", "spark.state.store", "spark.state.maxParallelism"):
+        spark.conf.unset(key)
+
+
+def _counting_fn(marker: Path, action: str):
+    """A count written as a user function that fails once (raise or kill its worker) while ``marker`` exists."""
+
+    def count(key, rows, state):
+        if marker.exists():
+            marker.unlink()
+            if action == "exit":
+                os._exit(17)
+            raise RuntimeError("injected task failure")
+        total = (state.get()[0] if state.exists else 0) + len(rows)
+        state.update((total,))
+        return [{"user": key[0], "count": total}]
+
+    return lambda k: k.apply(count, state_schema="count long", output_schema="user string, count long")
+
+
+def test_rescale_3_5_1_8_with_faults_gives_exact_output(spark, tmp_path, monkeypatch):
+    job = Job(spark, tmp_path)
+    for salt in range(2):
+        job.add_batch(400, keys=90, salt=salt)
+    first = job.run(3)
+    assert [b["parallelism"] for b in first.batches] == [3, 3]
+    assert job.outputs == job.expected()
+
+    # Resume at 5; the task of the first new batch raises once (the query fails and is restarted).
+    job.add_batch(300, keys=120, salt=2)
+    job.add_batch(300, keys=120, salt=3)
+    marker = tmp_path / "fail-task"
+    marker.touch()
+    with pytest.raises(Exception, match="injected task failure"):
+        job.run(5, _counting_fn(marker, "raise"))
+    second = job.run(5, _counting_fn(marker, "raise"))
+    assert {b["parallelism"] for b in second.batches} == {5}
+    assert job.outputs == job.expected()
+
+    # Resume at 1; the Python worker dies once.
+    job.add_batch(200, keys=150, salt=4)
+    marker.touch()
+    with pytest.raises(Exception):
+        job.run(1, _counting_fn(marker, "exit"))
+    job.run(1, _counting_fn(marker, "exit"))
+    assert job.outputs == job.expected()
+
+    # Resume at 8; the driver fails after our commit, before Spark's commit of the batch.
+    job.add_batch(300, keys=200, salt=5)
+    job.add_batch(300, keys=200, salt=6)
+    crashed = []
+
+    def crash_once(self, stage, batch_id):
+        if stage == "committed" and not crashed:
+            crashed.append(batch_id)
+            raise RuntimeError("injected driver failure after commit")
+
+    monkeypatch.setattr(MicroBatch, "_fault", crash_once)
+    with pytest.raises(Exception, match="injected driver failure"):
+        job.run(8)
+    monkeypatch.undo()
+    last = job.run(8)
+    assert last.batches[0]["batch_id"] == crashed[0] and last.batches[0]["replayed"]
+    assert job.outputs == job.expected()
+
+    # The final state equals the model, read back from the store at yet another parallelism.
+    manifest = open_checkpoint_store(str(tmp_path / "state")).latest()
+    assert manifest.components["clicks"].parallelism == 8
+    totals = Counter(user for rows in job.files for user, _ in rows)
+    assert _state_counts(tmp_path / "state", "clicks", parallelism=3) == dict(totals)
+
+
+@pytest.mark.parametrize("stage", ["tasks_done", "output_written"])
+def test_driver_failure_before_commit_replays_batch_exactly(spark, tmp_path, monkeypatch, stage):
+    job = Job(spark, tmp_path)
+    job.add_batch(300, keys=40, salt=0)
+    job.add_batch(300, keys=40, salt=1)
+    job.add_batch(300, keys=40, salt=2)
+
+    def crash(self, at, batch_id):
+        if at == stage and batch_id == 1:
+            raise RuntimeError(f"injected driver failure at {at}")
+
+    monkeypatch.setattr(MicroBatch, "_fault", crash)
+    with pytest.raises(Exception, match="injected driver failure"):
+        job.run(2)
+    store = open_checkpoint_store(str(tmp_path / "state"))
+    assert [store.load(i).sources["spark"]["batch_id"] for i in store.committed_ids()] == [0]
+    monkeypatch.undo()
+    job.run(3)
+    assert job.outputs == job.expected()
+
+
+def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    spark.conf.set("spark.state.parallelism", "2")
+    spark.conf.set("spark.state.store", str(tmp_path / "state"))
+    query = (
+        keyed(job.stream(), "user", name="clicks")
+        .count()
+        .writeStream.foreachBatch(job.sink)
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .start()
+    )
+    try:
+        job.add_batch(200, keys=30, salt=0)
+        query.processAllAvailable()
+        spark.conf.set("spark.state.parallelism", "5")
+        job.add_batch(200, keys=30, salt=1)
+        query.processAllAvailable()
+        query.set_parallelism(3)
+        job.add_batch(200, keys=30, salt=2)
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert [b["parallelism"] for b in query.batches] == [2, 5, 3]
+    assert job.outputs == job.expected()
+
+
+def test_changed_max_parallelism_is_refused_with_an_explanation(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    job.add_batch(100, keys=10, salt=0)
+    job.run(2)
+    job.add_batch(100, keys=10, salt=1)
+    spark.conf.set("spark.state.maxParallelism", "128")
+    with pytest.raises(Exception, match="max parallelism is 128 but the checkpoints were written with 4096"):
+        job.run(2)
+
+
+def test_sum_and_arrow_apply(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    job.add_batch(500, keys=25, salt=0)
+    sums: dict[int, dict] = {}
+
+    def sink(out, batch_id):
+        sums[batch_id] = {r["user"]: r["sum_amount"] for r in out.collect()}
+
+    spark.conf.set("spark.state.parallelism", "2")
+    spark.conf.set("spark.state.store", str(tmp_path / "state"))
+    query = (
+        keyed(job.stream(), "user", name="amounts")
+        .sum("amount")
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    expected = Counter()
+    for user, amount in job.files[0]:
+        expected[user] += amount
+    assert sums == {0: dict(expected)}
+
+
+def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
+    from spark_state.keyed_state import StateLayout, restore_instance
+
+    store = open_checkpoint_store(str(store_path))
+    manifest = store.latest()
+    comp = manifest.components[component]
+    layout = StateLayout(pa.schema([("user", pa.string()), ("count", pa.int64())]), ("user",))
+    result = {}
+    for i in range(parallelism):
+        state, _, _ = restore_instance(store, comp, layout, i, parallelism, comp.max_parallelism)
+        result.update({key[0]: value[0] for _, key, value in state.items()})
+    return result
+
+
+def test_unsupported_settings_fail_before_the_first_batch(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    spark.conf.set("spark.state.parallelism", "0")
+    with pytest.raises(ConfigError, match="spark.state.parallelism=0"):
+        keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink).option(
+            "checkpointLocation", str(tmp_path / "chk")
+        ).start()
