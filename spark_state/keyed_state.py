@@ -34,6 +34,8 @@ Key = tuple
 Value = tuple
 Chain = tuple[str, ...]
 DEFAULT_MAX_CHAIN_LENGTH = 8
+CATCH_UP_MAX_GAP_BYTES = 8192
+"""Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
 PENDING = "<pending>"  # chain link of an entry snapshotted but not yet written (see record_blob)
 
 
@@ -242,7 +244,9 @@ class InstanceState:
                 f"{self.key_group_range}; build a new InstanceState for the new parallelism"
             )
         self.discard_uncommitted()
-        plan = plan_instance_restore(component, instance, parallelism, have=self._chains)
+        plan = plan_instance_restore(
+            component, instance, parallelism, have=self._chains, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES
+        )
         entries, stats = store.fetch_entries(component, plan)
         for key_group in plan.clear:
             self._groups.pop(key_group, None)
