@@ -18,8 +18,9 @@ a ``CheckpointStore``; they are the only I/O here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
@@ -68,6 +69,69 @@ class StateLayout:
         return ComponentSpec(name, max_parallelism, parallelism, self.key_columns, serialize_schema(self.blob_schema))
 
 
+class InstanceItems:
+    """Non-keyed state of one instance: a list of JSON values (buffers, positions, ...).
+
+    On a rescale the items of all old instances are split or merged across
+    the new instances (``redistribute_items``), never dropped. Mutate it
+    through its methods so the next checkpoint knows to write it.
+    """
+
+    def __init__(self, values: Sequence[Any] = ()):
+        self._values = list(values)
+        self.changed = False
+
+    def append(self, value: Any) -> None:
+        self._values.append(value)
+        self.changed = True
+
+    def extend(self, values: Sequence[Any]) -> None:
+        self._values.extend(values)
+        self.changed = True
+
+    def replace(self, values: Sequence[Any]) -> None:
+        self._values = list(values)
+        self.changed = True
+
+    def clear(self) -> None:
+        self.replace(())
+
+    def __iter__(self):
+        return iter(list(self._values))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, index):
+        return self._values[index]
+
+    def to_list(self) -> list:
+        return list(self._values)
+
+
+def redistribute_items(old: Mapping[int, Sequence[Any]], old_parallelism: int, new_parallelism: int) -> list[list]:
+    """Split or merge per-instance items for a new parallelism (Flink's split redistribution).
+
+    The items of old instances ``0 <= i < old_parallelism`` (missing ones
+    hold none) are concatenated in instance order and cut into
+    ``new_parallelism`` contiguous slices whose sizes differ by at most one,
+    larger first. Every item lands in exactly one new instance, in order.
+    """
+    if old_parallelism < 1 or new_parallelism < 1:
+        raise ConfigError(f"parallelism must be >= 1, got {old_parallelism} -> {new_parallelism}")
+    stray = [i for i in old if not 0 <= i < old_parallelism]
+    if stray:
+        raise KeyGroupOwnershipError(f"items of instance(s) {stray} outside old parallelism {old_parallelism}")
+    flat = [item for i in range(old_parallelism) for item in old.get(i, ())]
+    size, extra = divmod(len(flat), new_parallelism)
+    result, start = [], 0
+    for j in range(new_parallelism):
+        end = start + size + (1 if j < extra else 0)
+        result.append(flat[start:end])
+        start = end
+    return result
+
+
 class InstanceState:
     """Keyed state of one instance: ``key_group -> {key: value}`` for the key groups it owns.
 
@@ -82,6 +146,8 @@ class InstanceState:
         self._groups: dict[int, dict[Key, Value]] = {}
         self._dirty: dict[int, set[Key]] = {}
         self._chains: dict[int, Chain | None] = {}
+        self.instance_items = InstanceItems()
+        self._items_path: str | None = None  # the instance-state blob ``items`` reflects
 
     # Access -----------------------------------------------------------------
 
@@ -196,6 +262,37 @@ class InstanceState:
             self._chains[key_group] = None
         self._dirty.clear()
 
+    def items_snapshot(self) -> bytes | None:
+        """The items as JSON if they changed since the last snapshot, else None; clears the flag."""
+        if not self.instance_items.changed:
+            return None
+        self.instance_items.changed = False
+        self._items_path = PENDING
+        return json.dumps(self.instance_items.to_list()).encode()
+
+    def catch_up_items(
+        self, store: CheckpointStore, component: ComponentManifest, instance: int, parallelism: int
+    ) -> int:
+        """Bring ``items`` to ``component``'s; after a rescale take this instance's share. Returns bytes read."""
+        if component.parallelism == parallelism:
+            target = component.instance_state.get(instance)
+            if target == self._items_path and not self.instance_items.changed:
+                return 0
+            data = store.storage.read(target) if target else b"[]"
+            self.instance_items = InstanceItems(json.loads(data))
+            self._items_path = target
+            return len(data) if target else 0
+        old, read = {}, 0
+        for old_instance, path in component.instance_state.items():
+            data = store.storage.read(path)
+            read += len(data)
+            old[old_instance] = json.loads(data)
+        mine = redistribute_items(old, component.parallelism, parallelism)[instance]
+        self.instance_items = InstanceItems(mine)
+        self.instance_items.changed = bool(mine)  # must be written at the new parallelism (manifest.next_component)
+        self._items_path = None
+        return read
+
     def chains(self) -> dict[int, Chain | None]:
         """Per key group, the store chain its content reflects (None: unknown, reload on catch-up)."""
         return dict(self._chains)
@@ -303,3 +400,15 @@ def checkpoint_instance(
     )
     state.record_blob(ref.path)
     return ref
+
+
+def checkpoint_instance_items(
+    store: CheckpointStore, component: str, checkpoint_id: int, instance: int, state: InstanceState
+) -> str | None:
+    """Write the instance's items for ``checkpoint_id`` if they changed; return the path to commit."""
+    data = state.items_snapshot()
+    if data is None:
+        return None
+    path = store.write_instance_state(component, checkpoint_id, instance, data)
+    state._items_path = path
+    return path

@@ -259,7 +259,7 @@ def next_component(
                 )
     chains = {g: chain for g, chain in chains.items() if chain}
     referenced = {path for chain in chains.values() for path in chain}
-    state = dict(instance_state if instance_state is not None else (previous.instance_state if previous else {}))
+    state = _next_instance_state(previous, spec, instance_state or {})
     return ComponentManifest(
         name=spec.name,
         max_parallelism=spec.max_parallelism,
@@ -270,6 +270,26 @@ def next_component(
         chains=chains,
         instance_state=state,
     )
+
+
+def _next_instance_state(
+    previous: ComponentManifest | None, spec: ComponentSpec, written: Mapping[int, str]
+) -> dict[int, str]:
+    """Per-instance (non-keyed) state paths: the previous ones updated with the newly written ones.
+
+    Paths are indexed by instance, so after a parallelism change only the
+    paths written at the new parallelism count: every new instance that holds
+    items after redistribution writes them in its first checkpoint.
+    """
+    for instance in written:
+        if not 0 <= instance < spec.parallelism:
+            raise KeyGroupOwnershipError(
+                f"instance state written by instance {instance}, outside parallelism {spec.parallelism}"
+            )
+    keep = previous is not None and previous.parallelism == spec.parallelism
+    state = dict(previous.instance_state) if keep else {}
+    state.update(written)
+    return state
 
 
 def _check_blob(blob: BlobRef, spec: ComponentSpec, checkpoint_id: int, seen: set[int]) -> None:

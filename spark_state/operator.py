@@ -35,7 +35,13 @@ import pyarrow.compute as pc
 from spark_state.checkpoint import CheckpointStore
 from spark_state.errors import ConfigError, KeyGroupOwnershipError
 from spark_state.keygroups import key_group_range, key_groups_for_columns
-from spark_state.keyed_state import InstanceState, StateLayout, checkpoint_instance
+from spark_state.keyed_state import (
+    InstanceItems,
+    InstanceState,
+    StateLayout,
+    checkpoint_instance,
+    checkpoint_instance_items,
+)
 from spark_state.manifest import BlobRef
 
 KEY_GROUP_COLUMN = "_spark_state_key_group"
@@ -48,15 +54,18 @@ class KeyState:
 
     ``get`` returns the value as a tuple of the state schema's value columns
     (None if the key has no state); ``update`` takes such a tuple (or a dict
-    by column name); ``remove`` deletes it.
+    by column name); ``remove`` deletes it. ``instance`` is the non-keyed
+    state of the instance processing this key (``InstanceItems``: a list of
+    JSON values shared by all its keys, split or merged on rescale).
     """
 
-    __slots__ = ("_value", "_fields", "changed")
+    __slots__ = ("_value", "_fields", "changed", "instance")
 
-    def __init__(self, value: tuple | None, fields: tuple[str, ...]):
+    def __init__(self, value: tuple | None, fields: tuple[str, ...], instance: InstanceItems | None = None):
         self._value = value
         self._fields = fields
         self.changed = False
+        self.instance = instance
 
     @property
     def exists(self) -> bool:
@@ -178,7 +187,7 @@ class PythonFunction:
         for start, end in zip(bounds[:-1], bounds[1:]):
             key_group = int(key_group_values[start])
             key = tuple(values[start] for values in key_lists)
-            key_state = KeyState(state.get(key_group, key), value_fields)
+            key_state = KeyState(state.get(key_group, key), value_fields, state.instance_items)
             rows = frame.iloc[start:end].reset_index(drop=True) if self.style == "pandas" else frame.slice(start, end - start)
             result = self.fn(key, rows, key_state)
             if key_state.changed:
@@ -272,8 +281,9 @@ def _resident_state(task: TaskSpec, instance: int, store: CheckpointStore) -> tu
             state = InstanceState(layout, owned)
         return state, info
     plan, stats = state.catch_up(store, component, instance, task.parallelism)
+    items_read = state.catch_up_items(store, component, instance, task.parallelism)
     info.update(
-        bytes_read=stats.bytes_read,
+        bytes_read=stats.bytes_read + items_read,
         requests=stats.requests,
         key_groups_read=len(plan.chains),
         key_groups_appended=len(plan.appends),
@@ -328,11 +338,13 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
         max_chain_length=task.max_chain_length,
         compression=task.compression,
     )
+    items_path = checkpoint_instance_items(store, task.component, task.checkpoint_id, instance, state)
     with _LOCK:
         _RESIDENT[(task.store_uri, task.component, instance)] = state
     meta = {
         "instance": instance,
         "blob": ref.to_json() if ref is not None else None,
+        "items": items_path,
         "rows_in": 0 if table is None else table.num_rows,
         "keys": len(state),
         "restore": restore_info,

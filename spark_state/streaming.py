@@ -388,8 +388,14 @@ class MicroBatch:
                 sources = read_batch_offsets(self.checkpoint_location, batch_id)
                 sources[SPARK_RUN_KEY] = {"checkpoint_location": self.checkpoint_location, "batch_id": batch_id}
                 refs = [ref for ref in map(blob_ref_from_meta, metas) if ref is not None]
+                items = {m["instance"]: m["items"] for m in metas if m.get("items")}
                 try:
-                    manifest = store.commit(checkpoint_id, {stream.keyed.name: (spec, refs)}, sources)
+                    manifest = store.commit(
+                        checkpoint_id,
+                        {stream.keyed.name: (spec, refs)},
+                        sources,
+                        instance_state={stream.keyed.name: items},
+                    )
                 except CheckpointExistsError as exc:
                     raise CheckpointError(
                         f"checkpoint {checkpoint_id} was committed by another query writing to the same "

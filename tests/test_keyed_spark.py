@@ -264,3 +264,36 @@ def test_unsupported_settings_fail_before_the_first_batch(spark, tmp_path):
         keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink).option(
             "checkpointLocation", str(tmp_path / "chk")
         ).start()
+
+
+def _first_seen_fn(k):
+    """Count per key, and remember every new key in the instance's non-keyed items."""
+
+    def count(key, rows, state):
+        if not state.exists:
+            state.instance.append(key[0])
+        total = (state.get()[0] if state.exists else 0) + len(rows)
+        state.update((total,))
+        return [{"user": key[0], "count": total}]
+
+    return k.apply(count, state_schema="count long", output_schema="user string, count long")
+
+
+def test_instance_items_survive_rescales_without_loss_or_duplication(spark, tmp_path):
+    import json
+
+    job = Job(spark, tmp_path)
+    for parallelism, salt in ((3, 0), (2, 1), (4, 2)):
+        job.add_batch(300, keys=60 + 30 * salt, salt=salt)
+        job.run(parallelism, _first_seen_fn)
+        assert job.outputs == job.expected()
+        store = open_checkpoint_store(str(tmp_path / "state"))
+        component = store.latest().components["clicks"]
+        assert component.parallelism == parallelism
+        items = [
+            item
+            for i in sorted(component.instance_state)
+            for item in json.loads(store.storage.read(component.instance_state[i]))
+        ]
+        seen = {user for rows in job.files for user, _ in rows}
+        assert sorted(items) == sorted(seen)

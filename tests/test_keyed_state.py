@@ -100,3 +100,73 @@ def test_catch_up_refuses_another_instances_range(store):
     component = _commit(store, 1, state)
     with pytest.raises(KeyGroupOwnershipError, match="owns"):
         state.catch_up(store, component, 0, 2)
+
+
+# Non-keyed per-instance state ------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from spark_state.keyed_state import checkpoint_instance_items, redistribute_items  # noqa: E402
+
+
+@given(
+    old=st.lists(st.lists(st.integers(), max_size=6), min_size=1, max_size=8),
+    new_parallelism=st.integers(1, 9),
+)
+def test_redistribution_keeps_every_item_once_in_order(old, new_parallelism):
+    new = redistribute_items(dict(enumerate(old)), len(old), new_parallelism)
+    assert len(new) == new_parallelism
+    assert [x for part in new for x in part] == [x for part in old for x in part]
+    sizes = [len(part) for part in new]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_redistribution_rejects_items_of_unknown_instances():
+    with pytest.raises(KeyGroupOwnershipError):
+        redistribute_items({3: ["x"]}, 3, 2)
+
+
+def _commit_items(store, checkpoint_id, states, parallelism):
+    paths = {}
+    for i, state in enumerate(states):
+        path = checkpoint_instance_items(store, "c", checkpoint_id, i, state)
+        if path:
+            paths[i] = path
+    spec = LAYOUT.spec("c", parallelism, M)
+    return store.commit(checkpoint_id, {"c": (spec, [])}, {}, instance_state={"c": paths}).components["c"]
+
+
+def _states(parallelism):
+    return [InstanceState(LAYOUT, key_group_range(i, parallelism, M)) for i in range(parallelism)]
+
+
+def test_instance_items_are_split_and_merged_on_rescale_never_dropped(store):
+    three = _states(3)
+    for i, state in enumerate(three):
+        state.instance_items.extend([f"{i}-{n}" for n in range(i + 1)])  # 1, 2 and 3 items
+    component = _commit_items(store, 1, three, 3)
+
+    two = _states(2)
+    for j, state in enumerate(two):
+        state.catch_up_items(store, component, j, 2)
+    assert [s.instance_items.to_list() for s in two] == [["0-0", "1-0", "1-1"], ["2-0", "2-1", "2-2"]]
+    component = _commit_items(store, 2, two, 2)  # redistributed items are rewritten at the new parallelism
+    assert sorted(component.instance_state) == [0, 1]
+
+    four = _states(4)
+    for j, state in enumerate(four):
+        state.catch_up_items(store, component, j, 4)
+    merged = [item for s in four for item in s.instance_items]
+    assert merged == ["0-0", "1-0", "1-1", "2-0", "2-1", "2-2"]
+
+
+def test_unchanged_items_are_not_rewritten_and_resident_items_are_not_reread(store):
+    states = _states(1)
+    states[0].instance_items.append("watermark")
+    component = _commit_items(store, 1, states, 1)
+    assert checkpoint_instance_items(store, "c", 2, 0, states[0]) is None
+    assert states[0].catch_up_items(store, component, 0, 1) == 0
+    fresh = _states(1)[0]
+    assert fresh.catch_up_items(store, component, 0, 1) > 0
+    assert fresh.instance_items.to_list() == ["watermark"]
