@@ -1,0 +1,71 @@
+"""A keyed-count job run as its own driver process, for tests that kill the driver.
+
+    python tests/driver_job.py WORK PARALLELISM [--die-at STAGE:BATCH]
+
+Reads Parquet files from WORK/input one per micro-batch, counts per user,
+writes each batch's output to WORK/out/batch_id=N (Parquet, overwrite) and
+exits. With ``--die-at``, the driver process dies (``os._exit``, no cleanup)
+when the micro-batch protocol reaches STAGE of batch BATCH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("work")
+    parser.add_argument("parallelism", type=int)
+    parser.add_argument("--die-at")
+    args = parser.parse_args()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    from pyspark.sql import SparkSession
+
+    from spark_state import keyed
+    from spark_state.streaming import MicroBatch
+
+    if args.die_at:
+        stage, batch = args.die_at.split(":")
+
+        def die(self, at, batch_id):
+            if at == stage and batch_id == int(batch):
+                os._exit(41)
+
+        MicroBatch._fault = die
+    work = Path(args.work)
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.state.parallelism", str(args.parallelism))
+        .config("spark.state.store", str(work / "state"))
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    events = spark.readStream.schema("user string, amount long").option("maxFilesPerTrigger", 1).parquet(
+        str(work / "input")
+    )
+    query = (
+        keyed(events, "user", name="clicks")
+        .count()
+        .writeStream.format("parquet")
+        .option("path", str(work / "out"))
+        .option("checkpointLocation", str(work / "chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
