@@ -1,0 +1,624 @@
+"""The replayable log, generator, offsets and options without Spark (milliseconds each)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+import uuid
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datasources.errors import (
+    CorruptLogError,
+    CorruptSegmentError,
+    IncompatibleLogError,
+    InvalidOffsetsError,
+    LogNotFoundError,
+    OffsetOutOfRangeError,
+    ReplayableOptionError,
+    SegmentMissingError,
+    UnknownOptionError,
+)
+from datasources.generator import GeneratorSpec, generate, ranks
+from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog, commit_path
+from datasources.logindex import (
+    Commit,
+    LogIndex,
+    LogMeta,
+    SegmentRef,
+    SinkMark,
+    SplitIndex,
+    StagedSegment,
+    apply_commit,
+    plan_append,
+    plan_reads,
+    position_schema,
+)
+from datasources.routing import route_batch, split_of_key, splits_of_keys
+from datasources.options import (
+    ANY_READ,
+    READ,
+    STREAM_READ,
+    STREAM_WRITE,
+    WRITE,
+    admit,
+    log_source_id,
+    normalize_log_uri,
+    parse_read_options,
+    parse_write_options,
+)
+from datasources.sources import LogSource, retention_floors
+from spark_state.errors import ConfigError, CorruptBlobError, StorageError
+from spark_state.storage.base import Storage
+from spark_state.storage.memory import MemoryStorage
+
+SCHEMA = pa.schema([pa.field("key", pa.string()), pa.field("value", pa.int64())])
+
+
+class CountingStorage(Storage):
+    """Wraps a storage and records every path read."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.uri = inner.uri
+        self.reads: list[str] = []
+
+    def create(self, path, data, *, overwrite=False):
+        self.inner.create(path, data, overwrite=overwrite)
+
+    def read(self, path, offset=0, length=None):
+        self.reads.append(path)
+        return self.inner.read(path, offset, length)
+
+    def size(self, path):
+        return self.inner.size(path)
+
+    def exists(self, path):
+        return self.inner.exists(path)
+
+    def list(self, path=""):
+        return self.inner.list(path)
+
+    def delete(self, path):
+        self.inner.delete(path)
+
+
+def batch(start: int, n: int) -> pa.RecordBatch:
+    return pa.record_batch([pa.array([f"k{i}" for i in range(start, start + n)]),
+                            pa.array(range(start, start + n), pa.int64())], schema=SCHEMA)
+
+
+def new_log(num_splits: int = 2, storage: Storage | None = None) -> ReplayableLog:
+    return ReplayableLog.create(storage or MemoryStorage(), LogMeta("t", num_splits, SCHEMA))
+
+
+def append(log: ReplayableLog, split: int, start: int, n: int, max_records: int = 1_000_000, sink=None):
+    writer = log.segment_writer(order=0, max_records=max_records)
+    writer.add(split, batch(start, n))
+    return log.append(writer.finish(), sink)
+
+
+def rows(log: ReplayableLog, start=None, end=None) -> list[tuple]:
+    index = log.index()
+    got = log.read_range(start or index.earliest_offsets(), end or index.end_offsets())
+    table = pa.Table.from_batches(list(got), schema=position_schema(log.meta.schema))
+    return list(zip(*(table.column(c).to_pylist() for c in ("split", "offset", "value"))))
+
+
+# --- log: roundtrip, index, commits -------------------------------------------
+
+
+def test_roundtrip_assigns_dense_offsets_per_split_in_append_order():
+    log = new_log()
+    append(log, 0, 0, 5)
+    append(log, 1, 100, 3)
+    append(log, 0, 5, 2)
+    assert log.index().end_offsets() == {0: 7, 1: 3}
+    assert rows(log) == [(0, i, i) for i in range(7)] + [(1, i, 100 + i) for i in range(3)]
+
+
+def test_reopened_log_sees_the_same_index_and_rows():
+    storage = MemoryStorage()
+    log = new_log(3, storage)
+    for i in range(5):
+        append(log, i % 3, 10 * i, 4)
+    again = ReplayableLog.open(storage)
+    assert again.meta == log.meta
+    assert again.index() == log.index()
+    assert rows(again) == rows(log)
+
+
+def test_create_rejects_a_different_split_count_or_schema():
+    storage = MemoryStorage()
+    new_log(2, storage)
+    with pytest.raises(IncompatibleLogError, match="2 splits"):
+        ReplayableLog.create(storage, LogMeta("t", 3, SCHEMA))
+    other = pa.schema([pa.field("key", pa.string()), pa.field("value", pa.int32())])
+    with pytest.raises(IncompatibleLogError, match="schema"):
+        ReplayableLog.create(storage, LogMeta("t", 2, other))
+
+
+def test_reserved_columns_are_rejected():
+    with pytest.raises(IncompatibleLogError, match="reserved"):
+        LogMeta("t", 1, SCHEMA.append(pa.field("offset", pa.int64())))
+
+
+def test_open_missing_log_names_the_location():
+    storage = MemoryStorage()
+    with pytest.raises(LogNotFoundError, match=storage.uri):
+        ReplayableLog.open(storage)
+
+
+def test_segment_writer_cuts_segments_at_max_records_and_keeps_order():
+    log = new_log(1)
+    writer = log.segment_writer(order=7, max_records=4)
+    writer.add(0, batch(0, 6))
+    writer.add(0, batch(6, 5))
+    staged = writer.finish()
+    assert [s.rows for s in staged] == [4, 4, 3]
+    assert [s.order for s in staged] == [(7, 0), (7, 1), (7, 2)]
+    log.append(staged)
+    assert [r[2] for r in rows(log)] == list(range(11))
+
+
+def test_plan_append_orders_segments_of_a_split_by_task_then_sequence():
+    index = LogIndex.empty(1)
+    staged = [StagedSegment(0, "b", 2, 1, 1, (1, 0)), StagedSegment(0, "a", 3, 1, 1, (0, 5)),
+              StagedSegment(0, "c", 0, 1, 1, (0, 9))]
+    commit = plan_append(index, staged)
+    assert [(s.path, s.start, s.end) for s in commit.segments] == [("a", 0, 3), ("b", 3, 5)]
+
+
+def test_concurrent_appends_race_for_commit_ids_and_never_overlap():
+    storage = MemoryStorage()
+    new_log(2, storage)
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            log = ReplayableLog.open(storage)  # each thread its own (soon stale) index
+            for j in range(10):
+                append(log, (w + j) % 2, 1000 * w + j, 3)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    log = ReplayableLog.open(storage)
+    index = log.index()
+    assert index.commit_id == 39
+    assert sum(index.end_offsets().values()) == 4 * 10 * 3
+    values = [r[2] for r in rows(log)]
+    assert sorted(values) == sorted(1000 * w + j + k for w in range(4) for j in range(10) for k in range(3))
+    for split in index.splits:  # contiguous cover
+        assert [s.start for s in split.segments] == [0] + [s.end for s in split.segments[:-1]]
+
+
+def test_stale_writer_loses_the_race_and_retries_at_the_next_id():
+    storage = MemoryStorage()
+    a = new_log(1, storage)
+    b = ReplayableLog.open(storage)
+    b.index()
+    append(a, 0, 0, 2)
+    commit = append(b, 0, 10, 3)  # b's index says commit 0 is next; it is taken
+    assert commit.commit_id == 1
+    assert commit.segments[0].start == 2
+    assert rows(ReplayableLog.open(storage)) == [(0, 0, 0), (0, 1, 1), (0, 2, 10), (0, 3, 11), (0, 4, 12)]
+
+
+def test_sink_mark_makes_a_replayed_batch_a_no_op_and_deletes_its_segments():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    assert append(log, 0, 0, 3, sink=SinkMark("q", 0)) is not None
+    writer = log.segment_writer(order=0)
+    writer.add(0, batch(0, 3))
+    staged = writer.finish()
+    assert log.append(staged, SinkMark("q", 0)) is None
+    assert not storage.exists(staged[0].path)
+    assert append(log, 0, 3, 1, sink=SinkMark("other", 0)) is not None
+    assert append(log, 0, 4, 1, sink=SinkMark("q", 1)) is not None
+    assert log.index().sinks == {"q": 1, "other": 0}
+    assert [r[2] for r in rows(log)] == [0, 1, 2, 3, 4]
+
+
+def test_index_snapshots_bound_what_a_new_reader_reads():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    for i in range(INDEX_SNAPSHOT_INTERVAL + 3):
+        append(log, 0, i, 1)
+    counting = CountingStorage(storage)
+    fresh = ReplayableLog.open(counting)
+    assert fresh.index() == log.index()
+    commits_read = [p for p in counting.reads if p.startswith("_commits/")]
+    # snapshot after commit 31, then commits 32..34 and one probe for the missing 35
+    assert commits_read == [commit_path(i) for i in range(INDEX_SNAPSHOT_INTERVAL, INDEX_SNAPSHOT_INTERVAL + 4)]
+
+
+def test_ranged_read_touches_only_the_segments_holding_the_range():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    for i in range(10):
+        append(log, 0, 10 * i, 10)  # segments [0,10) [10,20) ... [90,100)
+    counting = CountingStorage(storage)
+    reader = ReplayableLog.open(counting)
+    reader.index()
+    counting.reads.clear()
+    got = rows(reader, {0: 25}, {0: 41})
+    assert [r[1] for r in got] == list(range(25, 41))
+    segment_reads = [p for p in counting.reads if p.startswith("data/")]
+    expected = [s.path for s in reader.index().splits[0].segments[2:5]]
+    assert segment_reads == expected
+
+
+def test_corrupt_segment_raises_naming_the_file():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    append(log, 0, 0, 50)
+    ref = log.index().splits[0].segments[0]
+    data = bytearray(storage.read(ref.path))
+    data[len(data) // 2] ^= 0xFF
+    storage.create(ref.path, bytes(data), overwrite=True)
+    with pytest.raises(CorruptSegmentError, match=ref.path) as info:
+        rows(ReplayableLog.open(storage))
+    assert "CRC-32" in str(info.value)
+    assert isinstance(info.value, CorruptBlobError)
+
+
+def test_truncated_segment_raises_naming_the_file():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    append(log, 0, 0, 50)
+    ref = log.index().splits[0].segments[0]
+    storage.create(ref.path, storage.read(ref.path)[:-7], overwrite=True)
+    with pytest.raises(CorruptSegmentError, match=f"{ref.path} is truncated"):
+        rows(ReplayableLog.open(storage))
+
+
+def test_missing_segment_and_corrupt_commit_raise():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    append(log, 0, 0, 5)
+    ref = log.index().splits[0].segments[0]
+    storage.delete(ref.path)
+    with pytest.raises(SegmentMissingError, match=ref.path):
+        rows(ReplayableLog.open(storage))
+    storage.create(commit_path(1), b"{not json")
+    with pytest.raises(CorruptLogError, match=commit_path(1)):
+        ReplayableLog.open(storage).index()
+
+
+def test_trim_drops_whole_segments_and_later_reads_below_it_fail():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    for i in range(4):
+        append(log, 0, 10 * i, 10)
+    paths = [s.path for s in log.index().splits[0].segments]
+    commit = log.trim({0: 25})  # [20, 30) still holds 25..29: keep it
+    assert commit.trims == {0: 20}
+    assert log.index().earliest_offsets() == {0: 20}
+    assert [storage.exists(p) for p in paths] == [False, False, True, True]
+    assert [r[1] for r in rows(log)] == list(range(20, 40))
+    with pytest.raises(OffsetOutOfRangeError, match="trimmed"):
+        rows(log, {0: 10}, {0: 40})
+    assert log.trim({0: 25}) is None
+
+
+# --- planning ------------------------------------------------------------------
+
+
+@st.composite
+def layouts(draw):
+    sizes = draw(st.lists(st.integers(1, 20), min_size=0, max_size=8))
+    segments, start = [], 0
+    for i, size in enumerate(sizes):
+        segments.append(SegmentRef(0, start, start + size, f"s{i}", 1, 0))
+        start += size
+    a = draw(st.integers(0, start))
+    b = draw(st.integers(a, start))
+    return LogIndex(0, (SplitIndex(0, start, tuple(segments)),)), a, b, draw(st.integers(1, 30))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_plan_reads_covers_the_range_exactly_with_bounded_tasks(case):
+    index, a, b, max_records = case
+    tasks = plan_reads(index, {0: a}, {0: b}, max_records)
+    assert [t.start for t in tasks] == ([a] + [t.end for t in tasks[:-1]] if tasks else [])
+    assert (tasks[-1].end if tasks else a) == b
+    for task in tasks:
+        assert 0 < task.end - task.start <= max_records
+        needed = [s for s in index.splits[0].segments if s.start < task.end and s.end > task.start]
+        assert list(task.segments) == needed
+    if a < b and max_records >= max(s.rows for s in index.splits[0].segments):
+        # segments no larger than a task are never split between tasks
+        assert len({s.path for t in tasks for s in t.segments}) == sum(len(t.segments) for t in tasks)
+
+
+def test_plan_reads_rejects_offsets_past_the_end():
+    index = LogIndex(0, (SplitIndex(0, 5, (SegmentRef(0, 0, 5, "s", 1, 0),)),))
+    with pytest.raises(OffsetOutOfRangeError, match="past the split's end 5"):
+        plan_reads(index, {0: 0}, {0: 6}, 10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=6), st.integers(1, 200))
+def test_admit_shares_the_budget_without_exceeding_pending(ranges, max_rows):
+    start = {s: lo for s, (lo, _) in enumerate(ranges)}
+    end = {s: lo + extra for s, (lo, extra) in enumerate(ranges)}
+    got = admit(start, end, max_rows)
+    granted = {s: got[s] - start[s] for s in start}
+    pending = sum(end[s] - start[s] for s in start)
+    assert all(0 <= granted[s] <= end[s] - start[s] for s in start)
+    assert sum(granted.values()) == min(max_rows, pending)
+    # even sharing: a split that got less than another was given all it had
+    for s in start:
+        for t in start:
+            if granted[s] + 1 < granted[t]:
+                assert granted[s] == end[s] - start[s]
+
+
+# --- routing -------------------------------------------------------------------
+
+
+def test_key_routing_is_the_same_for_scalars_and_columns_and_pinned():
+    keys = ["user-000001", "é", "", None, "zz"]
+    column = splits_of_keys(pa.array(keys), 7)
+    assert column.tolist() == [split_of_key(k, 7) for k in keys]
+    ints = [0, -1, 2**40, None]
+    assert splits_of_keys(pa.array(ints, pa.int64()), 5).tolist() == [split_of_key(k, 5) for k in ints]
+    # murmur3_32(seed 0) of UTF-8 / 8-byte little-endian bytes, mod n: pinned so the routing never drifts
+    assert [split_of_key(k, 1024) for k in ("user-000001", "a", 7, -1)] == [180, 434, 67, 232]
+    assert split_of_key(None, 9) == 0
+
+
+def test_route_batch_groups_rows_by_split_preserving_order():
+    b = batch(0, 8)
+    splits = pa.array([1, 0, 1, 2, 0, 1, 2, 0]).to_numpy().astype("int32")
+    got = {s: part.column("value").to_pylist() for s, part in route_batch(b, splits, 3)}
+    assert got == {0: [1, 4, 7], 1: [0, 2, 5], 2: [3, 6]}
+
+
+# --- generator -----------------------------------------------------------------
+
+
+def generated(spec, split, start, end, batch_rows=131072):
+    return pa.Table.from_batches(list(generate(spec, split, start, end, batch_rows=batch_rows)))
+
+
+def test_generator_rows_are_a_pure_function_of_seed_split_offset():
+    spec = GeneratorSpec(keys=50, skew=1.1, seed=7)
+    whole = generated(spec, 2, 0, 1000)
+    assert generated(spec, 2, 400, 700, batch_rows=33).equals(whole.slice(400, 300))
+    assert generated(GeneratorSpec(keys=50, skew=1.1, seed=7), 2, 0, 1000).equals(whole)
+    assert not generated(GeneratorSpec(keys=50, skew=1.1, seed=8), 2, 0, 1000).column("key").equals(whole.column("key"))
+    assert not generated(spec, 3, 0, 1000).column("key").equals(whole.column("key"))
+    assert whole.column("offset").to_pylist() == list(range(1000))
+    assert set(whole.column("split").to_pylist()) == {2}
+
+
+def test_generator_keys_values_and_skew():
+    uniform = generated(GeneratorSpec(keys=10), 0, 0, 20000)
+    keys = uniform.column("key").to_pylist()
+    assert set(keys) == {f"user-{i:06d}" for i in range(10)}
+    assert min(keys.count(k) for k in set(keys)) > 1500  # uniform: ~2000 each
+    values = uniform.column("value").to_pylist()
+    assert 0 <= min(values) and max(values) < 1000
+    skewed = generated(GeneratorSpec(keys=1000, skew=1.2, key_type="long"), 0, 0, 20000).column("key").to_pylist()
+    assert skewed.count(0) > 20 * skewed.count(500) and 0 <= min(skewed) and max(skewed) < 1000
+    assert uniform.column("event_time")[1].value - uniform.column("event_time")[0].value == 1000
+    assert ranks(GeneratorSpec(keys=3, skew=0.5), pa.array([0.0, 0.999999]).to_numpy()).tolist() == [0, 2]
+
+
+def test_generator_availability_bounded_and_rated():
+    assert GeneratorSpec(rows_per_split=10, num_splits=2).available({0: 0, 1: 0}, 0) == {0: 10, 1: 10}
+    rated = GeneratorSpec(rows_per_second=100, num_splits=1)
+    assert rated.available({0: 50}, 2.5) == {0: 300}
+    assert GeneratorSpec(rows_per_second=100, rows_per_split=120, num_splits=1).available({0: 0}, 5) == {0: 120}
+
+
+# --- options and offsets -------------------------------------------------------
+
+
+def test_unknown_option_is_named_and_spark_options_are_accepted():
+    with pytest.raises(UnknownOptionError, match="maxrecordperbatch"):
+        parse_read_options({"path": "/x", "maxRecordPerBatch": "5"}, STREAM_READ)
+    with pytest.raises(UnknownOptionError, match=r"endingoffsets.*other modes"):
+        parse_read_options({"path": "/x", "endingOffsets": "latest"}, STREAM_READ)
+    with pytest.raises(UnknownOptionError, match="path"):
+        parse_read_options({"generator": "keyed", "path": "/x"}, READ)
+    opts = parse_write_options({"path": "/x", "checkpointlocation": "/ck", "queryname": "q"}, STREAM_WRITE)
+    assert opts.sink_id == "checkpoint:file:///ck"
+    assert parse_read_options({"PATH": "/x", "MAXRECORDSPERBATCH": "5"}, ANY_READ).max_records_per_batch == 5
+
+
+@pytest.mark.parametrize("text, match", [
+    ("earliets", "neither one of"),
+    ('{"0": "a"}', "offset 'a' of split 0"),
+    ('{"x": 1}', "split 'x'"),
+    ('{"0": -3}', ">= -2"),
+    ("[1, 2]", "neither one of"),
+])
+def test_malformed_starting_offsets_are_rejected(text, match):
+    with pytest.raises(InvalidOffsetsError, match=match) as info:
+        parse_read_options({"path": "/x", "startingOffsets": text}, STREAM_READ)
+    assert "startingOffsets" in str(info.value)
+
+
+def test_bad_values_and_missing_path():
+    with pytest.raises(ReplayableOptionError, match="option path is missing"):
+        parse_read_options({}, READ)
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerBatch=0 must be >= 1"):
+        parse_read_options({"path": "/x", "maxRecordsPerBatch": "0"}, STREAM_READ)
+    with pytest.raises(ReplayableOptionError, match="needs option stateStore"):
+        parse_read_options({"path": "/x", "startingOffsets": "checkpoint"}, STREAM_READ)
+    with pytest.raises(ConfigError, match="compression"):
+        parse_write_options({"path": "/x", "compression": "gzip"}, WRITE)
+    with pytest.raises(ReplayableOptionError, match="checkpointLocation"):
+        parse_write_options({"path": "/x"}, STREAM_WRITE)
+
+
+def test_explicit_offsets_resolve_markers_and_must_name_every_split():
+    spec = parse_read_options({"path": "/x", "startingOffsets": '{"0": 3, "1": -2, "2": -1}'}, READ).starting
+    assert spec.resolve({0: 1, 1: 1, 2: 1}, {0: 9, 1: 9, 2: 9}) == {0: 3, 1: 1, 2: 9}
+    with pytest.raises(InvalidOffsetsError, match=r"missing \[3\]"):
+        spec.resolve({s: 0 for s in range(4)}, {s: 9 for s in range(4)})
+
+
+def test_log_source_id_normalizes_the_location(tmp_path):
+    assert log_source_id(str(tmp_path)) == log_source_id(tmp_path.as_uri() + "/")
+    assert log_source_id(str(tmp_path)) == "replayable:" + tmp_path.as_uri()
+    assert normalize_log_uri("memory://abc/") == "memory://abc"
+    assert normalize_log_uri("hdfs://nn:9870/logs/a") == "hdfs://nn:9870/logs/a"
+
+
+# --- sources: checkpoint starts and retention ------------------------------------
+
+
+@pytest.fixture
+def memory_log():
+    name = "replayable-" + uuid.uuid4().hex
+    storage = MemoryStorage.named(name)
+    log = new_log(2, storage)
+    for i in range(4):
+        append(log, i % 2, 10 * i, 10)  # each split: [0, 10) [10, 20)
+    return storage, log
+
+
+@pytest.fixture
+def fake_checkpoints(monkeypatch):
+    calls = {"latest": None, "retained": []}
+    module = types.ModuleType("spark_state.checkpoint")
+    module.latest_source_offsets = lambda uri, source_id: calls["latest"]
+    module.retained_source_offsets = lambda uri, source_id: calls["retained"]
+    monkeypatch.setitem(sys.modules, "spark_state.checkpoint", module)
+    return calls
+
+
+def test_starting_offsets_from_the_latest_state_checkpoint(memory_log, fake_checkpoints):
+    storage, _ = memory_log
+    options = {"path": storage.uri, "startingOffsets": "checkpoint", "stateStore": "memory://state"}
+    fake_checkpoints["latest"] = {"source_id": log_source_id(storage.uri), "0": 12, "1": 20}
+    assert LogSource.open(parse_read_options(options, STREAM_READ)).starting_offsets() == {0: 12, 1: 20}
+    fake_checkpoints["latest"] = {"source_id": "replayable:file:///elsewhere", "0": 12, "1": 20}
+    with pytest.raises(InvalidOffsetsError, match="another source"):
+        LogSource.open(parse_read_options(options, STREAM_READ)).starting_offsets()
+    fake_checkpoints["latest"] = None
+    assert LogSource.open(parse_read_options(options, STREAM_READ)).starting_offsets() == {0: 0, 1: 0}
+    fake_checkpoints["latest"] = {"0": 12, "1": 21}
+    with pytest.raises(OffsetOutOfRangeError, match="state store memory://state"):
+        LogSource.open(parse_read_options(options, STREAM_READ)).starting_offsets()
+
+
+def test_commit_trims_only_what_retention_and_retained_checkpoints_allow(memory_log, fake_checkpoints):
+    storage, log = memory_log
+    options = {"path": storage.uri, "retention": "0", "stateStore": "memory://state"}
+    source = LogSource.open(parse_read_options(options, STREAM_READ))
+    source.commit({0: 20, 1: 20})  # no retained checkpoint yet: keep everything
+    assert log.index().earliest_offsets() == {0: 0, 1: 0}
+    fake_checkpoints["retained"] = [{"0": 15, "1": 20}, {"0": 12, "1": 10}]
+    source.commit({0: 20, 1: 20})
+    assert log.index().earliest_offsets() == {0: 10, 1: 10}
+    keep_all = LogSource.open(parse_read_options({"path": storage.uri}, STREAM_READ))
+    keep_all.commit({0: 20, 1: 20})
+    assert log.index().earliest_offsets() == {0: 10, 1: 10}
+
+
+def test_retention_floors():
+    assert retention_floors({0: 100, 1: 5}, 10, None) == {0: 90, 1: 0}
+    assert retention_floors({0: 100}, 0, []) is None
+    assert retention_floors({0: 100, 1: 50}, 0, [{0: 70, 1: 60}, {0: 80}]) == {0: 70, 1: 0}
+
+
+def test_discard_never_deletes_a_committed_segment():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    append(log, 0, 0, 3)
+    committed = log.index().splits[0].segments[0].path
+    writer = log.segment_writer(order=0)
+    writer.add(0, batch(3, 2))
+    (orphan,) = writer.finish()
+    assert log.discard([committed, orphan.path]) == [orphan.path]
+    assert storage.exists(committed) and not storage.exists(orphan.path)
+
+
+class SnapshotFailingStorage(CountingStorage):
+    def create(self, path, data, *, overwrite=False):
+        if path.startswith("_index/"):
+            raise StorageError(f"disk full writing {path}")
+        super().create(path, data, overwrite=overwrite)
+
+
+def test_a_failed_index_snapshot_does_not_fail_the_committed_append():
+    storage = SnapshotFailingStorage(MemoryStorage())
+    log = new_log(1, storage)
+    for i in range(INDEX_SNAPSHOT_INTERVAL + 1):
+        assert append(log, 0, i, 1) is not None
+    assert storage.list("_index") == []
+    assert ReplayableLog.open(storage).index().end_offsets() == {0: INDEX_SNAPSHOT_INTERVAL + 1}
+
+
+def test_a_commit_that_does_not_continue_its_split_is_rejected():
+    index = LogIndex(0, (SplitIndex(0, 5, (SegmentRef(0, 0, 5, "a", 1, 0),)),))
+    gap = Commit(1, (SegmentRef(0, 6, 8, "b", 1, 0),))
+    with pytest.raises(CorruptLogError, match=r"\[6, 8\) of split 0, whose end is 5"):
+        apply_commit(index, gap, "commit 1")
+    with pytest.raises(CorruptLogError, match="expected 1"):
+        apply_commit(index, Commit(2, ()), "commit 2")
+
+
+operations = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(0, 2), st.integers(1, 9)),
+    st.tuples(st.just("trim"), st.integers(0, 2), st.integers(0, 40)),
+), max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations)
+def test_log_matches_a_list_model_through_appends_trims_and_reopens(ops):
+    storage = MemoryStorage()
+    log = new_log(3, storage)
+    model = {s: [] for s in range(3)}  # split -> [(offset, value)], the records still stored
+    ends = {s: 0 for s in range(3)}
+    next_value = 0
+    for op, split, n in ops:
+        if op == "append":
+            append(log, split, next_value, n, max_records=4)
+            model[split].extend((ends[split] + i, next_value + i) for i in range(n))
+            ends[split] += n
+            next_value += n
+        else:
+            before = log.index().earliest_offsets()[split]
+            log.trim({split: n})
+            earliest = log.index().earliest_offsets()[split]
+            assert before <= earliest <= max(before, min(n, ends[split]))  # never past the floor
+            model[split] = [(o, v) for o, v in model[split] if o >= earliest]
+        log = ReplayableLog.open(storage)  # every step through a fresh reader
+    assert rows(log) == [(s, o, v) for s in range(3) for o, v in model[s]]
+    assert log.index().end_offsets() == ends
+
+
+def test_offsets_carry_and_check_their_source_id():
+    from datasources.options import offsets_from_json, offsets_to_json
+
+    raw = offsets_to_json({1: 5, 0: 3}, "replayable:file:///a")
+    assert list(raw) == ["source_id", "0", "1"]
+    assert offsets_from_json(raw, "x", source_id="replayable:file:///a") == {0: 3, 1: 5}
+    with pytest.raises(InvalidOffsetsError, match="belong to 'replayable:file:///a'"):
+        offsets_from_json(raw, "x", source_id="replayable:file:///b")
+
+
+def test_batch_write_sink_options_go_together():
+    opts = parse_write_options({"path": "/x", "sinkId": "job", "batchId": "7"}, WRITE)
+    assert (opts.sink_id, opts.batch_id) == ("sink:job", 7)
+    with pytest.raises(ReplayableOptionError, match="go together"):
+        parse_write_options({"path": "/x", "batchId": "7"}, WRITE)
+    with pytest.raises(UnknownOptionError, match="batchid"):
+        parse_write_options({"path": "/x", "sinkId": "s", "batchId": "1"}, STREAM_WRITE)
