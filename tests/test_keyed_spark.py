@@ -297,3 +297,51 @@ def test_instance_items_survive_rescales_without_loss_or_duplication(spark, tmp_
         ]
         seen = {user for rows in job.files for user, _ in rows}
         assert sorted(items) == sorted(seen)
+
+
+def test_new_query_resumes_from_state_checkpoint_and_its_source_offsets(spark, tmp_path):
+    """A new checkpointLocation (e.g. after changing the query) starts where the state checkpoint stands."""
+    from datasources.options import log_source_id
+
+    log, store = str(tmp_path / "events"), str(tmp_path / "state")
+
+    def append(users):
+        spark.createDataFrame([(u,) for u in users], "user string").write.format("replayable").mode(
+            "append"
+        ).option("numSplits", 2).option("keyColumn", "user").save(log)
+
+    latest: dict[str, int] = {}
+
+    def sink(out, batch_id):
+        latest.update({r["user"]: r["count"] for r in out.collect()})
+
+    def run(checkpoint, parallelism):
+        spark.conf.set("spark.state.parallelism", str(parallelism))
+        spark.conf.set("spark.state.store", store)
+        events = (
+            spark.readStream.format("replayable")
+            .option("path", log)
+            .option("startingOffsets", "checkpoint")
+            .option("stateStore", store)
+            .load()
+        )
+        query = (
+            keyed(events, "user", name="clicks")
+            .count()
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", checkpoint)
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+
+    first = [f"u{i % 13}" for i in range(300)]
+    append(first)
+    run(str(tmp_path / "chk-a"), 2)
+    recorded = open_checkpoint_store(store).latest().sources[log_source_id(log)]
+    assert sum(v for k, v in recorded.items() if k != "source_id") == 300
+
+    second = [f"u{i % 17}" for i in range(200)]
+    append(second)
+    run(str(tmp_path / "chk-b"), 3)  # a new query: Spark knows nothing, the state checkpoint knows all
+    assert latest == dict(Counter(first + second))
