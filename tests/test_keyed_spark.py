@@ -345,3 +345,36 @@ def test_new_query_resumes_from_state_checkpoint_and_its_source_offsets(spark, t
     append(second)
     run(str(tmp_path / "chk-b"), 3)  # a new query: Spark knows nothing, the state checkpoint knows all
     assert latest == dict(Counter(first + second))
+
+
+def test_state_store_on_hdfs_rescales_with_exact_output(spark, tmp_path):
+    """The same job with ``spark.state.store=hdfs://...`` (the loopback WebHDFS server of the tests)."""
+    from tests.webhdfs_server import WebHdfsServer
+
+    job = Job(spark, tmp_path)
+    with WebHdfsServer(str(tmp_path / "namenode")) as server:
+        store = server.url.replace("http://", "hdfs://") + "/jobs/clicks-state"
+
+        def run(parallelism):
+            spark.conf.set("spark.state.parallelism", str(parallelism))
+            spark.conf.set("spark.state.store", store)
+            query = (
+                keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink)
+                .option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+            )
+            query.awaitTermination()
+            return query
+
+        job.add_batch(300, keys=50, salt=0)
+        run(2)
+        job.add_batch(300, keys=50, salt=1)
+        rescaled = run(3)
+        assert job.outputs == job.expected()
+        assert sum(i["restore"]["bytes_read"] for i in rescaled.batches[0]["instances"]) > 0
+        ranged_blob_reads = [
+            r for r in server.requests if r.op == "OPEN" and "/blobs/" in r.path and "offset" in r.params
+        ]
+        assert ranged_blob_reads, "the restore at parallelism 3 must read blob ranges over WebHDFS"
+        manifest = open_checkpoint_store(store).latest()
+        assert manifest.components["clicks"].parallelism == 3
+        assert os.path.isdir(server.local_path("/jobs/clicks-state/checkpoints"))
