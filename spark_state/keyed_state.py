@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
-from spark_state.blob import DELETED_COLUMN, EntryKind, blob_schema, serialize_schema
+from spark_state.blob import EntryKind, blob_schema, serialize_schema
 from spark_state.checkpoint import CheckpointStore, FetchStats
 from spark_state.errors import ConfigError, KeyGroupOwnershipError
 from spark_state.keygroups import KeyGroupRange, key_group_range
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, check_compatible
-from spark_state.restore import InstanceRestorePlan, apply_chain, plan_instance_restore
+from spark_state.restore import InstanceRestorePlan, plan_instance_restore
 
 Key = tuple
 Value = tuple
@@ -38,6 +39,7 @@ DEFAULT_MAX_CHAIN_LENGTH = 8
 CATCH_UP_MAX_GAP_BYTES = 8192
 """Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
 PENDING = "<pending>"  # chain link of an entry snapshotted but not yet written (see record_blob)
+_PlannedEntry = tuple[int, EntryKind, list[Key], list[Value], list[Key]]  # group, kind, live keys/values, deleted
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class InstanceState:
         self._chains: dict[int, Chain | None] = {}
         self.instance_items = InstanceItems()
         self._items_path: str | None = None  # the instance-state blob ``items`` reflects
+        self._blob_schema = layout.blob_schema
 
     # Access -----------------------------------------------------------------
 
@@ -166,6 +169,33 @@ class InstanceState:
         self._check(key_group)
         self._groups.setdefault(key_group, {})[key] = value
         self._dirty.setdefault(key_group, set()).add(key)
+
+    def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
+        """``[get(g, k, default) for g, k in zip(key_groups, keys)]``, checking ownership once."""
+        self._check_all(key_groups)
+        groups, empty = self._groups, {}
+        return [groups.get(g, empty).get(k, default) for g, k in zip(key_groups, keys)]
+
+    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value]) -> None:
+        """``put(g, k, v)`` for each ``(g, k, v)`` of the zipped sequences, in order."""
+        self._check_all(key_groups)
+        groups, dirty = self._groups, self._dirty
+        for g, k, v in zip(key_groups, keys, values):
+            group = groups.get(g)
+            if group is None:
+                group = groups[g] = {}
+            group[k] = v
+            changed = dirty.get(g)
+            if changed is None:
+                changed = dirty[g] = set()
+            changed.add(k)
+
+    def _check_all(self, key_groups: Sequence[int]) -> None:
+        if len(key_groups) == 0:
+            return
+        low, high = min(key_groups), max(key_groups)
+        if low < self.key_group_range.start or high > self.key_group_range.end:
+            self._check(next(g for g in key_groups if g not in self.key_group_range))
 
     def delete(self, key_group: int, key: Key) -> None:
         self._check(key_group)
@@ -209,7 +239,7 @@ class InstanceState:
         """
         if max_chain_length < 1:
             raise ConfigError(f"max chain length must be >= 1, got {max_chain_length}")
-        entries = []
+        planned: list[_PlannedEntry] = []
         for key_group in sorted(self._dirty):
             changed = self._dirty[key_group]
             group = self._groups.get(key_group, {})
@@ -218,37 +248,52 @@ class InstanceState:
                 self._groups.pop(key_group, None)
                 continue
             if not chain or len(chain) >= max_chain_length or 2 * len(changed) >= max(len(group), 1):
-                entries.append((key_group, "full", self._table(group.items(), deleted=())))
+                planned.append((key_group, "full", list(group), list(group.values()), []))
                 self._chains[key_group] = (PENDING,) if group else ()
             else:
-                live = [(k, group[k]) for k in changed if k in group]
+                live = [k for k in changed if k in group]
                 gone = [k for k in changed if k not in group]
-                entries.append((key_group, "delta", self._table(live, deleted=gone)))
+                planned.append((key_group, "delta", live, [group[k] for k in live], gone))
                 self._chains[key_group] = chain + (PENDING,)
             if not group:
                 self._groups.pop(key_group, None)
         self._dirty.clear()
-        return entries
+        return self._tables(planned)
 
-    def _table(self, live: Any, deleted: Sequence[Key]) -> pa.Table:
-        live = list(live)
-        n_keys = len(self.layout.key_columns)
-        n_values = len(self.layout.value_columns)
-        columns: list[list] = [[] for _ in range(n_keys + n_values)]
-        for key, value in live:
-            for i, part in enumerate(key):
-                columns[i].append(part)
-            for i, part in enumerate(value):
-                columns[n_keys + i].append(part)
-        for key in deleted:
-            for i, part in enumerate(key):
-                columns[i].append(part)
-            for i in range(n_values):
-                columns[n_keys + i].append(None)
-        flags = [False] * len(live) + [True] * len(deleted)
-        schema = self.layout.blob_schema
-        arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema)] + [pa.array(flags, pa.bool_())]
-        return pa.Table.from_arrays(arrays, schema=schema)
+    def _tables(self, planned: Sequence[_PlannedEntry]) -> list[tuple[int, EntryKind, pa.Table]]:
+        """One table per planned entry: its live rows, then its deleted keys as tombstones.
+
+        The rows of all entries become one array per column, then each entry
+        gets compact copies of its slices (a zero-copy slice would be padded
+        differently in the blob); the cost is per row, not per key group.
+        """
+        if not planned:
+            return []
+        tombstone = (None,) * len(self.layout.value_columns)
+        keys: list[Key] = []
+        values: list[Value] = []
+        flags: list[bool] = []
+        bounds: list[tuple[int, int]] = []
+        for _, _, live_keys, live_values, deleted in planned:
+            start = len(keys)
+            keys.extend(live_keys)
+            values.extend(live_values)
+            keys.extend(deleted)
+            values.extend([tombstone] * len(deleted))
+            flags.extend([False] * len(live_keys))
+            flags.extend([True] * len(deleted))
+            bounds.append((start, len(keys) - start))
+        schema = self._blob_schema
+        rows = [keys] * len(self.layout.key_columns) + [values] * len(tombstone)
+        positions = list(range(len(self.layout.key_columns))) + list(range(len(tombstone)))
+        arrays = [
+            pa.array(list(map(itemgetter(i), part)), type=t) for part, i, t in zip(rows, positions, schema.types)
+        ]
+        arrays.append(pa.array(flags, pa.bool_()))
+        return [
+            (g, kind, pa.Table.from_arrays([pa.concat_arrays([a.slice(start, n)]) for a in arrays], schema=schema))
+            for (g, kind, *_), (start, n) in zip(planned, bounds)
+        ]
 
     def record_blob(self, path: str) -> None:
         """Name the blob the last snapshot's entries were written to (replaces ``PENDING`` links)."""
@@ -326,6 +371,36 @@ class InstanceState:
         if not group:
             del self._groups[key_group]
 
+    def _install_chain(self, key_group: int, batches: Sequence[tuple[str, pa.RecordBatch]]) -> None:
+        """``load`` the fold of a whole chain (oldest first); the same rows, in the same order, as ``apply_chain``.
+
+        A key's last occurrence wins and a last occurrence with ``_deleted``
+        removes it; keys keep the order of their last occurrence. Folded in
+        Python, once per row, instead of Arrow kernels per key group.
+        """
+        if not batches:
+            raise ValueError("a chain has at least one entry")
+        if batches[0][0] != "full":
+            raise ValueError(f"a chain must start with a full entry, not {batches[0][0]!r}")
+        self._check(key_group)
+        n_keys = len(self.layout.key_columns)
+        group: dict[Key, Value] = {}
+        for _, batch in batches:
+            columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+            keys = zip(*columns[:n_keys])
+            values = zip(*columns[n_keys:-1]) if batch.num_columns > n_keys + 1 else (() for _ in range(batch.num_rows))
+            deleted = columns[-1]
+            if not group and not any(deleted):
+                group = dict(zip(keys, values))  # an entry holds each key at most once
+                continue
+            for key, value, gone in zip(keys, values, deleted):
+                group.pop(key, None)
+                if not gone:
+                    group[key] = value
+        self._groups[key_group] = group
+        self._dirty.pop(key_group, None)
+        self._chains[key_group] = ()
+
     def catch_up(
         self, store: CheckpointStore, component: ComponentManifest, instance: int, parallelism: int
     ) -> tuple[InstanceRestorePlan, FetchStats]:
@@ -352,7 +427,7 @@ class InstanceState:
             if key_group in plan.appends:
                 self._apply_deltas(key_group, batches)
             else:
-                self.load(key_group, apply_chain(batches, self.layout.key_columns), ())
+                self._install_chain(key_group, batches)
             self._chains[key_group] = component.chains[key_group]
         return plan, stats
 
