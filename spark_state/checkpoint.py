@@ -237,6 +237,10 @@ class CheckpointStore:
         self._manifests[checkpoint_id] = manifest
         return manifest
 
+    def forget_cached_manifests(self) -> None:
+        """Drop parsed manifests kept in memory (the store was replaced behind this object's back)."""
+        self._manifests.clear()
+
     def fetch_entries(
         self, component: ComponentManifest, plan: InstanceRestorePlan
     ) -> tuple[dict[int, list[tuple[str, pa.RecordBatch]]], FetchStats]:

@@ -135,15 +135,16 @@ class Aggregate:
             totals = groups.aggregate([(self.column, "sum")])
             delta_name = f"{self.column}_sum"
         key_group_list = totals.column(KEY_GROUP_COLUMN).to_pylist()
-        key_lists = [totals.column(c).to_pylist() for c in key_columns]
+        keys = list(zip(*[totals.column(c).to_pylist() for c in key_columns]))
         deltas = totals.column(delta_name).to_pylist()
-        new_values = []
         zero = 0 if pa.types.is_integer(value_type) else 0.0
-        for key_group, key, delta in zip(key_group_list, zip(*key_lists), deltas):
-            old = state.get(key_group, key)
-            value = (old[0] if old is not None else zero) + (delta if delta is not None else zero)
-            state.put(key_group, key, (value,))
-            new_values.append(value)
+        # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
+        olds = state.get_many(key_group_list, keys)
+        new_values = [
+            (old[0] if old is not None else zero) + (delta if delta is not None else zero)
+            for old, delta in zip(olds, deltas)
+        ]
+        state.put_many(key_group_list, keys, [(value,) for value in new_values])
         columns = {c: totals.column(c) for c in key_columns}
         columns[self.output_name] = pa.array(new_values, value_type)
         return pa.table(columns)
@@ -233,6 +234,7 @@ class TaskSpec:
     function: Any  # Aggregate or PythonFunction
     checkpoint_id: int
     base_checkpoint_id: int | None
+    base_committed_at: float | None  # identifies the base manifest (a store recreated at the same URI reuses ids)
     parallelism: int
     max_parallelism: int
     max_chain_length: int
@@ -274,7 +276,12 @@ def _resident_state(task: TaskSpec, instance: int, store: CheckpointStore) -> tu
     if state is None or state.key_group_range != owned or state.layout != layout:
         state = InstanceState(layout, owned)
     info = {"resident": len(state) > 0, "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
-    base = store.load(task.base_checkpoint_id) if task.base_checkpoint_id is not None else None
+    base = None
+    if task.base_checkpoint_id is not None:
+        base = store.load(task.base_checkpoint_id)
+        if base.committed_at != task.base_committed_at:
+            store.forget_cached_manifests()
+            base = store.load(task.base_checkpoint_id)
     component = base.components.get(task.component) if base is not None else None
     if component is None:
         if len(state) or state.chains():
@@ -313,22 +320,40 @@ def _check_key_groups(table: pa.Table, key_columns: tuple[str, ...], task: TaskS
         )
 
 
+class _Phases:
+    """Seconds spent in each consecutive phase of a task, for its report."""
+
+    def __init__(self, started: float):
+        self._last = started
+        self.seconds: dict[str, float] = {}
+
+    def end(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self._last, 4)
+        self._last = now
+
+
 def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Process instance ``instance``'s rows of micro-batch ``task.checkpoint_id``; see the module docstring."""
     started = time.perf_counter()
+    phases = _Phases(started)
     store = _store(task.store_uri, task.retained)
     state, restore_info = _resident_state(task, instance, store)
+    phases.end("restore")
     input_batches = list(batches)
     table = pa.Table.from_batches(input_batches) if input_batches else None
+    phases.end("input")
     outputs = task.outputs
     out_with_meta = outputs.append(pa.field(META_COLUMN, pa.string()))
     if table is not None and table.num_rows:
         _check_key_groups(table, task.key_columns, task, state.key_group_range)
         result = _apply(task, state, table)
+        phases.end("apply")
         for batch in result.combine_chunks().to_batches():
             yield pa.RecordBatch.from_arrays(
                 list(batch.columns) + [pa.nulls(batch.num_rows, pa.string())], schema=out_with_meta
             )
+        phases.end("output")
     ref = checkpoint_instance(
         store,
         task.component,
@@ -339,6 +364,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
         compression=task.compression,
     )
     items_path = checkpoint_instance_items(store, task.component, task.checkpoint_id, instance, state)
+    phases.end("checkpoint")
     with _LOCK:
         _RESIDENT[(task.store_uri, task.component, instance)] = state
     meta = {
@@ -350,6 +376,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
         "restore": restore_info,
         "pid": os.getpid(),
         "seconds": round(time.perf_counter() - started, 4),
+        "phase_seconds": phases.seconds,
     }
     arrays = [pa.nulls(1, f.type) for f in outputs] + [pa.array([json.dumps(meta)], pa.string())]
     yield pa.RecordBatch.from_arrays(arrays, schema=out_with_meta)

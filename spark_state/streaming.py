@@ -350,6 +350,7 @@ class MicroBatch:
             function=stream.function,
             checkpoint_id=checkpoint_id,
             base_checkpoint_id=base.checkpoint_id if base is not None else None,
+            base_committed_at=base.committed_at if base is not None else None,
             parallelism=conf.parallelism,
             max_parallelism=conf.max_parallelism,
             max_chain_length=conf.max_chain_length,

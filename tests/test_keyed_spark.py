@@ -378,3 +378,20 @@ def test_state_store_on_hdfs_rescales_with_exact_output(spark, tmp_path):
         manifest = open_checkpoint_store(store).latest()
         assert manifest.components["clicks"].parallelism == 3
         assert os.path.isdir(server.local_path("/jobs/clicks-state/checkpoints"))
+
+
+def test_store_recreated_at_the_same_path_is_not_served_from_stale_caches(spark, tmp_path):
+    """Python workers cache manifests and state per store URI; a new store at the same path must not hit them."""
+    import shutil
+
+    first = Job(spark, tmp_path / "job")
+    first.add_batch(300, keys=40, salt=0)
+    first.add_batch(300, keys=40, salt=1)
+    first.run(2)
+    shutil.rmtree(tmp_path / "job")
+
+    second = Job(spark, tmp_path / "job")
+    second.add_batch(200, keys=25, salt=3)
+    second.add_batch(200, keys=25, salt=4)  # its base, checkpoint 0, shares an id with the first job's
+    second.run(2)
+    assert second.outputs == second.expected()
