@@ -43,43 +43,12 @@ from spark_state.keygroups import (  # noqa: E402
 )
 from spark_state.keyed_state import StateLayout  # noqa: E402
 from spark_state.restore import plan_instance_restore  # noqa: E402
-from spark_state.storage.base import Storage  # noqa: E402
+from spark_state.storage.base import CountingStorage  # noqa: E402
 from spark_state.storage.local import LocalStorage  # noqa: E402
 
 PAIRS = [(2, 3), (3, 2), (7, 4), (1, 16), (16, 1), (4, 8), (8, 4), (4, 7), (7, 2)]
 COMPONENT = "counts"
 LAYOUT = StateLayout(pa.schema([("key", pa.int64()), ("count", pa.int64())]), ("key",))
-
-
-class CountingStorage(Storage):
-    """Delegates to ``inner`` and counts bytes read and read requests."""
-
-    def __init__(self, inner: Storage):
-        self.inner = inner
-        self.uri = inner.uri
-        self.bytes_read = 0
-        self.requests = 0
-
-    def create(self, path, data, *, overwrite=False):
-        self.inner.create(path, data, overwrite=overwrite)
-
-    def read(self, path, offset=0, length=None):
-        data = self.inner.read(path, offset, length)
-        self.bytes_read += len(data)
-        self.requests += 1
-        return data
-
-    def size(self, path):
-        return self.inner.size(path)
-
-    def exists(self, path):
-        return self.inner.exists(path)
-
-    def list(self, path=""):
-        return self.inner.list(path)
-
-    def delete(self, path):
-        self.inner.delete(path)
 
 
 def write_checkpoint(store: CheckpointStore, keys: np.ndarray, counts: np.ndarray, parallelism: int, max_parallelism: int):

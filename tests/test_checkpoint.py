@@ -41,7 +41,7 @@ from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_gro
 from spark_state.keyed_state import InstanceState, StateLayout, checkpoint_instance, restore_instance
 from spark_state.manifest import Manifest
 from spark_state.storage import open_storage
-from spark_state.storage.base import Storage, join
+from spark_state.storage.base import ForwardingStorage, Storage, join
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
 
@@ -267,31 +267,17 @@ def test_a_lower_id_is_rejected(storage):
     assert store.committed_ids() == [1, 3]
 
 
-class _BarrierOnCommit(Storage):
-    """Delegates to ``inner``; a manifest create waits until ``parties`` coordinators reach it."""
+class _BarrierOnCommit(ForwardingStorage):
+    """A manifest create waits until ``parties`` coordinators reach it."""
 
     def __init__(self, inner: Storage, barrier: threading.Barrier):
-        self.inner, self.barrier, self.uri = inner, barrier, inner.uri
+        super().__init__(inner)
+        self.barrier = barrier
 
     def create(self, path, data, *, overwrite=False):
         if path.startswith(CHECKPOINTS_DIR + "/"):
             self.barrier.wait(timeout=10)
         self.inner.create(path, data, overwrite=overwrite)
-
-    def read(self, path, offset=0, length=None):
-        return self.inner.read(path, offset, length)
-
-    def size(self, path):
-        return self.inner.size(path)
-
-    def exists(self, path):
-        return self.inner.exists(path)
-
-    def list(self, path=""):
-        return self.inner.list(path)
-
-    def delete(self, path):
-        self.inner.delete(path)
 
 
 def test_racing_coordinators_exactly_one_wins(storage):
@@ -437,27 +423,13 @@ def test_each_manifest_lists_its_retained_predecessors():
     assert lists == [(1,), (2, 1), (4, 2, 1), (5, 4, 2), (6, 5, 4)]
 
 
-class _CrashingDeletes(Storage):
-    """Delegates to ``inner``; the delete after ``allowed`` successful ones raises (a crash)."""
+class _CrashingDeletes(ForwardingStorage):
+    """The delete after ``allowed`` successful ones raises (a crash)."""
 
     def __init__(self, inner: Storage, allowed: int | None):
-        self.inner, self.allowed, self.uri = inner, allowed, inner.uri
+        super().__init__(inner)
+        self.allowed = allowed
         self.deletes = 0
-
-    def create(self, path, data, *, overwrite=False):
-        self.inner.create(path, data, overwrite=overwrite)
-
-    def read(self, path, offset=0, length=None):
-        return self.inner.read(path, offset, length)
-
-    def size(self, path):
-        return self.inner.size(path)
-
-    def exists(self, path):
-        return self.inner.exists(path)
-
-    def list(self, path=""):
-        return self.inner.list(path)
 
     def delete(self, path):
         if self.allowed is not None and self.deletes >= self.allowed:

@@ -53,38 +53,10 @@ from datasources.options import (
 )
 from datasources.sources import LogSource, retention_floors
 from spark_state.errors import ConfigError, CorruptBlobError, StorageError
-from spark_state.storage.base import Storage
+from spark_state.storage.base import CountingStorage, Storage
 from spark_state.storage.memory import MemoryStorage
 
 SCHEMA = pa.schema([pa.field("key", pa.string()), pa.field("value", pa.int64())])
-
-
-class CountingStorage(Storage):
-    """Wraps a storage and records every path read."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.uri = inner.uri
-        self.reads: list[str] = []
-
-    def create(self, path, data, *, overwrite=False):
-        self.inner.create(path, data, overwrite=overwrite)
-
-    def read(self, path, offset=0, length=None):
-        self.reads.append(path)
-        return self.inner.read(path, offset, length)
-
-    def size(self, path):
-        return self.inner.size(path)
-
-    def exists(self, path):
-        return self.inner.exists(path)
-
-    def list(self, path=""):
-        return self.inner.list(path)
-
-    def delete(self, path):
-        self.inner.delete(path)
 
 
 def batch(start: int, n: int) -> pa.RecordBatch:

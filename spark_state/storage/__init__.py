@@ -22,12 +22,20 @@ import re
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from spark_state.errors import ConfigError
-from spark_state.storage.base import Storage
+from spark_state.storage.base import CountingStorage, ForwardingStorage, Storage
 from spark_state.storage.hdfs import WebHdfsStorage
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
 
-__all__ = ["LocalStorage", "MemoryStorage", "Storage", "WebHdfsStorage", "open_storage"]
+__all__ = [
+    "CountingStorage",
+    "ForwardingStorage",
+    "LocalStorage",
+    "MemoryStorage",
+    "Storage",
+    "WebHdfsStorage",
+    "open_storage",
+]
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 

@@ -116,3 +116,52 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove the blob or directory tree at ``path``; a missing path is not an error."""
+
+
+class ForwardingStorage(Storage):
+    """Forwards every call to ``inner``; subclass it to observe or change one operation.
+
+    It keeps every guarantee of ``inner`` as long as overrides only observe
+    (metrics, tests) or fail.
+    """
+
+    def __init__(self, inner: Storage):
+        self.inner = inner
+        self.uri = inner.uri
+
+    def create(self, path: str, data: bytes, *, overwrite: bool = False) -> None:
+        self.inner.create(path, data, overwrite=overwrite)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read(path, offset, length)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list(self, path: str = "") -> list[str]:
+        return self.inner.list(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+
+class CountingStorage(ForwardingStorage):
+    """Counts reads through it: ``reads`` (every path asked for, in order, failed ones too), ``requests``, ``bytes_read``."""
+
+    def __init__(self, inner: Storage):
+        super().__init__(inner)
+        self.reads: list[str] = []
+        self.bytes_read = 0
+
+    @property
+    def requests(self) -> int:
+        return len(self.reads)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        self.reads.append(path)
+        data = self.inner.read(path, offset, length)
+        self.bytes_read += len(data)
+        return data
