@@ -33,7 +33,6 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spark_state.blob import DELETED_COLUMN  # noqa: E402
 from spark_state.checkpoint import CheckpointStore  # noqa: E402
 from spark_state.keygroups import (  # noqa: E402
     DEFAULT_MAX_PARALLELISM,

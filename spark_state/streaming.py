@@ -47,8 +47,8 @@ from urllib.parse import urlparse
 import pyarrow as pa
 
 from spark_state.checkpoint import CheckpointExistsError, CheckpointStore, open_checkpoint_store
-from spark_state.conf import PARALLELISM, StateConf
-from spark_state.errors import CheckpointError, ConfigError, NoCheckpointError
+from spark_state.conf import RETAINED, StateConf
+from spark_state.errors import CheckpointError, ConfigError
 from spark_state.keyed_state import StateLayout
 from spark_state.manifest import Manifest
 from spark_state.operator import (
@@ -287,6 +287,14 @@ class MicroBatch:
     fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
     history: list[dict] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stores: dict[tuple[str, int], CheckpointStore] = field(default_factory=dict)
+
+    def store(self, conf: StateConf) -> CheckpointStore:
+        """One store per setting, kept for the query's life, so parsed manifests are reused across batches."""
+        key = (conf.store, conf.checkpoints_retained)
+        if key not in self._stores:
+            self._stores[key] = open_checkpoint_store(conf.store, retained=conf.checkpoints_retained)
+        return self._stores[key]
 
     def conf(self) -> StateConf:
         """Settings for the next batch, from the session that started the query."""
@@ -316,7 +324,7 @@ class MicroBatch:
                 return newer, (store.load(older) if older is not None else None), True
         raise CheckpointError(
             f"batch {batch_id} is older than the retained checkpoints of {store.storage.uri} "
-            f"({list(latest.consistent_checkpoints)}); raise {PARALLELISM.rsplit('.', 1)[0]}.checkpointsRetained "
+            f"({list(latest.consistent_checkpoints)}); raise {RETAINED} "
             "or restart from a new checkpointLocation"
         )
 
@@ -331,7 +339,7 @@ class MicroBatch:
         from spark_state.routing import instance_column, key_group_column
 
         conf = self.conf()
-        store = open_checkpoint_store(conf.store, retained=conf.checkpoints_retained)
+        store = self.store(conf)
         checkpoint_id, base, replayed = self._base(store, batch_id)
         stream = self.stream
         layout = StateLayout(stream.state_schema, stream.keyed.key_columns)
