@@ -342,12 +342,8 @@ class InstanceState:
         """Per key group, the store chain its content reflects (None: unknown, reload on catch-up)."""
         return dict(self._chains)
 
-    def load(self, key_group: int, rows: pa.Table, chain: Chain | int) -> None:
-        """Install a key group's live rows (no ``_deleted``) reflecting store chain ``chain``.
-
-        An int ``chain`` is a chain of that length whose blobs are not named
-        (they can only be compared by length, never caught up).
-        """
+    def load(self, key_group: int, rows: pa.Table, chain: Chain) -> None:
+        """Install a key group's live rows (no ``_deleted``) reflecting store chain ``chain`` (blob paths)."""
         self._check(key_group)
         n_keys = len(self.layout.key_columns)
         columns = [rows.column(name).to_pylist() for name in self.layout.schema.names]
@@ -355,7 +351,7 @@ class InstanceState:
         values = zip(*columns[n_keys:]) if len(columns) > n_keys else (() for _ in range(rows.num_rows))
         self._groups[key_group] = dict(zip(keys, values))
         self._dirty.pop(key_group, None)
-        self._chains[key_group] = (PENDING,) * chain if isinstance(chain, int) else tuple(chain)
+        self._chains[key_group] = tuple(chain)
 
     def _apply_deltas(self, key_group: int, batches: list[tuple[str, pa.RecordBatch]]) -> None:
         group = self._groups.setdefault(key_group, {})

@@ -227,7 +227,7 @@ class _Job:
                     rows = pa.table(
                         {"key": list(self.model[g]), "value": list(self.model[g].values())}, schema=LAYOUT.schema
                     )
-                    state.load(g, rows, self.component.chain_length(g))
+                    state.load(g, rows, self.component.chains.get(g, ()))
             self.instances.append(state)
 
     def rescale(self, parallelism: int) -> None:
