@@ -1,0 +1,420 @@
+"""Changing a stateful query's parallelism: our key groups vs Spark's own answers, side by side in one run.
+
+Run: ``./run bench bench_rescale`` (quick: 100k keys, all six pairs, about
+2 minutes) or ``./run bench bench_rescale --full`` (100k, 1M and 10M keys).
+Prints one JSON object, writes ``benchmarks/results/rescale[_full].json`` and
+plots ``rescale[_full].png``.
+
+For every state size S, S distinct string keys (``k0000000``...) are counted
+in one batch (file 0) at the old parallelism, and the query is stopped. Then,
+per (old -> new) pair, a copy of that checkpoint is restarted at the new
+parallelism with one more batch of ``update_rows`` rows over the existing
+keys (file 1), and stops when that batch is done (``availableNow``). Systems,
+each a running count per key on the same files:
+
+- ``keyed_count``: ``spark_state.keyed(df, "key").count()``, restarted with
+  ``spark.state.parallelism`` = new; each new instance reads the key groups
+  it now owns from the old blobs with ranged reads.
+- ``naive_hash_mod``: the same count on a store that partitions keys by
+  ``hash(key) mod parallelism`` (``benchmarks/naive_store.py``): each new
+  instance reads every old blob whole and keeps its rows.
+- ``spark_repartition``: ``groupBy("key").count()`` on the RocksDB state
+  store, update mode; ``spark._streamingCheckpointManager.repartition(
+  checkpoint, new)`` (Spark 4.2+), then restart.
+- ``spark_pinned``: the same Spark query restarted without repartitioning
+  (it stays at the old parallelism): the floor, what a restart costs when
+  parallelism does not change.
+
+Per pair, size and system:
+
+- ``restart_seconds``: wall time from the stopped query to the end of the
+  first batch at the new parallelism: the repartition (Spark), starting the
+  query, and the batch, which restores the state. Copying the checkpoint
+  happens before the clock starts.
+- ``bytes_read`` per new instance, ``read_amplification`` = bytes read /
+  bytes it owns (ours: the owned key groups' entries in the old blobs;
+  naive: the size of the state it writes at the new parallelism), and storage
+  ``requests`` per instance, from each task's restore report (the tasks read
+  through a counting storage wrapper). Spark's operator does not report what
+  it reads: for it, ``jvm_read_bytes`` is the driver JVM's ``rchar``
+  (``/proc/<pid>/io``: all bytes read by the process, which in ``local``
+  mode includes the executors and the input file) during the repartition and
+  during the restart.
+- correctness: every system's first batch after the restart must output
+  each updated key with count 1 + its occurrences (sum of counts = distinct
+  keys + rows), and the restored state must hold all S keys.
+
+Every system restarts in the same warm session (JVM and Python workers
+already up), which is what an operator changing parallelism of a long-lived
+application sees; state caches do not help because every new instance owns a
+different range (ours) or a different hash class (naive) than any old one,
+and Spark's state store instances are tied to the query run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+import naive_store  # noqa: E402
+
+WORK = common.WORK_DIR / "rescale"
+COMPONENT = "rescale_counts"
+SCHEMA_DDL = "key string"
+PAIRS = ((4, 8), (8, 4), (2, 3), (3, 2), (1, 8), (8, 1))
+SYSTEMS = ("keyed_count", "naive_hash_mod", "spark_repartition", "spark_pinned")
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    sizes: tuple[int, ...]
+    pairs: tuple[tuple[int, int], ...]
+    update_rows: int
+
+
+QUICK = Config("quick", (100_000,), PAIRS, 10_000)
+FULL = Config("full", (100_000, 1_000_000, 10_000_000), PAIRS, 10_000)
+SMOKE = Config("smoke", (4_000,), ((2, 3),), 500)  # tests/test_benchmarks.py: every code path, in seconds
+
+
+def key_space(n: int) -> pa.Array:
+    import pyarrow.compute as pc
+
+    digits = pc.utf8_lpad(pa.array(np.arange(n, dtype=np.int64)).cast(pa.string()), 7, "0")
+    return pc.binary_join_element_wise(pa.scalar("k"), digits, "")
+
+
+# Checks on the output of the first batch after a restart ------------------
+
+
+class CheckedSink:
+    """``foreachBatch`` sink that keeps, per batch, the number of output rows and the sum of their counts."""
+
+    def __init__(self):
+        self.batches: dict[int, tuple[int, int]] = {}
+
+    def __call__(self, out, batch_id: int) -> None:
+        from pyspark.sql import functions as F
+
+        row = out.agg(F.count(F.lit(1)).alias("n"), F.sum("count").alias("total")).collect()[0]
+        self.batches[batch_id] = (row["n"], row["total"] or 0)
+
+
+# Systems: build at the old parallelism, restart at the new one -------------
+
+
+def _jvm_pid(spark) -> int:
+    return int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+
+
+def _rchar(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _start(spark, system: str, stream, run_dir: Path, parallelism: int, sink):
+    """Start ``system`` on ``stream`` with its checkpoint (and state) under ``run_dir``; availableNow."""
+    from spark_state import keyed
+
+    if system == "keyed_count":
+        spark.conf.set("spark.state.parallelism", str(parallelism))
+        spark.conf.set("spark.state.store", str(run_dir / "state"))
+        writer = keyed(stream, "key", name=COMPONENT).count().writeStream.foreachBatch(sink)
+    elif system == "naive_hash_mod":
+        spark.conf.set(naive_store.PARALLELISM_CONF, str(parallelism))
+        naive = naive_store.NaiveCount(spark, str(run_dir / "state"), sink)
+        writer = stream.writeStream.foreachBatch(naive)
+    else:
+        spark.conf.set(common.PROVIDER_CONF, common.ROCKSDB_PROVIDER)
+        spark.conf.set("spark.sql.shuffle.partitions", str(parallelism))
+        writer = stream.groupBy("key").count().writeStream.outputMode("update").foreachBatch(sink)
+    query = writer.option("checkpointLocation", str(run_dir / "chk")).trigger(availableNow=True).start()
+    return query, (naive if system == "naive_hash_mod" else None)
+
+
+def _reset_conf(spark) -> None:
+    for key in ("spark.state.parallelism", "spark.state.store", naive_store.PARALLELISM_CONF, common.PROVIDER_CONF):
+        spark.conf.unset(key)
+    spark.conf.set("spark.sql.shuffle.partitions", "2")
+
+
+def build(spark, system: str, files: common.InputFiles, run_dir: Path, parallelism: int, size: int) -> dict:
+    """Count the ``size`` distinct keys of file 0 at ``parallelism``; the query is stopped when done."""
+    common.fresh_dir(run_dir)
+    sink = CheckedSink()
+    started = time.perf_counter()
+    try:
+        query, _ = _start(spark, "spark_pinned" if system.startswith("spark") else system, files.stream(spark),
+                          run_dir, parallelism, sink)
+        query.awaitTermination()
+        query.stop()
+    finally:
+        _reset_conf(spark)
+    seconds = time.perf_counter() - started
+    if sink.batches != {0: (size, size)}:
+        raise RuntimeError(f"{system} build at p={parallelism}: output {sink.batches}, expected {size} keys once")
+    return {"seconds": round(seconds, 3), "state_bytes_on_disk": _dir_bytes(run_dir)}
+
+
+def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: Path, old: int, new: int,
+            size: int, expected: tuple[int, int]) -> dict:
+    """Copy ``base`` to ``run_dir``, then time: (repartition), start at ``new``, first batch (file 1) done."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(base, run_dir)
+    sink = CheckedSink()
+    pid = _jvm_pid(spark)
+    result: dict = {"system": system, "old_parallelism": old, "new_parallelism": new, "keys": size}
+    target = old if system == "spark_pinned" else new
+    started = time.perf_counter()
+    rchar = _rchar(pid)
+    try:
+        if system == "spark_repartition":
+            spark._streamingCheckpointManager.repartition(str(run_dir / "chk"), new)
+            result["repartition_seconds"] = round(time.perf_counter() - started, 3)
+            result["repartition_jvm_read_bytes"] = _rchar(pid) - rchar
+        query, naive = _start(spark, system, files.stream(spark), run_dir, target, sink)
+        query.awaitTermination()
+        query.stop()
+    finally:
+        _reset_conf(spark)
+    result["restart_seconds"] = round(time.perf_counter() - started, 3)
+    result["jvm_read_bytes"] = _rchar(pid) - rchar
+    progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
+    if len(progress) != 1 or list(sink.batches.values()) != [expected]:
+        raise RuntimeError(f"{system} {old}->{new}: batches {sink.batches} (progress {len(progress)}), "
+                           f"expected one with {expected} (updated keys, sum of counts)")
+    result["first_batch_seconds"] = progress[0]["durationMs"].get("triggerExecution", 0) / 1000.0
+    result["load_average_1m"] = round(os.getloadavg()[0], 2)
+    if system.startswith("spark"):
+        operator = progress[0]["stateOperators"][0]
+        result["state_partitions"] = operator["numShufflePartitions"]
+        result["state_rows_total"] = operator["numRowsTotal"]
+        if (operator["numShufflePartitions"], operator["numRowsTotal"]) != (target, size):
+            raise RuntimeError(f"{system} {old}->{new}: state operator {operator}, expected {target} partitions "
+                               f"and {size} rows")
+        result["state_bytes_on_disk_after"] = _dir_bytes(run_dir / "chk")
+    else:
+        history = naive.history if naive is not None else query.batches
+        instances = history[-1]["instances"]
+        if history[-1]["parallelism"] != new or sum(m["keys"] for m in instances) != size:
+            raise RuntimeError(f"{system} {old}->{new}: ran at {history[-1]['parallelism']} with "
+                               f"{sum(m['keys'] for m in instances)} keys, expected {new} and {size}")
+        result["instances"] = _instance_reads(system, instances, base, old, new)
+        reads = result["instances"]
+        result["max_bytes_read_per_instance"] = max(i["bytes_read"] for i in reads)
+        result["total_bytes_read"] = sum(i["bytes_read"] for i in reads)
+        result["read_amplification"] = round(max(i["read_amplification"] for i in reads if i["bytes_owned"]), 4)
+        result["max_requests_per_instance"] = max(i["requests"] for i in reads)
+        result["max_restore_seconds"] = max(i["restore_seconds"] for i in reads)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def _instance_reads(system: str, instances: list[dict], base: Path, old: int, new: int) -> list[dict]:
+    """Per new instance: bytes read, bytes owned and requests (see the module docstring)."""
+    if system == "keyed_count":
+        from spark_state.checkpoint import open_checkpoint_store
+        from spark_state.restore import plan_instance_restore
+
+        component = open_checkpoint_store(str(base / "state")).latest().components[COMPONENT]
+        owned = {j: plan_instance_restore(component, j, new).bytes_owned for j in range(new)}
+    else:
+        owned = {m["instance"]: m["size"] for m in instances}
+    out = []
+    for m in instances:
+        restore = m["restore"]
+        j = m["instance"]
+        out.append({
+            "instance": j,
+            "keys": m["keys"],
+            "bytes_read": restore["bytes_read"],
+            "bytes_owned": owned[j],
+            "read_amplification": round(restore["bytes_read"] / owned[j], 4) if owned[j] else None,
+            "requests": restore["requests"],
+            "restore_seconds": restore["seconds"],
+            "resident": restore["resident"],
+        })
+    if any(i["resident"] for i in out):
+        raise RuntimeError(f"{system} {old}->{new}: an instance used resident state; the restart must read the store")
+    return out
+
+
+# The run -------------------------------------------------------------------
+
+
+def run(spark, config: Config) -> dict:
+    rng = np.random.default_rng(20261121)
+    keys = key_space(max(config.sizes))
+    sizes = []
+    for size in config.sizes:
+        work = common.fresh_dir(WORK / f"keys-{size}")
+        update = rng.integers(0, size, config.update_rows)
+        tables = [pa.table({"key": keys.take(pa.array(rng.permutation(size)))}),
+                  pa.table({"key": keys.take(pa.array(update))})]
+        files = common.write_input(work / "files", tables, SCHEMA_DDL)
+        live = common.fresh_dir(work / "input")
+        common.release_file(files, 0, live)
+        stream_files = common.InputFiles(live, SCHEMA_DDL, files.rows)
+        distinct = len(np.unique(update))
+        expected = (distinct, distinct + config.update_rows)
+        olds = sorted({old for old, _ in config.pairs})
+        builds = {}
+        for old in olds:
+            for system in ("keyed_count", "naive_hash_mod", "spark"):
+                builds[(system, old)] = build(spark, system, stream_files, work / f"base-{system}-p{old}", old, size)
+                print(f"build {size} keys p={old} {system}: {builds[(system, old)]['seconds']} s", file=sys.stderr)
+        common.release_file(files, 1, live)
+        runs = []
+        for index, (old, new) in enumerate(config.pairs):
+            order = SYSTEMS[index % len(SYSTEMS):] + SYSTEMS[: index % len(SYSTEMS)]  # rotate: no fixed position
+            for system in order:
+                base_system = "spark" if system.startswith("spark") else system
+                base = work / f"base-{base_system}-p{old}"
+                r = restart(spark, system, stream_files, base, work / f"run-{system}-{old}-{new}", old, new, size,
+                            expected)
+                r["old_state_bytes_on_disk"] = builds[(base_system, old)]["state_bytes_on_disk"]
+                runs.append(r)
+                print(f"{size} keys {old}->{new} {system}: {r['restart_seconds']} s", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+        sizes.append({"keys": size, "update_rows": config.update_rows,
+                      "builds": [{"system": s, "old_parallelism": p, **b} for (s, p), b in builds.items()],
+                      "runs": runs, "summary": _summary(runs, config.pairs)})
+    return {"sizes": sizes}
+
+
+def _summary(runs: list[dict], pairs) -> list[dict]:
+    """One row per pair: each system's restart seconds and ours vs theirs."""
+    rows = []
+    for old, new in pairs:
+        of = {r["system"]: r for r in runs if (r["old_parallelism"], r["new_parallelism"]) == (old, new)}
+        ours = of["keyed_count"]
+        rows.append({
+            "pair": f"{old}->{new}",
+            "restart_seconds": {s: of[s]["restart_seconds"] for s in SYSTEMS},
+            "spark_repartition_seconds": of["spark_repartition"]["repartition_seconds"],
+            "ours_vs_spark_repartition": round(of["spark_repartition"]["restart_seconds"] / ours["restart_seconds"], 3),
+            "ours_vs_spark_pinned": round(of["spark_pinned"]["restart_seconds"] / ours["restart_seconds"], 3),
+            "ours_vs_naive": round(of["naive_hash_mod"]["restart_seconds"] / ours["restart_seconds"], 3),
+            "read_amplification": {s: of[s]["read_amplification"] for s in ("keyed_count", "naive_hash_mod")},
+            "max_bytes_read_per_instance": {s: of[s]["max_bytes_read_per_instance"]
+                                            for s in ("keyed_count", "naive_hash_mod")},
+            "max_requests_per_instance": {s: of[s]["max_requests_per_instance"]
+                                          for s in ("keyed_count", "naive_hash_mod")},
+        })
+    return rows
+
+
+def headline(result: dict) -> dict:
+    """Medians over pairs per size: speedups are (their restart seconds / ours), > 1 means we are faster."""
+    out = {}
+    for size in result["sizes"]:
+        rows = size["summary"]
+        out[str(size["keys"])] = {
+            key: round(statistics.median(r[key] for r in rows), 3)
+            for key in ("ours_vs_spark_repartition", "ours_vs_spark_pinned", "ours_vs_naive")
+        } | {
+            "max_read_amplification_ours": max(r["read_amplification"]["keyed_count"] for r in rows),
+            "max_read_amplification_naive": max(r["read_amplification"]["naive_hash_mod"] for r in rows),
+        }
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = result["sizes"]
+    fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 8.5), squeeze=False)
+    colors = {"keyed_count": "tab:blue", "naive_hash_mod": "tab:orange", "spark_repartition": "tab:red",
+              "spark_pinned": "tab:grey"}
+    for column, size in enumerate(sizes):
+        rows = size["summary"]
+        pairs = [r["pair"] for r in rows]
+        width = 0.8 / len(SYSTEMS)
+        ax = axes[0][column]
+        for i, system in enumerate(SYSTEMS):
+            xs = [j + i * width for j in range(len(pairs))]
+            label = system + (" (no rescale: floor)" if system == "spark_pinned" else "")
+            ax.bar(xs, [r["restart_seconds"][system] for r in rows], width, label=label, color=colors[system])
+        xs = [j + 2 * width for j in range(len(pairs))]
+        ax.bar(xs, [r["spark_repartition_seconds"] for r in rows], width, color="none", edgecolor="black",
+               hatch="//", label="of which offline repartition")
+        ax.set_xticks([j + width * (len(SYSTEMS) - 1) / 2 for j in range(len(pairs))])
+        ax.set_xticklabels(pairs)
+        ax.set_ylabel("seconds: stop -> first batch done at new parallelism")
+        ax.set_title(f"{size['keys']:,} keys: time to rescale")
+        ax.legend(fontsize=7)
+        ax = axes[1][column]
+        width = 0.4
+        for i, system in enumerate(("keyed_count", "naive_hash_mod")):
+            xs = [j + i * width for j in range(len(pairs))]
+            values = [r["read_amplification"][system] for r in rows]
+            ax.bar(xs, values, width, label=system, color=colors[system])
+            for x, v in zip(xs, values):
+                ax.annotate(f"{v:.2g}", (x, v), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([j + width / 2 for j in range(len(pairs))])
+        ax.set_xticklabels(pairs)
+        ax.set_ylabel("read amplification (max over new instances)")
+        ax.set_title(f"{size['keys']:,} keys: bytes read / bytes owned")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Rescaling a running count per key, {result['mode']} mode, {result['master']}, load avg "
+                 f"{result['environment']['load_average_1m']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="100k, 1M and 10M keys")
+    parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's")
+    args = parser.parse_args(argv)
+    config = FULL if args.full else QUICK
+    if args.sizes:
+        config = Config(config.mode, tuple(int(s) for s in args.sizes.split(",")), config.pairs, config.update_rows)
+    started = time.perf_counter()
+    spark = common.session("bench-rescale")
+    result = {
+        "benchmark": "bench_rescale",
+        "mode": config.mode,
+        "command": "./run bench bench_rescale" + (" --full" if args.full else "")
+                   + (f" --sizes {args.sizes}" if args.sizes else ""),
+        "master": "local[2]",
+        "environment": common.environment(spark),
+        "state_store_provider_spark": common.ROCKSDB_PROVIDER,
+        "pairs": [f"{a}->{b}" for a, b in config.pairs],
+        **run(spark, config),
+    }
+    result["headline"] = headline(result)
+    result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    spark.stop()
+    name = "rescale" if config.mode == "quick" else "rescale_full"
+    plot(result, common.RESULTS_DIR / f"{name}.png")
+    common.save_report(name, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
