@@ -1,7 +1,7 @@
 """Throughput of key group routing: vectorized columns vs the scalar loop.
 
-Run: ``PYTHONPATH=. .venv/bin/python benchmarks/bench_keygroups.py``. Prints one
-JSON object and writes it to ``benchmarks/results/keygroups.json``. Each
+Run: ``./run bench bench_keygroups``. Prints one JSON object, writes it to
+``benchmarks/results/keygroups.json`` and plots ``keygroups.png``. Each
 figure is the best of ``REPEATS`` runs, in keys per second; the load average
 is recorded because other processes on the machine skew the numbers.
 
@@ -91,8 +91,13 @@ def main() -> dict:
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
+    result["command"] = "./run bench bench_keygroups"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    import common
+
+    common.bar_plot(RESULTS.with_suffix(".png"), f"Key-group mapping, best of {REPEATS} (load avg "
+                    f"{result['load_average_1m']})", [("keys/s", result["keys_per_s"], "keys per second", True)])
     return result
 
 

@@ -92,13 +92,6 @@ FULL = Config("full", (100_000, 1_000_000, 10_000_000), PAIRS, 10_000)
 SMOKE = Config("smoke", (4_000,), ((2, 3),), 500)  # tests/test_benchmarks.py: every code path, in seconds
 
 
-def key_space(n: int) -> pa.Array:
-    import pyarrow.compute as pc
-
-    digits = pc.utf8_lpad(pa.array(np.arange(n, dtype=np.int64)).cast(pa.string()), 7, "0")
-    return pc.binary_join_element_wise(pa.scalar("k"), digits, "")
-
-
 # Checks on the output of the first batch after a restart ------------------
 
 
@@ -263,7 +256,7 @@ def _instance_reads(system: str, instances: list[dict], base: Path, old: int, ne
 
 def run(spark, config: Config) -> dict:
     rng = np.random.default_rng(20261121)
-    keys = key_space(max(config.sizes))
+    keys = common.key_space(max(config.sizes))
     sizes = []
     for size in config.sizes:
         work = common.fresh_dir(WORK / f"keys-{size}")

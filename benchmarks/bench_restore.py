@@ -165,8 +165,20 @@ def main() -> None:
         "pairs": [{k: v for k, v in r.items() if k != "instances"} for r in results],
         "instances": {f"{r['old_parallelism']}->{r['new_parallelism']}": r["instances"] for r in results},
     }
+    report["command"] = "./run bench bench_restore" + (" --verify" if args.verify else "") + (
+        f" --keys {args.keys}" if args.keys != 1_000_000 else "")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common
+
+    pairs = {f"{r['old_parallelism']}->{r['new_parallelism']}": r for r in report["pairs"]}
+    common.bar_plot(Path(args.out).with_suffix(".png"), f"Restore at a new parallelism, {args.keys:,} keys, local disk", [
+        ("key groups: ranged reads of owned entries", {k: r["read_amplification"] for k, r in pairs.items()},
+         "read amplification (max over new instances)", False),
+        ("whole overlapping blobs (seed 001)", {k: r["whole_blob_amplification"] for k, r in pairs.items()},
+         "read amplification (max over new instances)", False),
+    ])
     print(json.dumps({k: v for k, v in report.items() if k != "instances"}, indent=2))
 
 

@@ -1,8 +1,7 @@
 """Throughput of the ``replayable`` source and writer against Spark's built-ins, at ``local[2]``.
 
-Run: ``./run bench bench_source [--full]`` (or ``PYTHONPATH=. .venv/bin/python
-benchmarks/bench_source.py``). Prints one JSON object and writes it to
-``benchmarks/results/source.json``. The quick mode (default) takes well under
+Run: ``./run bench bench_source [--full]``. Prints one JSON object, writes it
+to ``benchmarks/results/source.json`` and plots ``source.png``. The quick mode (default) takes well under
 two minutes (3M rows, reads best of 2); ``--full`` uses 20M rows and keeps
 the best of 3 runs of everything. Single runs at this size vary by +-30%
 on a shared 2-core machine: compare ratios across several runs.
@@ -252,6 +251,16 @@ if __name__ == "__main__":
     parser.add_argument("--full", action="store_true", help="20M rows, best of 3 runs")
     args = parser.parse_args()
     out = main(args.full)
+    out["command"] = "./run bench bench_source" + (" --full" if args.full else "")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common
+
+    common.bar_plot(RESULTS.with_suffix(".png"), f"Sources and writers, {out['rows']:,} rows, local[2]", [
+        ("streaming read (batches' processing time)",
+         {k: v["processing_rows_per_s"] for k, v in out["read_rows_per_s"].items()}, "rows/s", False),
+        ("batch read", {k: v["rows_per_s"] for k, v in out["batch_read_rows_per_s"].items()}, "rows/s", False),
+        ("batch write", {k: v["rows_per_s"] for k, v in out["write_rows_per_s"].items()}, "rows/s", False),
+    ])
     print(json.dumps(out, indent=2))

@@ -176,3 +176,192 @@ def save_report(name: str, report: dict) -> Path:
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return path
+
+
+# Keyed-count runs (bench_keyed, bench_checkpoint, bench_rescale) -----------
+
+KEYED_COMPONENT = "bench_counts"
+
+
+def key_space(n: int):
+    """The strings ``k0000000``, ``k0000001``, ... (``n`` of them, 8 bytes each up to 10M), key i at index i."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    digits = pc.utf8_lpad(pa.array(np.arange(n, dtype=np.int64)).cast(pa.string()), 7, "0")
+    return pc.binary_join_element_wise(pa.scalar("k"), digits, "")
+
+
+def batch_over(keys, indices):
+    """A table with one ``key`` column: ``keys`` at ``indices``."""
+    import pyarrow as pa
+
+    return pa.table({"key": keys.take(pa.array(indices))})
+
+
+def uniform_batches(keys, n_keys: int, rows: int, batches: int, rng) -> list:
+    """``batches`` tables of ``rows`` keys drawn uniformly from the first ``n_keys``."""
+    return [batch_over(keys, rng.integers(0, n_keys, rows)) for _ in range(batches)]
+
+
+def changing_batch(keys, total_keys: int, changed: int, rows: int, rng):
+    """``rows`` rows over exactly ``changed`` distinct keys (each at least once) of the first ``total_keys``."""
+    import numpy as np
+
+    chosen = rng.choice(total_keys, size=changed, replace=False)
+    extra = chosen[rng.integers(0, changed, rows - changed)] if rows > changed else np.empty(0, dtype=np.int64)
+    indices = np.concatenate([chosen, extra])
+    rng.shuffle(indices)
+    return batch_over(keys, indices)
+
+
+def noop_sink(out, batch_id: int) -> None:
+    out.write.format("noop").mode("overwrite").save()
+
+
+def run_keyed_interleaved(
+    spark,
+    inputs: dict[str, InputFiles],
+    schedules: dict[str, list[int | None]],
+    parallelism: int,
+    work: Path,
+    confs: dict[str, dict[str, str]] | None = None,
+) -> dict:
+    """One keyed-count query per input, run side by side, one batch each in turn (order alternating per step).
+
+    At step s, query ``label`` gets file ``schedules[label][s]`` of its
+    input (None: it idles that step) and processes it before the next query
+    gets its file. Each query reads its own directory, into which files are
+    released only when their step starts, and keeps its state under its own
+    ``<checkpointLocation>/state``. ``confs[label]`` is set in ``spark.conf``
+    while that query runs its batch (the driver reads ``spark.state.*`` at
+    every batch). Returns the stopped queries by label.
+    """
+    from spark_state import keyed
+
+    confs = confs or {}
+    spark.conf.set("spark.state.parallelism", str(parallelism))
+    spark.conf.unset("spark.state.store")
+    queries, live = {}, {}
+    try:
+        for label, files in inputs.items():
+            live[label] = fresh_dir(work / f"{label}-input")
+            stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(live[label]))
+            queries[label] = (
+                keyed(stream, "key", name=KEYED_COMPONENT).count().writeStream.foreachBatch(noop_sink)
+                .option("checkpointLocation", str(work / f"{label}-chk"))
+                .trigger(processingTime="100 milliseconds")
+                .start()
+            )
+        for step in range(max(len(schedule) for schedule in schedules.values())):
+            labels = list(inputs) if step % 2 == 0 else list(reversed(inputs))
+            for label in labels:
+                index = schedules[label][step] if step < len(schedules[label]) else None
+                if index is not None:
+                    for key, value in confs.get(label, {}).items():
+                        spark.conf.set(key, value)
+                    release_file(inputs[label], index, live[label])
+                    queries[label].processAllAvailable()
+                    for key in confs.get(label, {}):
+                        spark.conf.unset(key)
+    finally:
+        for query in queries.values():
+            query.stop()
+        spark.conf.unset("spark.state.parallelism")
+    return queries
+
+
+def _instance_report(meta: dict) -> dict:
+    restore = meta["restore"]
+    return {
+        "instance": meta["instance"],
+        "pid": meta["pid"],
+        "task_seconds": meta["seconds"],
+        "phase_seconds": meta.get("phase_seconds"),
+        "rows_in": meta["rows_in"],
+        "keys": meta["keys"],
+        "resident": restore["resident"],
+        "bytes_read": restore["bytes_read"],
+        "key_groups_read": restore["key_groups_read"],
+        "key_groups_appended": restore.get("key_groups_appended", 0),
+        "restore_seconds": restore["seconds"],
+        "blob_bytes": meta["blob"]["size"] if meta.get("blob") else 0,
+    }
+
+
+def batch_reports(query, progress: list[dict]) -> list[dict]:
+    """Per batch of a keyed query: Spark's batch seconds and what its instances read and wrote.
+
+    ``checkpoint_seconds`` is the slowest instance's checkpoint phase (serialize
+    and write its blob); ``checkpoint_bytes`` the sum of the blobs committed.
+    """
+    from spark_state.blob import ENTRY_KINDS
+
+    seconds = {b["batch_id"]: b["seconds"] for b in progress}
+    reports = []
+    for batch in query.batches:
+        instances = [_instance_report(m) for m in batch["instances"]]
+        indexes = [m["blob"]["index"] for m in batch["instances"] if m.get("blob")]
+        kinds = [ENTRY_KINDS[k] for index in indexes for k in index["kind"]]
+        reports.append(
+            {
+                "batch_id": batch["batch_id"],
+                "checkpoint_id": batch["checkpoint_id"],
+                "seconds": seconds.get(batch["batch_id"]),
+                "max_task_seconds": max(i["task_seconds"] for i in instances),
+                "checkpoint_seconds": max((i["phase_seconds"] or {}).get("checkpoint", 0.0) for i in instances),
+                "reloaded_state": any(i["key_groups_read"] > 0 for i in instances),
+                "bytes_read": sum(i["bytes_read"] for i in instances),
+                "checkpoint_bytes": sum(i["blob_bytes"] for i in instances),
+                "full_entries": kinds.count("full"),
+                "delta_entries": kinds.count("delta"),
+                "rows_written": sum(sum(index["rows"]) for index in indexes),
+                "instances": instances,
+            }
+        )
+    return reports
+
+
+def check_against_manifests(store_path: Path, reports: list[dict], component: str = KEYED_COMPONENT) -> dict:
+    """Checkpoint bytes from the retained manifests, compared with those derived from the batch reports."""
+    from spark_state.checkpoint import open_checkpoint_store
+
+    store = open_checkpoint_store(str(store_path))
+    checked = {}
+    for checkpoint_id in store.committed_ids():
+        manifest_component = store.load(checkpoint_id).components[component]
+        from_manifest = sum(b.size for b in manifest_component.blobs.values() if b.checkpoint_id == checkpoint_id)
+        reported = next(r["checkpoint_bytes"] for r in reports if r["checkpoint_id"] == checkpoint_id)
+        if from_manifest != reported:
+            raise RuntimeError(
+                f"checkpoint {checkpoint_id}: manifest blobs {from_manifest} B, batch reports {reported} B"
+            )
+        checked[str(checkpoint_id)] = from_manifest
+    return checked
+
+
+def bar_plot(path: Path, title: str, panels: list[tuple[str, dict[str, float], str, bool]]) -> None:
+    """Save one row of bar charts: each panel is (title, {bar label: value}, y label, log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+    for ax, (panel_title, values, ylabel, log) in zip(axes[0], panels):
+        labels = list(values)
+        bars = ax.bar(range(len(labels)), [values[k] for k in labels], color="tab:blue")
+        for bar, label in zip(bars, labels):
+            ax.annotate(f"{values[label]:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([label.replace("_", "\n") for label in labels], fontsize=7)
+        if log:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

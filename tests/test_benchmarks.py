@@ -1,0 +1,128 @@
+"""Smoke tests of the benchmarks: every measuring code path runs on tiny inputs and its checks hold.
+
+The Spark benchmarks run their ``SMOKE`` configuration in the test session
+(the same code as quick and full mode, smaller sizes), then plot and render
+the README section from what they produced. The last test fails when the
+README's results section is out of date with ``benchmarks/results``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_checkpoint  # noqa: E402
+import bench_keyed  # noqa: E402
+import bench_rescale  # noqa: E402
+import common  # noqa: E402
+import report  # noqa: E402
+from pyspark import cloudpickle  # noqa: E402
+
+# Run as scripts, benchmark functions are pickled by value (module __main__); here they must be too,
+# since the Python workers do not have benchmarks/ on their path.
+cloudpickle.register_pickle_by_value(bench_keyed)
+
+
+def _finish(spark, module, result: dict, name: str, out: Path) -> dict:
+    """What each benchmark's ``main`` adds around ``run``; then plot and save as ``out/<name>.json``."""
+    result = {"mode": "smoke", "master": "local[2]", "command": f"./run bench {module.__name__}",
+              "environment": common.environment(spark), **result}
+    json.dumps(result)  # JSON-serialisable
+    module.plot(result, out / f"{name}.png")
+    assert (out / f"{name}.png").stat().st_size > 10_000
+    (out / f"{name}.json").write_text(json.dumps(result))
+    return result
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return tmp_path_factory.mktemp("results")
+
+
+@pytest.mark.spark
+def test_rescale_smoke(spark, results, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_rescale, "WORK", tmp_path / "work")
+    result = _finish(spark, bench_rescale, bench_rescale.run(spark, bench_rescale.SMOKE), "rescale", results)
+    result["headline"] = bench_rescale.headline(result)
+    (size,) = result["sizes"]
+    (row,) = size["summary"]
+    assert row["pair"] == "2->3"
+    # ours reads exactly the owned key groups; hash mod p must read all old state: ~3x for 2 -> 3
+    assert row["read_amplification"]["keyed_count"] == pytest.approx(1.0, abs=0.01)
+    assert row["read_amplification"]["naive_hash_mod"] > 2.5
+    runs = {r["system"]: r for r in size["runs"]}
+    assert runs["spark_repartition"]["state_partitions"] == 3
+    assert runs["spark_pinned"]["state_partitions"] == 2
+    assert runs["spark_repartition"]["repartition_seconds"] < runs["spark_repartition"]["restart_seconds"]
+    assert [i["instance"] for i in runs["keyed_count"]["instances"]] == [0, 1, 2]
+
+
+@pytest.mark.spark
+def test_keyed_smoke(spark, results, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_keyed, "WORK", tmp_path / "work")
+    result = _finish(spark, bench_keyed, bench_keyed.run(spark, bench_keyed.SMOKE), "keyed", results)
+    rates = result["throughput"]["by_parallelism"]["2"]["rows_per_s"]
+    assert set(rates) == {"keyed_count", "groupby_count_rocksdb", "apply_in_pandas_with_state"}
+    assert all(r > 0 for r in rates.values())
+    sizes = result["state_size"]["versus_smallest"]
+    assert sizes["1000"]["batch_time_ratio"] == 1.0 and set(sizes) == {"1000", "10000"}
+    # the same change costs about the same bytes whatever the state size
+    assert sizes["10000"]["checkpoint_bytes_ratio"] < 1.5
+
+
+@pytest.mark.spark
+def test_checkpoint_smoke(spark, results, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_checkpoint, "WORK", tmp_path / "work")
+    result = _finish(spark, bench_checkpoint, bench_checkpoint.run(spark, bench_checkpoint.SMOKE), "checkpoint",
+                     results)
+    runs = result["runs"]
+    # maxChainLength 2: a chain never grows past 2 entries; without compaction they grow with the batches
+    assert runs["compaction"]["restore"]["longest_chain"] == 2
+    assert runs["no_compaction"]["restore"]["longest_chain"] > 2
+    assert result["comparison"]["restore_bytes_no_compaction_vs_compaction"] > 1
+
+    def full_entries(label):
+        return sum(c["full_entries"] for c in runs[label]["checkpoints"])
+
+    assert full_entries("compaction") > full_entries("no_compaction")
+    assert result["targets"][0]["met"]
+
+
+def test_restore_benchmark_runs(tmp_path):
+    out = tmp_path / "restore.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_restore.py"), "--keys", "20000", "--verify",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    data = json.loads(out.read_text())
+    assert data["all_within_target"] and all(p["state_equal"] for p in data["pairs"])
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.spark
+def test_report_renders_smoke_results(results):
+    """Run after the smoke tests: the README section renders from their files (plus the committed others)."""
+    needed = ["rescale.json", "keyed.json", "checkpoint.json"]
+    if not all((results / name).exists() for name in needed):
+        pytest.skip("runs after the smoke tests above")
+    for name in ("keygroups.json", "source.json", "restore.json"):
+        shutil.copy(report.RESULTS / name, results / name)
+    text = report.render(results)
+    assert text.startswith(report.BEGIN) and text.endswith(report.END)
+    assert "| 4,000 | 2->3 |" in text
+    assert "### Where we are behind" in text
+
+
+def test_readme_results_match_the_results_files():
+    assert report.main(["--check"]) == 0, "README.md is out of date with benchmarks/results: ./run bench report"
+
+
+def test_report_refuses_missing_results(tmp_path):
+    with pytest.raises(report.MissingResults, match="run ./run bench bench_rescale"):
+        report.render(tmp_path)
