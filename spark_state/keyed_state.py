@@ -24,8 +24,9 @@ from operator import itemgetter
 from typing import Any, Iterator, Mapping, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from spark_state.blob import EntryKind, blob_schema, serialize_schema
+from spark_state.blob import DELETED_COLUMN, EntryKind, blob_schema, serialize_schema
 from spark_state.checkpoint import CheckpointStore, FetchStats
 from spark_state.errors import ConfigError, KeyGroupOwnershipError
 from spark_state.keygroups import KeyGroupRange, key_group_range
@@ -140,12 +141,18 @@ class InstanceState:
     ``key_group_range`` is inclusive. Every access names the key group;
     touching a key group outside the range raises ``KeyGroupOwnershipError``
     (routing and store disagree), never silently stores it.
+
+    Restoring is lazy: ``catch_up`` keeps each fetched chain as Arrow record
+    batches and folds it into a dict only when the key group is first
+    accessed, so a restart at a new parallelism pays per key group a batch
+    touches, not per key of state.
     """
 
     def __init__(self, layout: StateLayout, key_group_range: KeyGroupRange):
         self.layout = layout
         self.key_group_range = key_group_range
         self._groups: dict[int, dict[Key, Value]] = {}
+        self._unloaded: dict[int, list[tuple[EntryKind, pa.RecordBatch]]] = {}  # fetched, not yet folded
         self._dirty: dict[int, set[Key]] = {}
         self._chains: dict[int, Chain | None] = {}
         self.instance_items = InstanceItems()
@@ -161,24 +168,43 @@ class InstanceState:
                 "rows were routed with a different parallelism or max parallelism than the store uses"
             )
 
+    def _ensure(self, key_group: int) -> None:
+        """Fold the key group's fetched chain into its dict, if it has not been yet."""
+        batches = self._unloaded.pop(key_group, None)
+        if batches is not None:
+            chain = self._chains.get(key_group)
+            self._install_chain(key_group, batches)
+            self._chains[key_group] = chain
+
+    def _ensure_many(self, key_groups: Sequence[int]) -> None:
+        if self._unloaded:
+            for key_group in self._unloaded.keys() & set(key_groups):
+                self._ensure(key_group)
+
     def get(self, key_group: int, key: Key, default: Any = None) -> Value | Any:
         self._check(key_group)
+        if self._unloaded:
+            self._ensure(key_group)
         return self._groups.get(key_group, {}).get(key, default)
 
     def put(self, key_group: int, key: Key, value: Value) -> None:
         self._check(key_group)
+        if self._unloaded:
+            self._ensure(key_group)
         self._groups.setdefault(key_group, {})[key] = value
         self._dirty.setdefault(key_group, set()).add(key)
 
     def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
         """``[get(g, k, default) for g, k in zip(key_groups, keys)]``, checking ownership once."""
         self._check_all(key_groups)
+        self._ensure_many(key_groups)
         groups, empty = self._groups, {}
         return [groups.get(g, empty).get(k, default) for g, k in zip(key_groups, keys)]
 
     def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value]) -> None:
         """``put(g, k, v)`` for each ``(g, k, v)`` of the zipped sequences, in order."""
         self._check_all(key_groups)
+        self._ensure_many(key_groups)
         groups, dirty = self._groups, self._dirty
         for g, k, v in zip(key_groups, keys, values):
             group = groups.get(g)
@@ -199,6 +225,8 @@ class InstanceState:
 
     def delete(self, key_group: int, key: Key) -> None:
         self._check(key_group)
+        if self._unloaded:
+            self._ensure(key_group)
         group = self._groups.get(key_group)
         if group is not None and key in group:
             del group[key]
@@ -207,15 +235,28 @@ class InstanceState:
     def group(self, key_group: int) -> dict[Key, Value]:
         """The live dict of one key group (mutations through it are NOT tracked; use put/delete)."""
         self._check(key_group)
+        self._ensure(key_group)
         return self._groups.get(key_group, {})
 
     def items(self) -> Iterator[tuple[int, Key, Value]]:
+        for key_group in list(self._unloaded):
+            self._ensure(key_group)
         for key_group in sorted(self._groups):
             for key, value in self._groups[key_group].items():
                 yield key_group, key, value
 
     def __len__(self) -> int:
-        return sum(len(g) for g in self._groups.values())
+        return sum(len(g) for g in self._groups.values()) + sum(map(self._live_rows, self._unloaded.values()))
+
+    def _live_rows(self, batches: list[tuple[EntryKind, pa.RecordBatch]]) -> int:
+        """Keys a fetched chain holds once folded (Arrow kernels: its last occurrence of each key is live)."""
+        if len(batches) == 1:
+            return batches[0][1].num_rows - batches[0][1].column(-1).true_count
+        table = pa.Table.from_batches([batch for _, batch in batches])
+        last = table.group_by(list(self.layout.key_columns), use_threads=False).aggregate(
+            [(DELETED_COLUMN, "last")]
+        )
+        return last.num_rows - (pc.sum(last.column(f"{DELETED_COLUMN}_last")).as_py() or 0)
 
     @property
     def dirty_key_groups(self) -> int:
@@ -350,10 +391,12 @@ class InstanceState:
         keys = zip(*columns[:n_keys])
         values = zip(*columns[n_keys:]) if len(columns) > n_keys else (() for _ in range(rows.num_rows))
         self._groups[key_group] = dict(zip(keys, values))
+        self._unloaded.pop(key_group, None)
         self._dirty.pop(key_group, None)
         self._chains[key_group] = tuple(chain)
 
     def _apply_deltas(self, key_group: int, batches: list[tuple[str, pa.RecordBatch]]) -> None:
+        self._ensure(key_group)
         group = self._groups.setdefault(key_group, {})
         n_keys = len(self.layout.key_columns)
         for _, batch in batches:
@@ -418,12 +461,17 @@ class InstanceState:
         entries, stats = store.fetch_entries(component, plan)
         for key_group in plan.clear:
             self._groups.pop(key_group, None)
+            self._unloaded.pop(key_group, None)
             self._chains[key_group] = ()
         for key_group, batches in entries.items():
             if key_group in plan.appends:
                 self._apply_deltas(key_group, batches)
             else:
-                self._install_chain(key_group, batches)
+                if not batches or batches[0][0] != "full":
+                    raise ValueError(f"key group {key_group}: a chain must start with a full entry")
+                self._groups.pop(key_group, None)
+                self._dirty.pop(key_group, None)
+                self._unloaded[key_group] = batches  # folded on first access
             self._chains[key_group] = component.chains[key_group]
         return plan, stats
 

@@ -170,3 +170,41 @@ def test_unchanged_items_are_not_rewritten_and_resident_items_are_not_reread(sto
     fresh = _states(1)[0]
     assert fresh.catch_up_items(store, component, 0, 1) > 0
     assert fresh.instance_items.to_list() == ["watermark"]
+
+
+def test_restore_folds_a_key_group_only_when_it_is_first_accessed(store):
+    live = _dense_state()
+    _commit(store, 1, live)
+    _put(live, "k1", 1000)
+    live.delete(key_group_for("k2", M), ("k2",))
+    _put(live, "new", 7)
+    component = _commit(store, 2, live)  # chains: full, then a delta with a tombstone in some key groups
+
+    restored = InstanceState(LAYOUT, key_group_range(0, 1, M))
+    restored.catch_up(store, component, 0, 1)
+
+    assert restored._groups == {} and set(restored._unloaded) == set(range(M))  # nothing folded yet
+    assert len(restored) == len(live) == 200  # counted from the Arrow batches: 200 - k2 + new
+    assert restored._groups == {}
+    g = key_group_for("k1", M)
+    assert restored.get(g, ("k1",)) == (1000,)
+    assert set(restored._groups) == {g} and g not in restored._unloaded
+    assert restored.chains() == {k: component.chains[k] for k in range(M)}  # folding keeps the chain
+    # a put into an unloaded key group keeps the rest of the group
+    _put(restored, "k5", 55)
+    _put(live, "k5", 55)
+    assert _contents(restored) == _contents(live)
+
+
+def test_a_chain_not_starting_with_a_full_entry_is_refused_at_restore(store, monkeypatch):
+    live = _dense_state()
+    component = _commit(store, 1, live)
+    real = CheckpointStore.fetch_entries
+
+    def deltas_only(self, *args, **kwargs):
+        entries, stats = real(self, *args, **kwargs)
+        return {g: [("delta", batch) for _, batch in batches] for g, batches in entries.items()}, stats
+
+    monkeypatch.setattr(CheckpointStore, "fetch_entries", deltas_only)
+    with pytest.raises(ValueError, match="must start with a full entry"):
+        InstanceState(LAYOUT, key_group_range(0, 1, M)).catch_up(store, component, 0, 1)
