@@ -3,10 +3,9 @@
 Run: ``./run bench bench_keyed [--full]``. Prints one JSON object, writes it
 to ``benchmarks/results/keyed.json`` and plots ``benchmarks/results/keyed.png``
 (``keyed_full.*`` with ``--full``). Quick mode (default) takes about 2
-minutes on the shared 2-core machine; ``--full`` (about 30 minutes) adds
-parallelism 4, Spark's HDFS-backed provider, two rounds, 10M keys of state,
-ten steady batches (one compaction of every key group) and measures
-applyInPandasWithState on 100k-row batches.
+minutes on the shared 2-core machine; ``--full`` (about 15 minutes) adds
+parallelism 4, Spark's HDFS-backed provider, two rounds, 100k and 10M keys
+of state and ten steady batches (one compaction of every key group).
 
 Input: Parquet files generated once from a seeded RNG, read by a file stream
 with ``maxFilesPerTrigger=1`` (file i has mtime BASE + i), so batch i has the
@@ -26,9 +25,8 @@ same rows in every run and for every system. Keys are strings ``k0000000``...
    Batch 0 is a small warm-up; rows/s = rows of batches 1..n / the sum of
    their ``triggerExecution`` times (Spark's per-batch wall time, which
    includes all of our driver work). applyInPandasWithState costs 1-2 ms per
-   key, so it runs only the first measured batch (quick mode: a 10k-row
-   "probe" batch; full: 100k rows) and ratios use the batches both systems
-   ran. Systems run in rotated order each round.
+   key, so it runs only the first measured batch (a "probe" batch of 10k
+   rows, 20k in full mode) and ratios use the batches both systems ran. Systems run in rotated order each round.
 2. ``state_size``: one keyed count per state size (quick: 10k and 1M keys;
    full: 10k, 100k, 1M, 10M), run side by side, one batch each in turn: each
    is prefilled with its size (a first batch of distinct keys), then all get
@@ -114,13 +112,13 @@ FULL = Config(
     mode="full",
     rows_per_batch=100_000,
     warmup_rows=10_000,
-    probe_rows=100_000,
+    probe_rows=20_000,
     throughput_keys=100_000,
     throughput_batches=8,
     rounds=2,
     parallelisms=(2, 4),
     systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state"),
-    batch_limits={"apply_in_pandas_with_state": 2},
+    batch_limits={"apply_in_pandas_with_state": 1},
     state_sizes=(10_000, 100_000, 1_000_000, 10_000_000),
     steady_keys=10_000,
     steady_batches=10,  # covers one compaction of every key group (spark.state.maxChainLength = 8)
