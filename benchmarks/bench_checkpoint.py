@@ -21,10 +21,10 @@ Per checkpoint: ``bytes`` (sum of the blobs committed for it, cross-checked
 against the manifests), ``checkpoint_seconds`` (the slowest instance's time
 to serialize and write its blob), Spark's batch seconds, and the full and
 delta entries written. After the last batch, the final checkpoint of each is
-restored cold in the driver the way a new instance restores it
-(``plan_instance_restore`` + ``CheckpointStore.fetch`` through a counting
-storage wrapper): bytes read, requests, seconds, and the longest chain. That
-is the price of skipping compaction.
+restored cold in the driver the way a task restores it (``restore_instance``
+over a counting storage wrapper, then every key group folded): bytes read,
+requests, seconds, and the longest chain. That is the price of skipping
+compaction.
 """
 
 from __future__ import annotations
@@ -68,30 +68,40 @@ SMOKE = Config("smoke", 20_000, (100, 1_000), 2, 2_000, 2)  # tests/test_benchma
 
 
 def restore_cost(store_path: Path, parallelism: int) -> dict:
-    """Restore every instance of the latest checkpoint under ``store_path`` cold; what it read and how long."""
+    """Restore every instance of the latest checkpoint under ``store_path`` cold, as a task does; cost and size."""
+    import pyarrow as pa
+
     from spark_state.checkpoint import CheckpointStore
-    from spark_state.restore import plan_instance_restore
+    from spark_state.keyed_state import StateLayout, restore_instance
     from spark_state.storage.base import CountingStorage
     from spark_state.storage.local import LocalStorage
 
     counting = CountingStorage(LocalStorage(str(store_path)))
     store = CheckpointStore(counting)
     component = store.latest().components[common.KEYED_COMPONENT]
+    layout = StateLayout(pa.schema([("key", pa.string()), ("count", pa.int64())]), ("key",))
     started = time.perf_counter()
     keys = 0
     for instance in range(parallelism):
-        rows, _ = store.fetch(component, plan_instance_restore(component, instance, parallelism))
-        keys += sum(t.num_rows for t in rows.values())
+        state, _, _ = restore_instance(store, component, layout, instance, parallelism, component.max_parallelism)
+        keys += sum(1 for _ in state.items())  # fold every key group: the whole restore, not just the fetch
     chains = [len(chain) for chain in component.chains.values()]
     return {
         "bytes_read": counting.bytes_read,
         "requests": counting.requests,
         "seconds": round(time.perf_counter() - started, 3),
-        "rows_read": keys,
+        "keys_restored": keys,
         "longest_chain": max(chains),
         "mean_chain": round(statistics.fmean(chains), 2),
         "state_bytes_retained": sum(b.size for b in component.blobs.values()),
     }
+
+
+def _checked_restore(store: Path, config: Config) -> dict:
+    cost = restore_cost(store, config.parallelism)
+    if cost["keys_restored"] != config.state_keys:
+        raise RuntimeError(f"restored {cost['keys_restored']} keys from {store}, expected {config.state_keys}")
+    return cost
 
 
 def bytes_model(reports: list[dict]) -> dict:
@@ -155,7 +165,7 @@ def run(spark, config: Config) -> dict:
                 },
                 "total_bytes_written": sum(c["bytes"] for c in checkpoints),
                 "total_checkpoint_seconds": round(sum(c["checkpoint_seconds"] for c in checkpoints), 3),
-                "restore": restore_cost(store, config.parallelism),
+                "restore": _checked_restore(store, config),
                 "bytes_model": bytes_model(reports),
             }
             print(f"{label}: restore {runs[label]['restore']}", file=sys.stderr)
