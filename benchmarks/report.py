@@ -74,7 +74,14 @@ def rescale_section(data: dict, file: str) -> list[str]:
                 f"| {_x(r['ours_vs_spark_repartition'])} | {amp['keyed_count']:.2f} / {amp['naive_hash_mod']:.2f} "
                 f"| {mb['keyed_count'] / 1e6:.2f} / {mb['naive_hash_mod'] / 1e6:.2f} "
                 f"| {req['keyed_count']} / {req['naive_hash_mod']} |")
-    out += ["", f"![rescale](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    head = data["headline"]
+    out += ["", "Medians over the pairs: Spark's repartition + restart takes "
+            + ", ".join(f"{_x(h['ours_vs_spark_repartition'])} our time at {int(k):,} keys" for k, h in head.items())
+            + "; our rescaling restart takes "
+            + ", ".join(f"{_x(1 / h['ours_vs_spark_pinned'])}" for h in head.values())
+            + " the time of Spark's restart without rescaling, and the naive store's takes "
+            + ", ".join(f"{_x(h['ours_vs_naive'])}" for h in head.values()) + " ours (same sizes).",
+            "", f"![rescale](benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
 
@@ -198,10 +205,25 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict) -
         if slower_repartition:
             out.append(f"- Rescale at {size['keys']:,} keys: Spark's repartition + restart beats ours in "
                        f"{len(slower_repartition)} of {len(rows)} pairs.")
-    for label, v in keyed["state_size"]["versus_smallest"].items():
+    state = keyed["state_size"]
+    for label, v in state["versus_smallest"].items():
         if v["batch_time_ratio"] > 1.5:
             out.append(f"- The same batch over {int(label):,} keys of state takes {_x(v['batch_time_ratio'])} "
                        "its time over the smallest state.")
+    largest = max(state["versus_smallest"], key=int)
+    reloaded = state["runs"][largest]["steady"]["batches_that_reloaded_state"]
+    compacted = state["runs"][largest]["steady"]["batches_with_full_entries"]
+    if compacted and int(largest) > int(min(state["versus_smallest"], key=int)):
+        ratios = dict(zip(state["steady_batch_ids"], state["versus_smallest"][largest]["paired_ratios"]))
+        out.append(f"- With {int(largest):,} keys of state, the steady batch that compacted (wrote key groups in "
+                   f"full) took {_x(max(ratios[b] for b in compacted))} the small-state batch: compaction is "
+                   "bursty when every key group reaches the chain limit in the same batch.")
+    if reloaded and int(largest) > int(min(state["versus_smallest"], key=int)):
+        ratios = dict(zip(state["steady_batch_ids"], state["versus_smallest"][largest]["paired_ratios"]))
+        out.append(f"- With {int(largest):,} keys of state, {len(reloaded)} of {len(ratios)} steady batches "
+                   "reloaded an instance from the store because Spark ran its task on a Python worker that did not "
+                   f"hold it; those batches took up to {_x(max(ratios[b] for b in reloaded))} the small-state batch "
+                   "(resident state is per Python worker and tasks are not pinned to workers).")
     none = checkpoint["runs"]["no_compaction"]
     fewest = checkpoint["changed_keys"][0]
     out.append(f"- Sparse checkpoints pay about {none['bytes_model']['bytes_per_entry']:.0f} B per key group "
