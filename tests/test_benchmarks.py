@@ -50,8 +50,9 @@ def results(tmp_path_factory):
 @pytest.mark.spark
 def test_rescale_smoke(spark, results, tmp_path, monkeypatch):
     monkeypatch.setattr(bench_rescale, "WORK", tmp_path / "work")
-    result = _finish(spark, bench_rescale, bench_rescale.run(spark, bench_rescale.SMOKE), "rescale", results)
-    result["headline"] = bench_rescale.headline(result)
+    raw = bench_rescale.run(spark, bench_rescale.SMOKE)
+    raw["headline"] = bench_rescale.headline(raw)
+    result = _finish(spark, bench_rescale, raw, "rescale", results)
     (size,) = result["sizes"]
     (row,) = size["summary"]
     assert row["pair"] == "2->3"
