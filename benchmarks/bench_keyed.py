@@ -2,8 +2,8 @@
 
 Run: ``./run bench bench_keyed [--full]``. Prints one JSON object, writes it
 to ``benchmarks/results/keyed.json`` and plots ``benchmarks/results/keyed.png``
-(``keyed_full.*`` with ``--full``). Quick mode (default) takes about 2
-minutes on the shared 2-core machine; ``--full`` (about 15 minutes) adds
+(``keyed_full.*`` with ``--full``). Quick mode (default) takes about a
+minute on the shared 2-core machine; ``--full`` (about 5 minutes) adds
 parallelism 4, Spark's HDFS-backed provider, two rounds, 100k and 10M keys
 of state and ten steady batches (one compaction of every key group).
 

@@ -1,7 +1,8 @@
 """Changing a stateful query's parallelism: our key groups vs Spark's own answers, side by side in one run.
 
 Run: ``./run bench bench_rescale`` (quick: 100k keys, all six pairs, about
-2 minutes) or ``./run bench bench_rescale --full`` (100k, 1M and 10M keys).
+2 minutes) or ``./run bench bench_rescale --full`` (100k, 1M and 10M keys,
+about 20 minutes).
 Prints one JSON object, writes ``benchmarks/results/rescale[_full].json`` and
 plots ``rescale[_full].png``.
 
