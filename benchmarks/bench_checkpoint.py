@@ -30,7 +30,6 @@ compaction.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -250,25 +249,11 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="8 rounds of changes instead of 4")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
     args = parser.parse_args(argv)
-    config = FULL if args.full else QUICK
-    started = time.perf_counter()
-    spark = common.session("bench-checkpoint")
-    result = {
-        "benchmark": "bench_checkpoint",
-        "mode": config.mode,
-        "command": "./run bench bench_checkpoint" + (" --full" if args.full else ""),
-        "master": "local[2]",
-        "environment": common.environment(spark),
-        **run(spark, config),
-    }
-    result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    spark.stop()
-    name = "checkpoint" if config.mode == "quick" else "checkpoint_full"
-    plot(result, common.RESULTS_DIR / f"{name}.png")
-    common.save_report(name, result)
-    return result
+    config = SMOKE if args.smoke else FULL if args.full else QUICK
+    command = "./run bench bench_checkpoint" + (" --full" if args.full else " --smoke" if args.smoke else "")
+    return common.run_and_save("checkpoint", config.mode, command, lambda spark: run(spark, config), plot)
 
 
 if __name__ == "__main__":

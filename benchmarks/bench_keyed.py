@@ -51,7 +51,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -472,31 +471,18 @@ def run(spark, config: Config) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="parallelism 2 and 4, HDFS provider, 10M keys, more batches")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
     args = parser.parse_args(argv)
-    config = FULL if args.full else QUICK
-    started = time.perf_counter()
-    spark = common.session("bench-keyed")
-    result: dict = {
-        "benchmark": "bench_keyed",
-        "mode": config.mode,
-        "command": "./run bench bench_keyed" + (" --full" if args.full else ""),
-        "master": "local[2]",
-        "environment": common.environment(spark),
-        "spark_conf": {
-            "spark.sql.adaptive.enabled": "false",
-            "spark.sql.shuffle.partitions": "= parallelism under test",
-            "spark.state.maxParallelism": "4096 (default)",
-            "spark.state.maxChainLength": "8 (default)",
-        },
-        **run(spark, config),
+    config = SMOKE if args.smoke else FULL if args.full else QUICK
+    conf = {
+        "spark.sql.adaptive.enabled": "false",
+        "spark.sql.shuffle.partitions": "= parallelism under test",
+        "spark.state.maxParallelism": "4096 (default)",
+        "spark.state.maxChainLength": "8 (default)",
     }
-    result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    spark.stop()
-    name = "keyed" if config.mode == "quick" else "keyed_full"
-    plot(result, common.RESULTS_DIR / f"{name}.png")
-    common.save_report(name, result)
-    return result
+    command = "./run bench bench_keyed" + (" --full" if args.full else " --smoke" if args.smoke else "")
+    return common.run_and_save("keyed", config.mode, command, lambda spark: {"spark_conf": conf, **run(spark, config)},
+                               plot)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ and Spark's state store instances are tied to the query run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -382,32 +381,22 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="100k, 1M and 10M keys")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
     parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's")
     args = parser.parse_args(argv)
-    config = FULL if args.full else QUICK
+    config = SMOKE if args.smoke else FULL if args.full else QUICK
     if args.sizes:
         config = Config(config.mode, tuple(int(s) for s in args.sizes.split(",")), config.pairs, config.update_rows)
-    started = time.perf_counter()
-    spark = common.session("bench-rescale")
-    result = {
-        "benchmark": "bench_rescale",
-        "mode": config.mode,
-        "command": "./run bench bench_rescale" + (" --full" if args.full else "")
-                   + (f" --sizes {args.sizes}" if args.sizes else ""),
-        "master": "local[2]",
-        "environment": common.environment(spark),
-        "state_store_provider_spark": common.ROCKSDB_PROVIDER,
-        "pairs": [f"{a}->{b}" for a, b in config.pairs],
-        **run(spark, config),
-    }
-    result["headline"] = headline(result)
-    result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    spark.stop()
-    name = "rescale" if config.mode == "quick" else "rescale_full"
-    plot(result, common.RESULTS_DIR / f"{name}.png")
-    common.save_report(name, result)
-    return result
+
+    def measure(spark) -> dict:
+        result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER,
+                  "pairs": [f"{a}->{b}" for a, b in config.pairs], **run(spark, config)}
+        result["headline"] = headline(result)
+        return result
+
+    command = "./run bench bench_rescale" + (" --full" if args.full else " --smoke" if args.smoke else "") + (
+        f" --sizes {args.sizes}" if args.sizes else "")
+    return common.run_and_save("rescale", config.mode, command, measure, plot)
 
 
 if __name__ == "__main__":

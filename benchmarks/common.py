@@ -365,3 +365,24 @@ def bar_plot(path: Path, title: str, panels: list[tuple[str, dict[str, float], s
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], dict], plot: Callable) -> dict:
+    """Run one Spark benchmark in a fresh session; save ``results/<name>[_<mode>].json`` and its plot.
+
+    ``measure(spark)`` returns the benchmark's own fields; the machine,
+    versions, load average and wall time are added around them.
+    """
+    started = time.perf_counter()
+    spark = session(f"bench-{name}")
+    try:
+        result = {"benchmark": f"bench_{name}", "mode": mode, "command": command, "master": "local[2]",
+                  "environment": environment(spark), **measure(spark)}
+    finally:
+        spark.stop()
+    result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    file = name if mode == "quick" else f"{name}_{mode}"
+    plot(result, RESULTS_DIR / f"{file}.png")
+    save_report(file, result)
+    return result
