@@ -135,6 +135,34 @@ def redistribute_items(old: Mapping[int, Sequence[Any]], old_parallelism: int, n
     return result
 
 
+class _FetchedChain:
+    """A key group's chain as fetched (oldest entry first, starting with a full one), not yet folded into a dict."""
+
+    def __init__(
+        self, key_group: int, batches: Sequence[tuple[EntryKind, pa.RecordBatch]], key_columns: tuple[str, ...]
+    ):
+        if not batches or batches[0][0] != "full":
+            raise ValueError(f"key group {key_group}: a chain must start with a full entry, got "
+                             f"{[kind for kind, _ in batches] or 'no entries'}")
+        self.batches = batches
+        self._key_columns = key_columns
+        self._live_rows: int | None = None
+
+    def live_rows(self) -> int:
+        """Keys the chain holds once folded (Arrow kernels: each key's last occurrence decides); computed once."""
+        if self._live_rows is None:
+            if len(self.batches) == 1:
+                batch = self.batches[0][1]
+                self._live_rows = batch.num_rows - batch.column(DELETED_COLUMN).true_count
+            else:
+                table = pa.Table.from_batches([batch for _, batch in self.batches])
+                last = table.group_by(list(self._key_columns), use_threads=False).aggregate(
+                    [(DELETED_COLUMN, "last")]
+                )
+                self._live_rows = last.num_rows - (pc.sum(last.column(f"{DELETED_COLUMN}_last")).as_py() or 0)
+        return self._live_rows
+
+
 class InstanceState:
     """Keyed state of one instance: ``key_group -> {key: value}`` for the key groups it owns.
 
@@ -152,7 +180,7 @@ class InstanceState:
         self.layout = layout
         self.key_group_range = key_group_range
         self._groups: dict[int, dict[Key, Value]] = {}
-        self._unloaded: dict[int, list[tuple[EntryKind, pa.RecordBatch]]] = {}  # fetched, not yet folded
+        self._unloaded: dict[int, _FetchedChain] = {}  # fetched, folded into _groups on first access
         self._dirty: dict[int, set[Key]] = {}
         self._chains: dict[int, Chain | None] = {}
         self.instance_items = InstanceItems()
@@ -170,11 +198,9 @@ class InstanceState:
 
     def _ensure(self, key_group: int) -> None:
         """Fold the key group's fetched chain into its dict, if it has not been yet."""
-        batches = self._unloaded.pop(key_group, None)
-        if batches is not None:
-            chain = self._chains.get(key_group)
-            self._install_chain(key_group, batches)
-            self._chains[key_group] = chain
+        fetched = self._unloaded.pop(key_group, None)
+        if fetched is not None:
+            self._groups[key_group] = self._fold(fetched.batches)
 
     def _ensure_many(self, key_groups: Sequence[int]) -> None:
         if self._unloaded:
@@ -246,17 +272,7 @@ class InstanceState:
                 yield key_group, key, value
 
     def __len__(self) -> int:
-        return sum(len(g) for g in self._groups.values()) + sum(map(self._live_rows, self._unloaded.values()))
-
-    def _live_rows(self, batches: list[tuple[EntryKind, pa.RecordBatch]]) -> int:
-        """Keys a fetched chain holds once folded (Arrow kernels: its last occurrence of each key is live)."""
-        if len(batches) == 1:
-            return batches[0][1].num_rows - batches[0][1].column(-1).true_count
-        table = pa.Table.from_batches([batch for _, batch in batches])
-        last = table.group_by(list(self.layout.key_columns), use_threads=False).aggregate(
-            [(DELETED_COLUMN, "last")]
-        )
-        return last.num_rows - (pc.sum(last.column(f"{DELETED_COLUMN}_last")).as_py() or 0)
+        return sum(len(g) for g in self._groups.values()) + sum(f.live_rows() for f in self._unloaded.values())
 
     @property
     def dirty_key_groups(self) -> int:
@@ -410,18 +426,13 @@ class InstanceState:
         if not group:
             del self._groups[key_group]
 
-    def _install_chain(self, key_group: int, batches: Sequence[tuple[str, pa.RecordBatch]]) -> None:
-        """``load`` the fold of a whole chain (oldest first); the same rows, in the same order, as ``apply_chain``.
+    def _fold(self, batches: Sequence[tuple[str, pa.RecordBatch]]) -> dict[Key, Value]:
+        """The dict of a whole chain (oldest first); the same rows, in the same order, as ``apply_chain``.
 
         A key's last occurrence wins and a last occurrence with ``_deleted``
         removes it; keys keep the order of their last occurrence. Folded in
         Python, once per row, instead of Arrow kernels per key group.
         """
-        if not batches:
-            raise ValueError("a chain has at least one entry")
-        if batches[0][0] != "full":
-            raise ValueError(f"a chain must start with a full entry, not {batches[0][0]!r}")
-        self._check(key_group)
         n_keys = len(self.layout.key_columns)
         group: dict[Key, Value] = {}
         for _, batch in batches:
@@ -436,9 +447,7 @@ class InstanceState:
                 group.pop(key, None)
                 if not gone:
                     group[key] = value
-        self._groups[key_group] = group
-        self._dirty.pop(key_group, None)
-        self._chains[key_group] = ()
+        return group
 
     def catch_up(
         self, store: CheckpointStore, component: ComponentManifest, instance: int, parallelism: int
@@ -467,11 +476,9 @@ class InstanceState:
             if key_group in plan.appends:
                 self._apply_deltas(key_group, batches)
             else:
-                if not batches or batches[0][0] != "full":
-                    raise ValueError(f"key group {key_group}: a chain must start with a full entry")
+                self._unloaded[key_group] = _FetchedChain(key_group, batches, self.layout.key_columns)
                 self._groups.pop(key_group, None)
                 self._dirty.pop(key_group, None)
-                self._unloaded[key_group] = batches  # folded on first access
             self._chains[key_group] = component.chains[key_group]
         return plan, stats
 
