@@ -29,7 +29,6 @@ compaction.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -239,21 +238,14 @@ def plot(result: dict, path: Path) -> None:
                     ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("MB read to restore the last checkpoint")
     ax.set_title("Restore cost after the same batches")
-    fig.suptitle(f"Checkpoint cost, {result['mode']} mode, local[2], load avg "
-                 f"{result['environment']['load_average_1m']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, path, "Checkpoint cost", result)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="8 rounds of changes instead of 4")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
-    args = parser.parse_args(argv)
-    config = SMOKE if args.smoke else FULL if args.full else QUICK
-    command = "./run bench bench_checkpoint" + (" --full" if args.full else " --smoke" if args.smoke else "")
-    return common.run_and_save("checkpoint", config.mode, command, lambda spark: run(spark, config), plot)
+    args, config = common.parse_mode(__doc__, "8 rounds of changes instead of 4",
+                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
+    return common.run_and_save("checkpoint", config.mode, common.command_line("bench_checkpoint", args),
+                               lambda spark: run(spark, config), plot)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ and absolute numbers mean little.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -448,11 +447,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("Cost of the same batch as state grows")
     ax.legend(fontsize=8)
-    fig.suptitle(f"spark-state keyed count, {result['mode']} mode, local[2], load avg "
-                 f"{result['environment']['load_average_1m']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, "spark-state keyed count", result, dpi=110)
 
 
 def run(spark, config: Config) -> dict:
@@ -469,20 +464,16 @@ def run(spark, config: Config) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="parallelism 2 and 4, HDFS provider, 10M keys, more batches")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
-    args = parser.parse_args(argv)
-    config = SMOKE if args.smoke else FULL if args.full else QUICK
+    args, config = common.parse_mode(__doc__, "parallelism 2 and 4, HDFS provider, 10M keys, more batches",
+                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
     conf = {
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.shuffle.partitions": "= parallelism under test",
         "spark.state.maxParallelism": "4096 (default)",
         "spark.state.maxChainLength": "8 (default)",
     }
-    command = "./run bench bench_keyed" + (" --full" if args.full else " --smoke" if args.smoke else "")
-    return common.run_and_save("keyed", config.mode, command, lambda spark: {"spark_conf": conf, **run(spark, config)},
-                               plot)
+    return common.run_and_save("keyed", config.mode, common.command_line("bench_keyed", args),
+                               lambda spark: {"spark_conf": conf, **run(spark, config)}, plot)
 
 
 if __name__ == "__main__":

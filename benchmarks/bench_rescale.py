@@ -54,7 +54,6 @@ and Spark's state store instances are tied to the query run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -371,20 +370,14 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("read amplification (max over new instances)")
         ax.set_title(f"{size['keys']:,} keys: bytes read / bytes owned")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Rescaling a running count per key, {result['mode']} mode, {result['master']}, load avg "
-                 f"{result['environment']['load_average_1m']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, path, "Rescaling a running count per key", result)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="100k, 1M and 10M keys")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
-    parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's")
-    args = parser.parse_args(argv)
-    config = SMOKE if args.smoke else FULL if args.full else QUICK
+    args, config = common.parse_mode(
+        __doc__, "100k, 1M and 10M keys", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv,
+        lambda parser: parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's"),
+    )
     if args.sizes:
         config = Config(config.mode, tuple(int(s) for s in args.sizes.split(",")), config.pairs, config.update_rows)
 
@@ -394,8 +387,7 @@ def main(argv=None) -> dict:
         result["headline"] = headline(result)
         return result
 
-    command = "./run bench bench_rescale" + (" --full" if args.full else " --smoke" if args.smoke else "") + (
-        f" --sizes {args.sizes}" if args.sizes else "")
+    command = common.command_line("bench_rescale", args) + (f" --sizes {args.sizes}" if args.sizes else "")
     return common.run_and_save("rescale", config.mode, command, measure, plot)
 
 

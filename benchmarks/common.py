@@ -7,6 +7,7 @@ next to them, never absolute times alone.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -361,10 +362,45 @@ def bar_plot(path: Path, title: str, panels: list[tuple[str, dict[str, float], s
             ax.set_yscale("log")
         ax.set_ylabel(ylabel)
         ax.set_title(panel_title, fontsize=10)
+    save_figure(fig, path, title)
+
+
+def save_figure(fig, path: Path, title: str, result: dict | None = None, dpi: int = 100) -> None:
+    """Title ``fig`` (with the mode, master and load average of ``result``, if given), save it and close it."""
+    import matplotlib.pyplot as plt
+
+    if result is not None:
+        title = (f"{title}, {result['mode']} mode, {result['master']}, load avg "
+                 f"{result['environment']['load_average_1m']}")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def parse_mode(doc: str, full_help: str, modes: dict, argv=None, add_arguments: Callable | None = None):
+    """Parse ``--full`` / ``--smoke`` (plus what ``add_arguments(parser)`` adds): (args, the mode's config).
+
+    ``modes`` maps "quick", "full" and "smoke" to the benchmark's configs.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help=full_help)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the wiring in seconds (*_smoke.json)")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    return args, modes["smoke" if args.smoke else "full" if args.full else "quick"]
+
+
+def command_line(script: str, args) -> str:
+    """The command that reran this benchmark in this mode (for its report)."""
+    return f"./run bench {script}" + (" --full" if args.full else " --smoke" if args.smoke else "")
+
+
+def result_header(spark, name: str, mode: str, command: str) -> dict:
+    """The fields every Spark benchmark's report starts with: what ran, how, and on what."""
+    return {"benchmark": f"bench_{name}", "mode": mode, "command": command, "master": spark.sparkContext.master,
+            "environment": environment(spark)}
 
 
 def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], dict], plot: Callable) -> dict:
@@ -376,8 +412,7 @@ def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], di
     started = time.perf_counter()
     spark = session(f"bench-{name}")
     try:
-        result = {"benchmark": f"bench_{name}", "mode": mode, "command": command, "master": "local[2]",
-                  "environment": environment(spark), **measure(spark)}
+        result = {**result_header(spark, name, mode, command), **measure(spark)}
     finally:
         spark.stop()
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from spark_state.keygroups import key_groups_for_columns
 from spark_state.storage.base import CountingStorage
@@ -47,7 +48,6 @@ class Manifest:
     checkpoint_id: int
     parallelism: int
     blobs: tuple[str, ...]
-    sizes: tuple[int, ...]
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -55,7 +55,7 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
         d = json.loads(text)
-        return cls(d["checkpoint_id"], d["parallelism"], tuple(d["blobs"]), tuple(d["sizes"]))
+        return cls(d["checkpoint_id"], d["parallelism"], tuple(d["blobs"]))
 
 
 def latest_manifest(root: str) -> Manifest | None:
@@ -90,8 +90,6 @@ def _update(state: pa.Table, rows: pa.Table) -> tuple[pa.Table, pa.Table]:
     added = rows.group_by("key").aggregate([("key", "count")]).rename_columns(["key", "added"])
     joined = added.join(state, "key", join_type="left outer")
     previous = joined.column("count").fill_null(0)
-    import pyarrow.compute as pc
-
     updated = pa.table({"key": joined.column("key"), "count": pc.add(previous, joined.column("added"))}, schema=SCHEMA)
     untouched = state.join(added.select(["key"]), "key", join_type="left anti")
     return pa.concat_tables([untouched.select(SCHEMA.names).cast(SCHEMA), updated]), updated
@@ -140,8 +138,7 @@ def run_instance(
 
 def _ship_to_workers(spark) -> None:
     """Make this module importable in the Python workers (its tasks keep state in its globals)."""
-    shipped = spark.sparkContext._conf.get("spark.submit.pyFiles", "") or ""
-    if os.path.basename(__file__) in shipped or getattr(spark.sparkContext, "_naive_store_shipped", False):
+    if getattr(spark.sparkContext, "_naive_store_shipped", False):
         return
     spark.sparkContext.addPyFile(__file__)
     spark.sparkContext._naive_store_shipped = True
@@ -186,8 +183,7 @@ class NaiveCount:
                 raise RuntimeError(f"expected reports from {parallelism} instances, got {metas}")
             self.sink(result.where(F.col(META).isNull()).drop(META), batch_id)
             metas.sort(key=lambda m: m["instance"])
-            manifest = Manifest(checkpoint_id, parallelism, tuple(m["blob"] for m in metas),
-                                tuple(m["size"] for m in metas))
+            manifest = Manifest(checkpoint_id, parallelism, tuple(m["blob"] for m in metas))
             LocalStorage(root).create(f"manifests/{checkpoint_id}.json", manifest.to_json().encode())
         finally:
             result.unpersist()

@@ -48,10 +48,8 @@ def _span(values: list[float]) -> str:
 
 
 def _source_line(data: dict, file: str) -> str:
-    load = data.get("environment", {}).get("load_average_1m", data.get("load_average_1m",
-                                                                     data.get("load_average_at_start")))
-    load_text = f", load average {load:.1f} at start" if isinstance(load, (int, float)) else ""
-    return f"From `benchmarks/results/{file}` (`{data['command']}`{load_text})."
+    load = data["environment"]["load_average_1m"]
+    return f"From `benchmarks/results/{file}` (`{data['command']}`, load average {load:.1f} at start)."
 
 
 def rescale_section(data: dict, file: str) -> list[str]:
@@ -213,13 +211,13 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict) -
     largest = max(state["versus_smallest"], key=int)
     reloaded = state["runs"][largest]["steady"]["batches_that_reloaded_state"]
     compacted = state["runs"][largest]["steady"]["batches_with_full_entries"]
-    if compacted and int(largest) > int(min(state["versus_smallest"], key=int)):
-        ratios = dict(zip(state["steady_batch_ids"], state["versus_smallest"][largest]["paired_ratios"]))
+    ratios = dict(zip(state["steady_batch_ids"], state["versus_smallest"][largest]["paired_ratios"]))
+    grown = int(largest) > int(min(state["versus_smallest"], key=int))
+    if compacted and grown:
         out.append(f"- With {int(largest):,} keys of state, the steady batch that compacted (wrote key groups in "
                    f"full) took {_x(max(ratios[b] for b in compacted))} the small-state batch: compaction is "
                    "bursty when every key group reaches the chain limit in the same batch.")
-    if reloaded and int(largest) > int(min(state["versus_smallest"], key=int)):
-        ratios = dict(zip(state["steady_batch_ids"], state["versus_smallest"][largest]["paired_ratios"]))
+    if reloaded and grown:
         out.append(f"- With {int(largest):,} keys of state, {len(reloaded)} of {len(ratios)} steady batches "
                    "reloaded an instance from the store because Spark ran its task on a Python worker that did not "
                    f"hold it; those batches took up to {_x(max(ratios[b] for b in reloaded))} the small-state batch "

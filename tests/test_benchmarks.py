@@ -33,8 +33,7 @@ cloudpickle.register_pickle_by_value(bench_keyed)
 
 def _finish(spark, module, result: dict, name: str, out: Path) -> dict:
     """What each benchmark's ``main`` adds around ``run``; then plot and save as ``out/<name>.json``."""
-    result = {"mode": "smoke", "master": "local[2]", "command": f"./run bench {module.__name__}",
-              "environment": common.environment(spark), **result}
+    result = {**common.result_header(spark, name, "smoke", f"./run bench {module.__name__} --smoke"), **result}
     json.dumps(result)  # JSON-serialisable
     module.plot(result, out / f"{name}.png")
     assert (out / f"{name}.png").stat().st_size > 10_000
