@@ -154,15 +154,19 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.source = source
         self.arrow_schema = _expected_arrow_schema(source, schema)
         self._target = None
+        self._initial: dict | None = None
 
     def __getstate__(self) -> dict:
-        return {"source": self.source, "arrow_schema": self.arrow_schema, "_target": None}
+        return {"source": self.source, "arrow_schema": self.arrow_schema, "_target": None, "_initial": None}
 
     def _offsets(self, raw, what: str):
         return parse_spark_offsets(raw, self.source, what)
 
     def initialOffset(self) -> dict:
-        return offsets_to_json(self.source.starting_offsets(), self.source.source_id)
+        """Resolved once per run: Spark asks again for batch 0, and ``latest`` must not move in between."""
+        if self._initial is None:
+            self._initial = offsets_to_json(self.source.starting_offsets(), self.source.source_id)
+        return self._initial
 
     def getDefaultReadLimit(self):
         limit = self.source.options.max_records_per_batch

@@ -57,6 +57,7 @@ from spark_state.manifest import (
     ComponentManifest,
     ComponentSpec,
     Manifest,
+    QueryBinding,
     next_component,
     with_retention,
 )
@@ -165,6 +166,7 @@ class CheckpointStore:
         sources: Mapping[str, Any],
         *,
         instance_state: Mapping[str, Mapping[int, str]] | None = None,
+        binding: QueryBinding | None = None,
     ) -> Manifest:
         """Commit checkpoint ``checkpoint_id`` (steps 3 and 4); return its manifest.
 
@@ -172,6 +174,8 @@ class CheckpointStore:
         written for this checkpoint (possibly none). Components of the
         previous checkpoint that are not named carry over unchanged.
         ``checkpoint_id`` must be greater than the latest committed id.
+        ``sources`` are the end offsets of the batch, ``binding`` the Spark
+        query and batch that wrote it (both recorded as given).
         """
         previous = self.latest()
         if previous is not None and checkpoint_id <= previous.checkpoint_id:
@@ -188,7 +192,7 @@ class CheckpointStore:
             state = (instance_state or {}).get(name)
             merged[name] = next_component(merged.get(name), spec, checkpoint_id, blobs, state)
         manifest = with_retention(
-            Manifest(checkpoint_id, (), dict(sources), merged, committed_at=time.time()),
+            Manifest(checkpoint_id, (), dict(sources), merged, committed_at=time.time(), binding=binding),
             previous,
             self.retained,
         )

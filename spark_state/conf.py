@@ -80,8 +80,17 @@ class StateConf:
             raise ConfigError(f"{MAX_CHAIN_LENGTH}={self.max_chain_length} must be >= 1")
 
     @classmethod
-    def parse(cls, get: Callable[[str], str | None], *, default_store: str, default_parallelism: int) -> "StateConf":
-        """Build from a lookup like ``lambda k: spark.conf.get(k, None)``; unset keys take defaults."""
+    def parse(
+        cls,
+        get: Callable[[str], str | None],
+        *,
+        default_store: str | Callable[[], str],
+        default_parallelism: int,
+    ) -> "StateConf":
+        """Build from a lookup like ``lambda k: spark.conf.get(k, None)``; unset keys take defaults.
+
+        ``default_store`` may be a function, called only when the store is not set.
+        """
         def value(key: str) -> str | None:
             text = get(key)
             return None if text is None or str(text).strip() == "" else str(text).strip()
@@ -95,7 +104,7 @@ class StateConf:
             else DEFAULT_MAX_PARALLELISM
         )
         return cls(
-            store=value(STORE) or default_store,
+            store=value(STORE) or (default_store() if callable(default_store) else default_store),
             parallelism=_int(PARALLELISM, value(PARALLELISM), 1) if value(PARALLELISM) else default_parallelism,
             max_parallelism=max_parallelism,
             checkpoints_retained=_int(RETAINED, value(RETAINED), 2) if value(RETAINED) else 3,

@@ -62,3 +62,27 @@ class IncompatibleCheckpointError(CheckpointError):
 
 class KeyGroupOwnershipError(SparkStateError):
     """A row reached an instance that does not own its key group (routing disagrees with the store)."""
+
+
+class StateQueryMismatchError(CheckpointError):
+    """The state store and Spark's checkpoint disagree about where the query is; nothing was run or committed.
+
+    Running the batch would count some input twice or lose some updates, so
+    the query stops instead. The message says what differs and how to recover.
+    """
+
+
+class StateBehindQueryError(StateQueryMismatchError):
+    """Spark committed micro-batches whose state checkpoints are not in the store (a lost record)."""
+
+
+class StateMissingError(StateQueryMismatchError):
+    """The query committed micro-batches, but the state store holds no checkpoint at all."""
+
+
+class StateOfAnotherQueryError(StateQueryMismatchError):
+    """The store holds another query's state, and this query's sources do not continue from its offsets."""
+
+
+class CheckpointLocationError(CheckpointError):
+    """Spark's checkpoint location holds files that neither Spark nor spark-state can start from."""

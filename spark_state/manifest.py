@@ -6,6 +6,10 @@ A manifest is the single source of truth for a checkpoint. It records:
   checkpoint ids, newest first, starting with this one;
 - ``sources``: one opaque JSON value per source id (its end offsets for this
   checkpoint), so that sources and state form one consistent cut;
+- ``binding``: the Spark query and micro-batch that wrote the checkpoint
+  (``QueryBinding``: query id, run id, batch id, checkpoint location and the
+  offsets the batch started from), which ``coordinator.plan_batch`` checks
+  against Spark's own checkpoint before every batch;
 - per component: ``max_parallelism`` (the key space, fixed for the whole
   chain), the ``parallelism`` that wrote this checkpoint, hash and format
   versions, key columns, the blob schema, every blob still referenced (path,
@@ -144,6 +148,50 @@ class ComponentManifest:
 
 
 @dataclass(frozen=True)
+class QueryBinding:
+    """Which Spark query and micro-batch wrote a checkpoint.
+
+    ``query_id`` is Spark's query id (``<checkpointLocation>/metadata``,
+    stable across restarts of one checkpoint location), ``run_id`` the id of
+    the run that committed, ``batch_id`` Spark's micro-batch id and
+    ``checkpoint_location`` the qualified URI of Spark's checkpoint. ``start``
+    maps each source id to the offsets the batch started from (None: the
+    source's beginning); the end offsets are the manifest's ``sources``.
+    ``query_id`` is None only in manifests written before it was recorded;
+    those are matched by ``checkpoint_location``.
+    """
+
+    query_id: str | None
+    run_id: str | None
+    batch_id: int
+    checkpoint_location: str
+    start: Mapping[str, Any] = field(default_factory=dict)
+
+    def same_query(self, query_id: str, checkpoint_location: str) -> bool:
+        """Whether the query ``query_id`` at ``checkpoint_location`` is the one that wrote this binding."""
+        if self.query_id is not None:
+            return self.query_id == query_id
+        return self.checkpoint_location == checkpoint_location
+
+    def to_json(self) -> dict:
+        return {
+            "query_id": self.query_id,
+            "run_id": self.run_id,
+            "batch_id": self.batch_id,
+            "checkpoint_location": self.checkpoint_location,
+            "start": dict(self.start),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "QueryBinding":
+        return cls(obj["query_id"], obj["run_id"], obj["batch_id"], obj["checkpoint_location"], obj["start"])
+
+
+LEGACY_BINDING_SOURCE = "spark"
+"""Source id under which manifests written before ``QueryBinding`` kept the batch id and checkpoint location."""
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A committed checkpoint."""
 
@@ -152,6 +200,7 @@ class Manifest:
     sources: Mapping[str, Any]
     components: Mapping[str, ComponentManifest]
     committed_at: float = 0.0
+    binding: QueryBinding | None = None
 
     def to_bytes(self) -> bytes:
         """Canonical JSON with a CRC-32 over the body, checked by ``from_bytes``."""
@@ -162,6 +211,7 @@ class Manifest:
             "committed_at": self.committed_at,
             "sources": dict(self.sources),
             "components": {name: c.to_json() for name, c in sorted(self.components.items())},
+            "binding": self.binding.to_json() if self.binding is not None else None,
         }
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return json.dumps({"crc32": zlib.crc32(text.encode()), "body": text}).encode()
@@ -174,20 +224,37 @@ class Manifest:
             if zlib.crc32(text.encode()) != outer["crc32"]:
                 raise CorruptBlobError(f"{where} fails its checksum")
             body = json.loads(text)
+            version = body["format_version"]
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptBlobError(f"{where} is not a readable manifest: {exc}") from exc
-        if body["format_version"] > FORMAT_VERSION:
+        if not isinstance(version, int) or version > FORMAT_VERSION:
             raise IncompatibleCheckpointError(
                 f"{where} has format version {body['format_version']}, this spark-state reads "
                 f"up to {FORMAT_VERSION}; upgrade spark-state"
             )
-        return cls(
-            checkpoint_id=body["checkpoint_id"],
-            consistent_checkpoints=tuple(body["consistent_checkpoints"]),
-            sources=body["sources"],
-            components={n: ComponentManifest.from_json(n, c) for n, c in body["components"].items()},
-            committed_at=body["committed_at"],
-        )
+        try:
+            sources = dict(body["sources"])
+            binding = _binding_from_body(body, sources)
+            return cls(
+                checkpoint_id=body["checkpoint_id"],
+                consistent_checkpoints=tuple(body["consistent_checkpoints"]),
+                sources=sources,
+                components={n: ComponentManifest.from_json(n, c) for n, c in body["components"].items()},
+                committed_at=body["committed_at"],
+                binding=binding,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptBlobError(f"{where} has a checksum but not the fields of a manifest: {exc!r}") from exc
+
+
+def _binding_from_body(body: dict, sources: dict) -> QueryBinding | None:
+    """The binding of a manifest body; older manifests kept a partial one among the sources."""
+    if body.get("binding") is not None:
+        return QueryBinding.from_json(body["binding"])
+    legacy = sources.pop(LEGACY_BINDING_SOURCE, None)
+    if isinstance(legacy, dict) and "batch_id" in legacy:
+        return QueryBinding(None, None, legacy["batch_id"], legacy["checkpoint_location"])
+    return None
 
 
 def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:

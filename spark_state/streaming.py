@@ -18,39 +18,46 @@ runs ``MicroBatch.run`` on the driver for every micro-batch N:
 
 1. read the settings (``spark.state.*``) from the session that started the
    query, so a changed parallelism applies from the next batch on;
-2. find the base checkpoint: the latest committed one, or, when batch N of
-   this query was already committed (the driver died after our commit but
-   before Spark's), the one before it, so the batch is recomputed exactly;
+2. decide with ``coordinator.plan_batch`` how to run it, from the store's
+   latest checkpoint and what Spark's checkpoint says about batch N (query
+   id, start and end offsets): on the latest committed checkpoint; or, when
+   batch N of this query was already committed (the driver died after our
+   commit but before Spark's), on the one before it, so the batch is
+   recomputed exactly; or not at all, when the store and Spark's checkpoint
+   disagree (a lost state record, another query's state);
 3. route rows: key group and instance are computed in the JVM from the same
    hash as ``key_group_for``; ``repartitionById`` makes Spark task i
    instance i; each task runs ``operator.run_instance``;
 4. write the output rows to the sink with batch id N (idempotently);
 5. commit checkpoint N with this batch's source end offsets, read from
-   ``<checkpointLocation>/offsets/N``, the record Spark replays from;
+   ``<checkpointLocation>/offsets/N`` (the record Spark replays from), and
+   its binding to the query (``manifest.QueryBinding``);
 6. clean up what no retained checkpoint needs.
 
 A crash before step 5 leaves checkpoint N uncommitted: Spark replays batch N
 with the same offsets, tasks restart from the same base, and the sink skips
 or overwrites what step 4 had written. A crash after step 5 is step 2's case.
+
+Before the query starts, ``start`` removes the leftovers of a first
+``offsets/0`` write that a killed driver interrupted (Spark would refuse to
+start otherwise) and refuses a store that is behind Spark's commits.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
 
 import pyarrow as pa
 
 from spark_state.checkpoint import CheckpointExistsError, CheckpointStore, open_checkpoint_store
-from spark_state.conf import RETAINED, StateConf
+from spark_state.conf import STORE, StateConf
+from spark_state.coordinator import SparkBatch, check_query_start, plan_batch
 from spark_state.errors import CheckpointError, ConfigError
 from spark_state.keyed_state import StateLayout
-from spark_state.manifest import Manifest
+from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.operator import (
     INSTANCE_COLUMN,
     KEY_GROUP_COLUMN,
@@ -62,7 +69,10 @@ from spark_state.operator import (
     run_instance,
 )
 
-SPARK_RUN_KEY = "spark"
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+"""Local property Spark sets on the thread that runs a streaming query's micro-batches."""
+RUN_ID_PROPERTY = "spark.jobGroup.id"
+"""Spark runs each streaming query's jobs in a job group named by the run id."""
 
 
 def keyed(df, *key_columns: str, name: str) -> "KeyedStream":
@@ -218,15 +228,25 @@ class StatefulStreamWriter:
         if self._foreach_batch is None and self._format is None:
             raise ConfigError("choose a sink: .format(name).option('path', ...) or .foreachBatch(fn)")
         session = self._stream.keyed.df.sparkSession
+        spark_checkpoint = SparkCheckpoint(session, checkpoint_location)
         batch = MicroBatch(
             stream=self._stream,
             session=session,
-            checkpoint_location=_local_path(checkpoint_location),
+            checkpoint_location=_location_name(spark_checkpoint.uri),
             sink_format=self._format,
             sink_options=dict(self._options),
             foreach_batch=self._foreach_batch,
+            spark_checkpoint=spark_checkpoint,
         )
-        batch.conf()  # fail now on bad settings, not at the first batch
+        conf = batch.conf()  # fail now on bad settings, not at the first batch
+        spark_checkpoint.clear_interrupted_first_batch()
+        check_query_start(
+            batch.store(conf).latest(),
+            spark_checkpoint.query_id(),
+            spark_checkpoint.last_committed_batch(),
+            checkpoint_location=batch.checkpoint_location,
+            store=conf.store,
+        )
         writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
             "checkpointLocation", checkpoint_location
         )
@@ -237,40 +257,19 @@ class StatefulStreamWriter:
         return StatefulQuery(writer.start(), batch)
 
 
-def _local_path(location: str) -> str:
-    parsed = urlparse(location)
-    if parsed.scheme in ("", "file"):
-        return os.path.abspath(parsed.path if parsed.scheme else location)
+def _location_name(uri: str) -> str:
+    """How a checkpoint location is named in state checkpoints and sink ids: a local path as a path."""
+    return uri[len("file:"):] if uri.startswith("file:/") and not uri.startswith("file://") else uri
+
+
+def _default_store(checkpoint_location: str) -> str:
+    """``<checkpointLocation>/state`` where the state store can live beside Spark's checkpoint."""
+    if checkpoint_location.startswith("/") or checkpoint_location.startswith("webhdfs://"):
+        return checkpoint_location.rstrip("/") + "/state"
     raise ConfigError(
-        f"checkpointLocation {location!r}: only local paths are supported for now (the driver reads "
-        "Spark's offsets log from it); the state store itself may be on HDFS (spark.state.store)"
+        f"checkpointLocation {checkpoint_location!r} is not on a file system spark-state can also store state "
+        f"on by default; set {STORE} to a state store URI (a local path for local[*], webhdfs://HOST:PORT/path)"
     )
-
-
-def read_batch_offsets(checkpoint_location: str, batch_id: int) -> dict[str, Any]:
-    """Source end offsets of ``batch_id`` from Spark's offsets log, keyed by source id.
-
-    The log file ``offsets/N`` holds a version line, a metadata line and one
-    JSON offset per source, in the query's source order. An offset that names
-    itself (a JSON object with a ``source_id`` string) is keyed by that id,
-    any other by ``spark-source-<position>``.
-    """
-    path = Path(checkpoint_location) / "offsets" / str(batch_id)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise CheckpointError(f"Spark's offsets log has no entry {path}; is checkpointLocation right?") from None
-    result: dict[str, Any] = {}
-    for position, line in enumerate(lines[2:]):
-        if line.strip() in ("", "-"):
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            value = line
-        source_id = value.get("source_id") if isinstance(value, dict) else None
-        result[source_id if isinstance(source_id, str) else f"spark-source-{position}"] = value
-    return result
 
 
 @dataclass
@@ -283,6 +282,7 @@ class MicroBatch:
     sink_format: str | None
     sink_options: dict[str, str]
     foreach_batch: Callable | None
+    spark_checkpoint: SparkCheckpoint | None = None
     parallelism_override: int | None = None
     fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
     history: list[dict] = field(default_factory=list)
@@ -302,30 +302,31 @@ class MicroBatch:
         default_parallelism = int(self.session.conf.get("spark.sql.shuffle.partitions", "200"))
         conf = StateConf.parse(
             get,
-            default_store=os.path.join(self.checkpoint_location, "state"),
+            default_store=lambda: _default_store(self.checkpoint_location),
             default_parallelism=default_parallelism,
         )
         if self.parallelism_override is not None:
             conf = replace(conf, parallelism=self.parallelism_override)
         return conf
 
-    def _base(self, store: CheckpointStore, batch_id: int) -> tuple[int, Manifest | None, bool]:
-        """(checkpoint id to write, base manifest, whether batch_id is already committed)."""
-        latest = store.latest()
-        if latest is None:
-            return 0, None, False
-        run = latest.sources.get(SPARK_RUN_KEY, {})
-        same_run = run.get("checkpoint_location") == self.checkpoint_location
-        if not same_run or run.get("batch_id", -1) < batch_id:
-            return latest.checkpoint_id + 1, latest, False
-        for newer, older in zip(latest.consistent_checkpoints, latest.consistent_checkpoints[1:] + (None,)):
-            manifest = store.load(newer)
-            if manifest.sources.get(SPARK_RUN_KEY, {}).get("batch_id") == batch_id:
-                return newer, (store.load(older) if older is not None else None), True
-        raise CheckpointError(
-            f"batch {batch_id} is older than the retained checkpoints of {store.storage.uri} "
-            f"({list(latest.consistent_checkpoints)}); raise {RETAINED} "
-            "or restart from a new checkpointLocation"
+    def spark_batch(self, batch_df, batch_id: int) -> SparkBatch:
+        """What Spark's checkpoint says about micro-batch ``batch_id`` (see ``coordinator.SparkBatch``)."""
+        context = batch_df.sparkSession.sparkContext
+        checkpoint = self.spark_checkpoint
+        query_id = context.getLocalProperty(QUERY_ID_PROPERTY) or checkpoint.query_id()
+        end = checkpoint.offsets(batch_id)
+        if end is None:
+            raise CheckpointError(
+                f"Spark's offsets log has no entry {checkpoint.uri}/offsets/{batch_id} for the micro-batch it "
+                "runs; the checkpoint location was changed while the query ran"
+            )
+        return SparkBatch(
+            query_id=query_id,
+            run_id=context.getLocalProperty(RUN_ID_PROPERTY),
+            batch_id=batch_id,
+            checkpoint_location=self.checkpoint_location,
+            end=end,
+            start=batch_start_offsets(self.session, query_id, batch_id, checkpoint),
         )
 
     def run(self, batch_df, batch_id: int) -> None:
@@ -340,7 +341,9 @@ class MicroBatch:
 
         conf = self.conf()
         store = self.store(conf)
-        checkpoint_id, base, replayed = self._base(store, batch_id)
+        spark_batch = self.spark_batch(batch_df, batch_id)
+        plan = plan_batch(store.latest(), store.load, spark_batch, store=conf.store)
+        checkpoint_id, base, replayed = plan.checkpoint_id, plan.base, plan.replayed
         stream = self.stream
         layout = StateLayout(stream.state_schema, stream.keyed.key_columns)
         spec = layout.spec(stream.keyed.name, conf.parallelism, conf.max_parallelism)
@@ -394,16 +397,15 @@ class MicroBatch:
             self._write_output(output, batch_id)
             self._fault("output_written", batch_id)
             if not replayed:
-                sources = read_batch_offsets(self.checkpoint_location, batch_id)
-                sources[SPARK_RUN_KEY] = {"checkpoint_location": self.checkpoint_location, "batch_id": batch_id}
                 refs = [ref for ref in map(blob_ref_from_meta, metas) if ref is not None]
                 items = {m["instance"]: m["items"] for m in metas if m.get("items")}
                 try:
                     manifest = store.commit(
                         checkpoint_id,
                         {stream.keyed.name: (spec, refs)},
-                        sources,
+                        spark_batch.end,
                         instance_state={stream.keyed.name: items},
+                        binding=spark_batch.binding(),
                     )
                 except CheckpointExistsError as exc:
                     raise CheckpointError(

@@ -1,10 +1,11 @@
 """A keyed-count job run as its own driver process, for tests that kill the driver.
 
-    python tests/driver_job.py WORK PARALLELISM [--die-at STAGE:BATCH]
+    python tests/driver_job.py WORK PARALLELISM [--die-at STAGE:BATCH] [--function count|apply]
 
-Reads Parquet files from WORK/input one per micro-batch, counts per user,
-writes each batch's output to WORK/out/batch_id=N (Parquet, overwrite) and
-exits. With ``--die-at``, the driver process dies (``os._exit``, no cleanup)
+Reads Parquet files from WORK/input one per micro-batch, counts per user
+(the built-in ``count``, or the same count as a user function with
+``apply``), writes each batch's output to WORK/out/batch_id=N (Parquet,
+overwrite) and exits. With ``--die-at``, the driver process dies (``os._exit``, no cleanup)
 when the micro-batch protocol reaches STAGE of batch BATCH.
 """
 
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("work")
     parser.add_argument("parallelism", type=int)
     parser.add_argument("--die-at")
+    parser.add_argument("--function", choices=("count", "apply"), default="count")
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -54,10 +56,19 @@ def main() -> None:
     events = spark.readStream.schema("user string, amount long").option("maxFilesPerTrigger", 1).parquet(
         str(work / "input")
     )
+    stream = keyed(events, "user", name="clicks")
+    if args.function == "count":
+        counted = stream.count()
+    else:
+
+        def count(key, rows, state):
+            total = (state.get()[0] if state.exists else 0) + len(rows)
+            state.update((total,))
+            return [{"user": key[0], "count": total}]
+
+        counted = stream.apply(count, state_schema="count long", output_schema="user string, count long")
     query = (
-        keyed(events, "user", name="clicks")
-        .count()
-        .writeStream.format("parquet")
+        counted.writeStream.format("parquet")
         .option("path", str(work / "out"))
         .option("checkpointLocation", str(work / "chk"))
         .trigger(availableNow=True)

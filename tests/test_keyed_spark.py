@@ -18,7 +18,7 @@ import pytest
 
 from spark_state import keyed
 from spark_state.checkpoint import open_checkpoint_store
-from spark_state.errors import ConfigError
+from spark_state.errors import ConfigError, StateBehindQueryError
 from spark_state.streaming import MicroBatch
 
 pytestmark = pytest.mark.spark
@@ -66,7 +66,7 @@ class Job:
     def sink(self, out, batch_id: int) -> None:
         self.outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
 
-    def run(self, parallelism: int, stream_fn=None):
+    def run(self, parallelism: int, stream_fn=None, checkpoint: Path | None = None):
         """Process everything available at ``parallelism``; returns the StatefulQuery (stopped)."""
         self.spark.conf.set("spark.state.parallelism", str(parallelism))
         self.spark.conf.set("spark.state.store", str(self.root / "state"))
@@ -75,7 +75,7 @@ class Job:
         ).count()
         query = (
             stream.writeStream.foreachBatch(self.sink)
-            .option("checkpointLocation", str(self.root / "chk"))
+            .option("checkpointLocation", str(checkpoint or self.root / "chk"))
             .trigger(availableNow=True)
             .start()
         )
@@ -176,7 +176,7 @@ def test_driver_failure_before_commit_replays_batch_exactly(spark, tmp_path, mon
     with pytest.raises(Exception, match="injected driver failure"):
         job.run(2)
     store = open_checkpoint_store(str(tmp_path / "state"))
-    assert [store.load(i).sources["spark"]["batch_id"] for i in store.committed_ids()] == [0]
+    assert [store.load(i).binding.batch_id for i in store.committed_ids()] == [0]
     monkeypatch.undo()
     job.run(3)
     assert job.outputs == job.expected()
@@ -395,3 +395,38 @@ def test_store_recreated_at_the_same_path_is_not_served_from_stale_caches(spark,
     second.add_batch(200, keys=25, salt=4)  # its base, checkpoint 0, shares an id with the first job's
     second.run(2)
     assert second.outputs == second.expected()
+
+
+def test_a_lost_state_record_stops_the_query_and_restoring_it_recovers(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    for salt in range(3):
+        job.add_batch(200, keys=30, salt=salt)
+    job.run(2)
+    store = open_checkpoint_store(str(tmp_path / "state"))
+    committed = store.committed_ids()
+    record = tmp_path / "state" / "checkpoints" / f"{committed[-1]:020d}.json"
+    kept = record.read_bytes()
+    record.unlink()  # the newest record is lost; older ones remain
+    job.add_batch(200, keys=30, salt=3)
+    with pytest.raises(StateBehindQueryError, match="micro-batches 2..2 are missing"):
+        job.run(2)
+    assert sorted(job.outputs) == [0, 1, 2]
+    assert open_checkpoint_store(str(tmp_path / "state")).committed_ids() == committed[:-1]
+    record.write_bytes(kept)  # the documented recovery: restore the record
+    job.run(3)
+    assert job.outputs == job.expected()
+
+
+def test_a_new_checkpoint_location_on_a_store_with_state_is_refused(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    job.add_batch(200, keys=30, salt=0)
+    job.add_batch(200, keys=30, salt=1)
+    job.run(2)
+    before = dict(job.outputs)
+    committed = open_checkpoint_store(str(tmp_path / "state")).committed_ids()
+    # A new checkpointLocation makes Spark read the files from the start: the state would count them twice.
+    with pytest.raises(Exception, match="StateOfAnotherQueryError") as error:
+        job.run(2, checkpoint=tmp_path / "chk-new")
+    assert "the source's beginning" in str(error.value) and "does not continue it" in str(error.value)
+    assert job.outputs == before
+    assert open_checkpoint_store(str(tmp_path / "state")).committed_ids() == committed

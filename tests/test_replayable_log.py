@@ -594,3 +594,20 @@ def test_batch_write_sink_options_go_together():
         parse_write_options({"path": "/x", "batchId": "7"}, WRITE)
     with pytest.raises(UnknownOptionError, match="batchid"):
         parse_write_options({"path": "/x", "sinkId": "s", "batchId": "1"}, STREAM_WRITE)
+
+
+def test_a_stream_resolves_its_initial_offsets_once_per_run(tmp_path):
+    """Spark asks for the initial offsets more than once in batch 0; appends in between must not move them."""
+    from datasources.replayable import ReplayableDataSource
+    from spark_state.storage.local import LocalStorage
+
+    log = ReplayableLog.create(LocalStorage(str(tmp_path / "log")), LogMeta("log", 2, SCHEMA))
+    append(log, 0, 0, 10)
+    source = ReplayableDataSource({"path": str(tmp_path / "log"), "startingOffsets": "latest"})
+    reader = source.streamReader(source.schema())
+    first = reader.initialOffset()
+    assert (first["0"], first["1"]) == (10, 0)
+    append(log, 0, 10, 5)
+    assert reader.initialOffset() == first
+    rerun = ReplayableDataSource({"path": str(tmp_path / "log"), "startingOffsets": "latest"})
+    assert rerun.streamReader(rerun.schema()).initialOffset()["0"] == 15

@@ -1,0 +1,204 @@
+"""Spark's own checkpoint of a query, read on the driver through Spark's Hadoop ``FileSystem``.
+
+Layout Spark writes under ``checkpointLocation`` (the parts read here)::
+
+    metadata        {"id": "<query id>"}, written when the query first starts
+    offsets/<N>     "v1", a metadata line, then one offset per source: micro-batch N's end offsets
+    commits/<N>     micro-batch N is done
+
+Every file goes through Hadoop's ``FileSystem`` for the location's scheme, so
+``checkpointLocation`` may be anywhere the user's Spark can write (``file:``,
+``hdfs:``, ``webhdfs:``, ``s3a:``, ``abfs:`` ...). Spark writes each file with
+``CheckpointFileManager.createAtomic``: a hidden temp file
+``.<name>.<uuid>.tmp`` renamed into place (on local disk with a
+``..<name>.<uuid>.tmp.crc`` checksum beside it). A driver killed during the
+very first write leaves only those temp files in ``offsets/``, and Spark then
+refuses to start the query ("offsets should be empty on batch 0");
+``clear_interrupted_first_batch`` recognises exactly that and removes them.
+
+The parsing and the classification of leftovers are pure functions; the
+``SparkCheckpoint`` class does the I/O with py4j calls into the driver JVM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Iterable
+
+from spark_state.errors import CheckpointLocationError
+
+_LOG = logging.getLogger(__name__)
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_TEMP = re.compile(rf"\.(?P<batch>\d+)\.{_UUID}\.tmp")
+_TEMP_CRC = re.compile(rf"\.\.(?P<batch>\d+)\.{_UUID}\.tmp\.crc")
+
+
+def source_key(offsets: Any, position: int) -> str:
+    """The id under which a source's offsets are recorded: its own ``source_id``, else its position."""
+    source_id = offsets.get("source_id") if isinstance(offsets, dict) else None
+    return source_id if isinstance(source_id, str) else f"spark-source-{position}"
+
+
+def parse_offsets_entry(text: str) -> dict[str, Any]:
+    """Source end offsets from the text of ``offsets/N``, keyed by ``source_key``.
+
+    The entry holds a version line, a metadata line and one offset per
+    source in the query's source order; ``-`` (or an empty line) means the
+    source has no offset yet and is left out.
+    """
+    result: dict[str, Any] = {}
+    for position, line in enumerate(text.splitlines()[2:]):
+        if line.strip() in ("", "-"):
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            value = line
+        result[source_key(value, position)] = value
+    return result
+
+
+def interrupted_first_batch(offsets: Iterable[str], commits: Iterable[str], where: str) -> list[str]:
+    """Names in ``offsets/`` to delete so that Spark can start batch 0; ``[]`` when nothing needs doing.
+
+    ``offsets`` and ``commits`` are the raw file names of the two
+    directories. Acts only when ``offsets/`` holds no complete entry (a
+    name of digits) and ``commits/`` none either; then every name must be a
+    temp file of an interrupted write of entry 0 (or its checksum), else
+    ``CheckpointLocationError`` names the first file it does not recognise.
+    """
+    offsets, commits = sorted(offsets), sorted(commits)
+    if not offsets or any(name.isdigit() for name in offsets):
+        return []
+    if any(name.isdigit() for name in commits):
+        raise CheckpointLocationError(
+            f"{where}/commits holds committed batches but {where}/offsets holds no entry; Spark cannot start "
+            "from this checkpoint location. Restore its offsets/ directory, or start over with a new "
+            "checkpointLocation"
+        )
+    for name in offsets:
+        match = _TEMP.fullmatch(name) or _TEMP_CRC.fullmatch(name)
+        if match is None or match.group("batch") != "0":
+            raise CheckpointLocationError(
+                f"{where}/offsets holds no complete entry, only {offsets}; {name!r} is not the leftover of an "
+                "interrupted write of the first micro-batch's offsets, so it is left alone. If no query is "
+                f"running there, delete {where}/offsets/{name} by hand and start the query again"
+            )
+    return offsets
+
+
+class SparkCheckpoint:
+    """Spark's checkpoint at ``location`` (see the module docstring), through the session's Hadoop conf."""
+
+    def __init__(self, session, location: str):
+        jvm = session.sparkContext._jvm
+        self._jvm = jvm
+        conf = session._jsparkSession.sessionState().newHadoopConf()
+        path = jvm.org.apache.hadoop.fs.Path(location)
+        fs = path.getFileSystem(conf)
+        self._root = fs.makeQualified(path)
+        checksummed = jvm.java.lang.Class.forName("org.apache.hadoop.fs.ChecksumFileSystem")
+        # A checksummed (local) file system hides ``.crc`` files from listings: look at the raw one.
+        self._fs = fs.getRawFileSystem() if checksummed.isInstance(fs) else fs
+        self.uri = self._root.toString()
+
+    def _path(self, *parts: str):
+        path = self._root
+        for part in parts:
+            path = self._jvm.org.apache.hadoop.fs.Path(path, part)
+        return path
+
+    def _names(self, directory: str) -> list[str]:
+        path = self._path(directory)
+        if not self._fs.exists(path):
+            return []
+        return [status.getPath().getName() for status in self._fs.listStatus(path)]
+
+    def _read(self, *parts: str) -> str | None:
+        path = self._path(*parts)
+        if not self._fs.exists(path):
+            return None
+        stream = self._fs.open(path)
+        try:
+            data = self._jvm.org.apache.commons.io.IOUtils.toByteArray(stream)
+        finally:
+            stream.close()
+        return bytes(data).decode("utf-8")
+
+    def query_id(self) -> str | None:
+        """The query id Spark recorded in ``metadata``, or None before the query first started."""
+        text = self._read("metadata")
+        if text is None:
+            return None
+        try:
+            return json.loads(text.splitlines()[0])["id"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise CheckpointLocationError(f"{self.uri}/metadata is not Spark's query metadata: {exc!r}") from exc
+
+    def offsets(self, batch_id: int) -> dict[str, Any] | None:
+        """Micro-batch ``batch_id``'s end offsets per source (``parse_offsets_entry``), None if no entry."""
+        text = self._read("offsets", str(batch_id))
+        return None if text is None else parse_offsets_entry(text)
+
+    def last_committed_batch(self) -> int | None:
+        """The highest micro-batch id in ``commits/``, or None."""
+        ids = [int(name) for name in self._names("commits") if name.isdigit()]
+        return max(ids) if ids else None
+
+    def clear_interrupted_first_batch(self) -> list[str]:
+        """Delete the leftovers of a first ``offsets/0`` write that a killed driver interrupted; return them."""
+        doomed = interrupted_first_batch(self._names("offsets"), self._names("commits"), self.uri)
+        for name in doomed:
+            self._fs.delete(self._path("offsets", name), False)
+        if doomed:
+            _LOG.warning(
+                "removed %s from %s/offsets: the leftovers of a driver killed while writing the first "
+                "micro-batch's offsets, which would stop Spark from starting the query",
+                ", ".join(doomed), self.uri,
+            )
+        return doomed
+
+
+def batch_start_offsets(session, query_id: str, batch_id: int, checkpoint: SparkCheckpoint) -> dict[str, Any]:
+    """Where each source of micro-batch ``batch_id`` starts, keyed like ``parse_offsets_entry``.
+
+    After batch 0 it is the previous batch's end (``offsets/<batch_id - 1>``).
+    For batch 0 it is each source's initial offset, asked from the running
+    query: a DataSource V2 stream's ``initialOffset()``, or None (the
+    beginning) for a V1 source, which has no offset before its first batch.
+    Sources whose start cannot be determined are left out (see
+    ``coordinator.SparkBatch``).
+    """
+    if batch_id > 0:
+        previous = checkpoint.offsets(batch_id - 1)
+        return {} if previous is None else previous
+    try:
+        query = session._jsparkSession.streams().get(query_id)
+        sources = query.streamingQuery().sources()
+    except Exception:  # noqa: BLE001 - internal API; without it the start is unknown, which is safe
+        _LOG.warning("could not read the initial offsets of query %s; its start offsets are unknown", query_id)
+        return {}
+    v1 = session.sparkContext._jvm.java.lang.Class.forName("org.apache.spark.sql.execution.streaming.Source")
+    result: dict[str, Any] = {}
+    for position in range(sources.size()):
+        source = sources.apply(position)
+        if v1.isInstance(source):
+            result[f"spark-source-{position}"] = None
+            continue
+        try:
+            value = json.loads(source.initialOffset().json())
+        except Exception:  # noqa: BLE001 - a source that cannot say where it starts is left unknown
+            continue
+        result[source_key(value, position)] = value
+    return result
+
+
+__all__ = [
+    "SparkCheckpoint",
+    "batch_start_offsets",
+    "interrupted_first_batch",
+    "parse_offsets_entry",
+    "source_key",
+]

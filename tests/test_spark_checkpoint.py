@@ -1,0 +1,69 @@
+"""Reading Spark's checkpoint: offsets entries and the leftovers of an interrupted first write (no Spark)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from spark_state.errors import CheckpointLocationError
+from spark_state.spark_checkpoint import interrupted_first_batch, parse_offsets_entry
+
+WHERE = "file:/chk"
+
+
+def temp(batch: int) -> tuple[str, str]:
+    """The names Spark's ``createAtomic`` gives the temp file of ``offsets/<batch>`` and its checksum."""
+    name = f".{batch}.{uuid.uuid4()}.tmp"
+    return name, f".{name}.crc"
+
+
+def test_offsets_entries_are_keyed_by_their_source_id_or_position():
+    text = "\n".join([
+        "v1",
+        '{"batchWatermarkMs":0,"batchTimestampMs":1,"conf":{}}',
+        '{"source_id": "replayable:file:///e", "0": 4}',
+        '{"logOffset":3}',
+        "-",
+    ])
+    assert parse_offsets_entry(text) == {
+        "replayable:file:///e": {"source_id": "replayable:file:///e", "0": 4},
+        "spark-source-1": {"logOffset": 3},
+    }
+
+
+def test_the_leftovers_of_an_interrupted_first_write_are_recognised():
+    tmp, crc = temp(0)
+    assert interrupted_first_batch([tmp, crc], [], WHERE) == sorted([tmp, crc])
+    assert interrupted_first_batch([tmp], [], WHERE) == [tmp]
+    assert interrupted_first_batch([crc], [], WHERE) == [crc]
+
+
+def test_nothing_is_touched_once_an_entry_is_complete_or_when_offsets_is_empty():
+    tmp, crc = temp(0)
+    assert interrupted_first_batch(["0", ".0.crc", tmp, crc], [], WHERE) == []
+    assert interrupted_first_batch(["0", ".0.crc"], [], WHERE) == []
+    assert interrupted_first_batch([], [], WHERE) == []
+    later, _ = temp(7)
+    assert interrupted_first_batch(["6", later], ["5"], WHERE) == []
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        [".0.crc"],  # the checksum of a complete entry whose entry is gone
+        [temp(3)[0]],  # a temp file of another batch
+        ["notes.txt"],
+        [".0.not-a-uuid.tmp"],
+        [temp(0)[0], ".DS_Store"],
+    ],
+)
+def test_anything_else_is_refused_naming_the_file_and_the_fix(names):
+    with pytest.raises(CheckpointLocationError, match="delete .* by hand"):
+        interrupted_first_batch(names, [], WHERE)
+
+
+def test_commits_without_offsets_is_refused():
+    tmp, _ = temp(0)
+    with pytest.raises(CheckpointLocationError, match="commits holds committed batches"):
+        interrupted_first_batch([tmp], ["0"], WHERE)
