@@ -25,12 +25,11 @@ and raises instead of guessing when the blobs disagree with the routing.
 
 from __future__ import annotations
 
-import json
-import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from spark_state.blob import FORMAT_VERSION, BlobIndex
+from spark_state.commitlog import decode_record, encode_record
 from spark_state.errors import (
     CheckpointError,
     CorruptBlobError,
@@ -203,8 +202,11 @@ class Manifest:
     binding: QueryBinding | None = None
 
     def to_bytes(self) -> bytes:
-        """Canonical JSON with a CRC-32 over the body, checked by ``from_bytes``."""
-        body = {
+        """Canonical JSON framed with a CRC-32 over the body (``commitlog.encode_record``)."""
+        return encode_record(self.to_json())
+
+    def to_json(self) -> dict:
+        return {
             "format_version": FORMAT_VERSION,
             "checkpoint_id": self.checkpoint_id,
             "consistent_checkpoints": list(self.consistent_checkpoints),
@@ -213,20 +215,17 @@ class Manifest:
             "components": {name: c.to_json() for name, c in sorted(self.components.items())},
             "binding": self.binding.to_json() if self.binding is not None else None,
         }
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return json.dumps({"crc32": zlib.crc32(text.encode()), "body": text}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
+        return cls.from_json(decode_record(data, where), where=where)
+
+    @classmethod
+    def from_json(cls, body: Any, *, where: str = "manifest") -> "Manifest":
         try:
-            outer = json.loads(data)
-            text = outer["body"]
-            if zlib.crc32(text.encode()) != outer["crc32"]:
-                raise CorruptBlobError(f"{where} fails its checksum")
-            body = json.loads(text)
             version = body["format_version"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptBlobError(f"{where} is not a readable manifest: {exc}") from exc
+        except (KeyError, TypeError) as exc:
+            raise CorruptBlobError(f"{where} is not a manifest: {exc!r}") from exc
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise IncompatibleCheckpointError(
                 f"{where} has format version {body['format_version']}, this spark-state reads "

@@ -57,6 +57,7 @@ from spark_state.conf import STORE, StateConf
 from spark_state.coordinator import SparkBatch, check_query_start, plan_batch
 from spark_state.errors import CheckpointError, ConfigError
 from spark_state.keyed_state import StateLayout
+from spark_state.sinks import BatchSink, open_sink
 from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.operator import (
     INSTANCE_COLUMN,
@@ -225,18 +226,17 @@ class StatefulStreamWriter:
                 "option('checkpointLocation', ...) is required: it holds Spark's offsets log, from which "
                 "each state checkpoint records its source offsets"
             )
-        if self._foreach_batch is None and self._format is None:
-            raise ConfigError("choose a sink: .format(name).option('path', ...) or .foreachBatch(fn)")
         session = self._stream.keyed.df.sparkSession
         spark_checkpoint = SparkCheckpoint(session, checkpoint_location)
         batch = MicroBatch(
             stream=self._stream,
             session=session,
             checkpoint_location=_location_name(spark_checkpoint.uri),
-            sink_format=self._format,
-            sink_options=dict(self._options),
-            foreach_batch=self._foreach_batch,
             spark_checkpoint=spark_checkpoint,
+        )
+        batch.sink = open_sink(
+            self._format, self._options, self._foreach_batch,
+            default_sink_id=f"spark-state:{batch.checkpoint_location}",
         )
         conf = batch.conf()  # fail now on bad settings, not at the first batch
         spark_checkpoint.clear_interrupted_first_batch()
@@ -279,10 +279,8 @@ class MicroBatch:
     stream: StatefulStream
     session: Any
     checkpoint_location: str
-    sink_format: str | None
-    sink_options: dict[str, str]
-    foreach_batch: Callable | None
     spark_checkpoint: SparkCheckpoint | None = None
+    sink: BatchSink | None = None
     parallelism_override: int | None = None
     fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
     history: list[dict] = field(default_factory=list)
@@ -394,7 +392,7 @@ class MicroBatch:
             self._check_instances(metas, conf.parallelism)
             self._fault("tasks_done", batch_id)
             output = result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN)
-            self._write_output(output, batch_id)
+            self.sink.write(output, batch_id)
             self._fault("output_written", batch_id)
             if not replayed:
                 refs = [ref for ref in map(blob_ref_from_meta, metas) if ref is not None]
@@ -437,23 +435,6 @@ class MicroBatch:
             raise CheckpointError(
                 f"expected one report from each of {parallelism} instances, got {seen}; not committing"
             )
-
-    def _write_output(self, output, batch_id: int) -> None:
-        if self.foreach_batch is not None:
-            self.foreach_batch(output, batch_id)
-            return
-        options = dict(self.sink_options)
-        if self.sink_format == "replayable":
-            options.setdefault("sinkId", f"spark-state:{self.checkpoint_location}")
-            options["batchId"] = str(batch_id)
-            output.write.format("replayable").mode("append").options(**options).save()
-            return
-        path = options.pop("path", None)
-        if not path:
-            raise ConfigError(f"sink format {self.sink_format!r} needs option('path', ...)")
-        output.write.format(self.sink_format).mode("overwrite").options(**options).save(
-            f"{path.rstrip('/')}/batch_id={batch_id}"
-        )
 
 
 class StatefulQuery:

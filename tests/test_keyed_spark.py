@@ -430,3 +430,35 @@ def test_a_new_checkpoint_location_on_a_store_with_state_is_refused(spark, tmp_p
     assert "the source's beginning" in str(error.value) and "does not continue it" in str(error.value)
     assert job.outputs == before
     assert open_checkpoint_store(str(tmp_path / "state")).committed_ids() == committed
+
+
+def test_replayable_sink_appends_each_batch_once_across_a_replay(spark, tmp_path, monkeypatch):
+    job = Job(spark, tmp_path)
+    for salt in range(3):
+        job.add_batch(150, keys=20, salt=salt)
+    sink_log = str(tmp_path / "counts-log")
+
+    def run(parallelism):
+        spark.conf.set("spark.state.parallelism", str(parallelism))
+        spark.conf.set("spark.state.store", str(tmp_path / "state"))
+        query = (
+            keyed(job.stream(), "user", name="clicks").count()
+            .writeStream.format("replayable").option("path", sink_log).option("keyColumn", "user")
+            .option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+        )
+        query.awaitTermination()
+
+    def crash(self, at, batch_id):
+        if at == "output_written" and batch_id == 1:
+            raise RuntimeError("injected driver failure after the sink write")
+
+    monkeypatch.setattr(MicroBatch, "_fault", crash)
+    with pytest.raises(Exception, match="injected driver failure"):
+        run(2)
+    monkeypatch.undo()
+    run(3)
+    rows = spark.read.format("replayable").load(sink_log).select("user", "count").collect()
+    expected = job.expected()
+    assert sorted((r["user"], r["count"]) for r in rows) == sorted(
+        (user, count) for batch in expected.values() for user, count in batch.items()
+    )

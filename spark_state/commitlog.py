@@ -1,0 +1,116 @@
+"""A log of numbered commit records: ``<directory>/<N:020d>.json``, each created once, atomically, checksummed.
+
+The one implementation behind every log of commits in the project: the state
+store's checkpoint manifests (``checkpoints/``) and the ``replayable`` log's
+commits (``_commits/``), as Spark's ``HDFSMetadataLog`` serves its offsets,
+commits and sink logs alike.
+
+- ``create(n, body)`` is the commit point of record ``n``: one atomic
+  ``Storage.create`` without overwrite, so of two racing writers of the same
+  ``n`` exactly one succeeds and the other gets ``BlobExistsError``. A record
+  is never rewritten.
+- Every record is framed as ``{"crc32": C, "body": "<JSON text>"}`` with
+  ``C`` the CRC-32 of the UTF-8 body text; ``load`` verifies it and raises
+  ``CorruptBlobError`` naming the file on any mismatch, truncation or
+  malformed JSON, so a damaged record is never read as a commit. Logs
+  written before framing existed (``accept_unframed=True``) may hold plain
+  JSON objects; those are read unchecked.
+- ``ids()`` and ``latest_id()`` list the directory: discovery only. Which
+  records exist is what the list says; what a record holds is only what
+  ``load`` verified.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError
+from spark_state.storage.base import Storage, join
+
+ID_DIGITS = 20
+SUFFIX = ".json"
+
+
+def encode_record(body: Any) -> bytes:
+    """The framed bytes of ``body`` (canonical JSON, keys sorted) with its CRC-32."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"crc32": zlib.crc32(text.encode()), "body": text}).encode()
+
+
+def decode_record(data: bytes, where: str, *, accept_unframed: bool = False) -> Any:
+    """The body of framed record bytes; ``CorruptBlobError`` naming ``where`` unless they verify."""
+    try:
+        outer = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptBlobError(f"{where} is not a readable record (truncated or overwritten?): {exc}") from exc
+    if isinstance(outer, dict) and set(outer) == {"crc32", "body"}:
+        text = outer["body"]
+        if not isinstance(text, str) or zlib.crc32(text.encode()) != outer["crc32"]:
+            raise CorruptBlobError(f"{where} fails its checksum: it was changed or damaged after it was written")
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise CorruptBlobError(f"{where} has a valid checksum over malformed JSON: {exc}") from exc
+    if accept_unframed and isinstance(outer, dict):
+        return outer
+    raise CorruptBlobError(f"{where} is not a checksummed record; it was not written by spark-state")
+
+
+class CommitLog:
+    """Numbered records under ``directory`` of ``storage``; see the module docstring.
+
+    ``what`` names a record in messages ("checkpoint", "log commit").
+    """
+
+    def __init__(self, storage: Storage, directory: str, *, what: str = "record", accept_unframed: bool = False):
+        self.storage = storage
+        self.directory = directory
+        self.what = what
+        self.accept_unframed = accept_unframed
+
+    def path(self, n: int) -> str:
+        """The storage path of record ``n`` (``0 <= n``)."""
+        return join(self.directory, f"{n:0{ID_DIGITS}d}{SUFFIX}")
+
+    def where(self, n: int) -> str:
+        """Record ``n``'s full URI, for messages."""
+        return f"{self.storage.uri}/{self.path(n)}"
+
+    def create(self, n: int, body: Any) -> None:
+        """Commit record ``n``; ``BlobExistsError`` if it exists (another writer won ``n``)."""
+        try:
+            self.storage.create(self.path(n), encode_record(body))
+        except BlobExistsError:
+            raise BlobExistsError(f"{self.what} {n} already exists at {self.where(n)}") from None
+
+    def load(self, n: int) -> Any:
+        """The verified body of record ``n``; ``BlobNotFoundError`` if there is none."""
+        data = self.storage.read(self.path(n))
+        return decode_record(data, self.where(n), accept_unframed=self.accept_unframed)
+
+    def load_if_exists(self, n: int) -> Any | None:
+        """``load(n)``, or None when record ``n`` does not exist."""
+        try:
+            return self.load(n)
+        except BlobNotFoundError:
+            return None
+
+    def ids(self) -> list[int]:
+        """Ids of the records present, ascending (a listing: discovery only)."""
+        ids = []
+        for name in self.storage.list(self.directory):
+            stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else ""
+            if len(stem) == ID_DIGITS and stem.isdigit():
+                ids.append(int(stem))
+        return sorted(ids)
+
+    def latest_id(self) -> int | None:
+        """The highest id present, or None."""
+        ids = self.ids()
+        return ids[-1] if ids else None
+
+    def delete(self, n: int) -> None:
+        """Remove record ``n`` (retention and cleanup only); a missing record is not an error."""
+        self.storage.delete(self.path(n))
