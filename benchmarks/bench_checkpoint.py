@@ -67,22 +67,22 @@ SMOKE = Config("smoke", 20_000, (100, 1_000), 2, 2_000, 2)  # tests/test_benchma
 
 def restore_cost(store_path: Path, parallelism: int) -> dict:
     """Restore every instance of the latest checkpoint under ``store_path`` cold, as a task does; cost and size."""
-    import pyarrow as pa
-
-    from spark_state.checkpoint import CheckpointStore
-    from spark_state.keyed_state import StateLayout, restore_instance
+    from spark_state.blobstore import BlobStore
+    from spark_state.manifestlog import ManifestReader
+    from spark_state.resident import restore_instance
     from spark_state.storage.base import CountingStorage
     from spark_state.storage.local import LocalStorage
 
     counting = CountingStorage(LocalStorage(str(store_path)))
-    store = CheckpointStore(counting)
-    component = store.latest().components[common.KEYED_COMPONENT]
-    layout = StateLayout(pa.schema([("key", pa.string()), ("count", pa.int64())]), ("key",))
+    component = ManifestReader(counting).latest().components[common.KEYED_COMPONENT]
+    blobs = BlobStore(counting)
     started = time.perf_counter()
     keys = 0
     for instance in range(parallelism):
-        state, _, _ = restore_instance(store, component, layout, instance, parallelism, component.max_parallelism)
-        keys += sum(1 for _ in state.items())  # fold every key group: the whole restore, not just the fetch
+        state, _ = restore_instance(
+            blobs, component, component.keyed_schema, instance, parallelism, component.max_parallelism
+        )
+        keys += sum(1 for _ in state.table.items())  # fold every key group: the whole restore, not just the fetch
     chains = [len(chain) for chain in component.chains.values()]
     return {
         "bytes_read": counting.bytes_read,

@@ -224,10 +224,10 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
 def _instance_reads(system: str, instances: list[dict], base: Path, old: int, new: int) -> list[dict]:
     """Per new instance: bytes read, bytes owned and requests (see the module docstring)."""
     if system == "keyed_count":
-        from spark_state.checkpoint import open_checkpoint_store
+        from spark_state.manifestlog import open_manifest_log
         from spark_state.restore import plan_instance_restore
 
-        component = open_checkpoint_store(str(base / "state")).latest().components[COMPONENT]
+        component = open_manifest_log(str(base / "state")).latest().components[COMPONENT]
         owned = {j: plan_instance_restore(component, j, new).bytes_owned for j in range(new)}
     else:
         owned = {m["instance"]: m["size"] for m in instances}

@@ -3,7 +3,7 @@
 For each old parallelism, a checkpoint of N keys (int64 key, int64 count) is
 written the way a job writes it: one blob per instance with one entry per key
 group. Then every new instance of each (old -> new) pair restores its key
-groups through ``plan_instance_restore`` + ``CheckpointStore.fetch``, over a
+groups through ``plan_instance_restore`` + ``BlobStore.fetch``, over a
 storage wrapper that counts every byte and request actually made.
 
 Per pair it reports:
@@ -33,24 +33,26 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spark_state.checkpoint import CheckpointStore  # noqa: E402
+from spark_state.blobstore import BlobStore  # noqa: E402
 from spark_state.keygroups import (  # noqa: E402
     DEFAULT_MAX_PARALLELISM,
     instances_for_key_groups,
     key_group_range,
     key_groups_for_columns,
 )
-from spark_state.keyed_state import StateLayout  # noqa: E402
-from spark_state.restore import plan_instance_restore  # noqa: E402
+from spark_state.manifest import ComponentSpec, next_manifest  # noqa: E402
+from spark_state.manifestlog import ManifestLog  # noqa: E402
+from spark_state.restore import fold_chain, plan_instance_restore  # noqa: E402
+from spark_state.schema import KeyedSchema  # noqa: E402
 from spark_state.storage.base import CountingStorage  # noqa: E402
 from spark_state.storage.local import LocalStorage  # noqa: E402
 
 PAIRS = [(2, 3), (3, 2), (7, 4), (1, 16), (16, 1), (4, 8), (8, 4), (4, 7), (7, 2)]
 COMPONENT = "counts"
-LAYOUT = StateLayout(pa.schema([("key", pa.int64()), ("count", pa.int64())]), ("key",))
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("count", pa.int64())])
 
 
-def write_checkpoint(store: CheckpointStore, keys: np.ndarray, counts: np.ndarray, parallelism: int, max_parallelism: int):
+def write_checkpoint(storage, keys: np.ndarray, counts: np.ndarray, parallelism: int, max_parallelism: int):
     """Write one full snapshot of (keys, counts) at ``parallelism`` and commit it; return the component manifest."""
     groups = key_groups_for_columns([keys], max_parallelism)
     order = np.argsort(groups, kind="stable")
@@ -65,20 +67,22 @@ def write_checkpoint(store: CheckpointStore, keys: np.ndarray, counts: np.ndarra
             lo, hi = bounds[g], bounds[g + 1]
             if hi > lo:
                 assert owners[g] == instance
+                values = pa.StructArray.from_arrays([pa.array(counts[lo:hi])], fields=list(SCHEMA.value.fields))
                 table = pa.table(
-                    [pa.array(keys[lo:hi]), pa.array(counts[lo:hi]), pa.array(np.zeros(hi - lo, dtype=bool))],
-                    schema=LAYOUT.blob_schema,
+                    [pa.array(keys[lo:hi]), values, pa.array(np.zeros(hi - lo, dtype=bool))],
+                    schema=SCHEMA.blob_schema,
                 )
                 entries.append((g, "full", table))
-        refs.append(store.write_blob(COMPONENT, 1, instance, owned, LAYOUT.blob_schema, entries))
-    manifest = store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, parallelism, max_parallelism), refs)}, {})
+        refs.append(BlobStore(storage).write_blob(COMPONENT, 1, instance, owned, SCHEMA.blob_schema, entries))
+    spec = ComponentSpec(COMPONENT, max_parallelism, parallelism, SCHEMA)
+    manifest = ManifestLog(storage).commit(next_manifest(None, 1, {COMPONENT: (spec, refs, {})}, {}))
     return manifest.components[COMPONENT]
 
 
 def restore_pair(root: Path, old: int, new: int, expected: dict[int, int] | None) -> dict:
     counting = CountingStorage(LocalStorage(str(root)))
-    store = CheckpointStore(counting)
-    component = store.latest().components[COMPONENT]
+    blobs = BlobStore(counting)
+    component = ManifestLog(counting).latest().components[COMPONENT]
     instances = []
     restored_keys = 0
     correct = True
@@ -86,7 +90,8 @@ def restore_pair(root: Path, old: int, new: int, expected: dict[int, int] | None
         before_bytes, before_requests = counting.bytes_read, counting.requests
         started = time.perf_counter()
         plan = plan_instance_restore(component, j, new)
-        rows, _ = store.fetch(component, plan)
+        entries, _ = blobs.fetch(component, plan)
+        rows = {g: fold_chain(batches, SCHEMA.key_columns) for g, batches in entries.items()}
         seconds = time.perf_counter() - started
         fetched = counting.bytes_read - before_bytes
         owned_range = plan.key_group_range
@@ -97,7 +102,8 @@ def restore_pair(root: Path, old: int, new: int, expected: dict[int, int] | None
         restored_keys += n
         if expected is not None:
             for table in rows.values():
-                for key, count in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+                counts = table.column("_spark_state_value").combine_chunks().field("count").to_pylist()
+                for key, count in zip(table.column("key").to_pylist(), counts):
                     correct &= expected.get(key) == count
         instances.append(
             {
@@ -144,7 +150,7 @@ def main() -> None:
         for old in sorted({old for old, _ in PAIRS}):
             root = work / f"p{old}"
             started = time.perf_counter()
-            component = write_checkpoint(CheckpointStore(LocalStorage(str(root))), keys, counts, old, args.max_parallelism)
+            component = write_checkpoint(LocalStorage(str(root)), keys, counts, old, args.max_parallelism)
             written = time.perf_counter() - started
             state_bytes = sum(b.size for b in component.blobs.values())
             for pair_old, new in PAIRS:

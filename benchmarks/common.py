@@ -326,11 +326,11 @@ def batch_reports(query, progress: list[dict]) -> list[dict]:
 
 def check_against_manifests(store_path: Path, reports: list[dict], component: str = KEYED_COMPONENT) -> dict:
     """Checkpoint bytes from the retained manifests, compared with those derived from the batch reports."""
-    from spark_state.checkpoint import open_checkpoint_store
+    from spark_state.manifestlog import open_manifest_log
 
-    store = open_checkpoint_store(str(store_path))
+    store = open_manifest_log(str(store_path))
     checked = {}
-    for checkpoint_id in store.committed_ids():
+    for checkpoint_id in store.ids():
         manifest_component = store.load(checkpoint_id).components[component]
         from_manifest = sum(b.size for b in manifest_component.blobs.values() if b.checkpoint_id == checkpoint_id)
         reported = next(r["checkpoint_bytes"] for r in reports if r["checkpoint_id"] == checkpoint_id)

@@ -36,7 +36,7 @@ def open_log_storage(uri: str):
 
 def checkpoint_offsets(state_store: str, source_id: str) -> Offsets | None:
     """The offsets of ``source_id`` in the latest consistent checkpoint of ``state_store``; None if none."""
-    from spark_state.checkpoint import latest_source_offsets
+    from spark_state.manifestlog import latest_source_offsets
 
     raw = latest_source_offsets(state_store, source_id)
     if raw is None:
@@ -47,7 +47,7 @@ def checkpoint_offsets(state_store: str, source_id: str) -> Offsets | None:
 
 def retained_checkpoint_offsets(state_store: str, source_id: str) -> list[Offsets]:
     """The offsets of ``source_id`` in every retained checkpoint of ``state_store``."""
-    from spark_state.checkpoint import retained_source_offsets
+    from spark_state.manifestlog import retained_source_offsets
 
     return [offsets_from_json(raw, f"the offsets of {source_id} in a retained checkpoint of {state_store}",
                               source_id=source_id)

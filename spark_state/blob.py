@@ -10,10 +10,11 @@ this module)::
   previous checkpoint, deletions as rows with ``_deleted = true``). Entries are
   sorted by key group, so the entries of any contiguous key-group range are
   one contiguous byte range of the blob.
-- The schema is the component's state schema (key columns, then value
-  columns) plus the bool column ``_deleted``. Its metadata records the format
-  and hash versions, the component, checkpoint id, instance and the key-group
-  range the blob was written for.
+- The schema is the component's blob schema (``schema.KeyedSchema``: the
+  key columns, one struct column per state variable, and the bool column
+  ``_deleted``). Its metadata records the format and hash versions, the
+  component, checkpoint id, instance and the key-group range the blob was
+  written for.
 - Each batch's custom metadata names its key group and kind, so the blob is
   self-describing; the byte-offset index (``BlobIndex``) lives in the
   manifest, so a reader fetches exactly the entries it needs and never the
@@ -28,7 +29,6 @@ corrupted state raises ``CorruptBlobError``, it is never returned.
 
 from __future__ import annotations
 
-import base64
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Literal
@@ -37,9 +37,10 @@ import pyarrow as pa
 
 from spark_state.errors import ConfigError, CorruptBlobError
 from spark_state.keygroups import HASH_VERSION, KeyGroupRange
+from spark_state.schema import DELETED_COLUMN  # noqa: F401 - the blob's tombstone column, re-exported
 
-FORMAT_VERSION = 1
-DELETED_COLUMN = "_deleted"
+FORMAT_VERSION = 2
+"""2: one struct column per state variable (``schema.KeyedSchema``); 1: flat value columns (not readable)."""
 EntryKind = Literal["full", "delta"]
 ENTRY_KINDS: tuple[str, ...] = ("full", "delta")
 _MAGIC_PREFIX = 8  # b"ARROW1" plus two bytes of padding before the schema message
@@ -98,29 +99,6 @@ class BlobIndex:
         )
 
 
-def blob_schema(state_schema: pa.Schema) -> pa.Schema:
-    """The schema of a blob's batches: the state schema plus ``_deleted``."""
-    if DELETED_COLUMN in state_schema.names:
-        raise ConfigError(f"state schema may not contain a column named {DELETED_COLUMN!r}; rename it")
-    for field in state_schema:
-        if pa.types.is_dictionary(field.type):
-            raise ConfigError(
-                f"state column {field.name!r} is dictionary-encoded; decode it first "
-                "(dictionary batches would break ranged reads of key groups)"
-            )
-    return state_schema.append(pa.field(DELETED_COLUMN, pa.bool_(), nullable=False)).remove_metadata()
-
-
-def serialize_schema(schema: pa.Schema) -> str:
-    """Base64 of the IPC schema message, as stored in the manifest."""
-    return base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
-
-
-def deserialize_schema(text: str) -> pa.Schema:
-    """Inverse of ``serialize_schema``."""
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
-
-
 def encode_blob(
     schema: pa.Schema,
     entries: Iterable[tuple[int, EntryKind, pa.Table | pa.RecordBatch]],
@@ -131,7 +109,7 @@ def encode_blob(
 ) -> tuple[bytes, BlobIndex]:
     """Serialize ``(key_group, kind, rows)`` entries into one blob.
 
-    ``schema`` is the blob schema (``blob_schema(state_schema)``); every
+    ``schema`` is the blob schema (``KeyedSchema.blob_schema``); every
     ``rows`` must have exactly its column names and types, including
     ``_deleted``. Key groups must be strictly increasing and inside
     ``key_group_range`` (inclusive bounds). Returns the blob bytes and their

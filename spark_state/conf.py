@@ -22,8 +22,9 @@ and raises ``ConfigError`` naming the key, the value and the valid range.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from spark_state.errors import ConfigError
 from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, UPPER_BOUND_MAX_PARALLELISM
@@ -37,6 +38,17 @@ MAX_CHAIN_LENGTH = PREFIX + "maxChainLength"
 COMPRESSION = PREFIX + "compression"
 KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION)
 COMPRESSIONS = ("none", "lz4", "zstd")
+
+
+def check_known(keys: Iterable[str]) -> None:
+    """Raise ``ConfigError`` for a ``spark.state.*`` key this version does not know (a typo is never ignored)."""
+    unknown = sorted(k for k in keys if k.startswith(PREFIX) and k not in KNOWN_KEYS)
+    if unknown:
+        hints = [
+            f"{key} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(key, KNOWN_KEYS, 1)) else key
+            for key in unknown
+        ]
+        raise ConfigError(f"unknown setting(s) {', '.join(hints)}; the settings are: {', '.join(KNOWN_KEYS)}")
 
 
 def _int(key: str, text: str, low: int, high: int | None = None) -> int:
@@ -114,8 +126,20 @@ class StateConf:
 
     @classmethod
     def from_mapping(cls, conf: Mapping[str, str], **defaults) -> "StateConf":
-        """``parse`` over a plain dict (tests, scripts)."""
-        unknown = [k for k in conf if k.startswith(PREFIX) and k not in KNOWN_KEYS]
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {unknown}; known: {', '.join(KNOWN_KEYS)}")
+        """``parse`` over a plain dict (tests, scripts); unknown ``spark.state.*`` keys are refused."""
+        check_known(conf)
         return cls.parse(conf.get, **defaults)
+
+    @classmethod
+    def from_session(cls, session: Any, *, default_store: str | Callable[[], str]) -> "StateConf":
+        """``parse`` over a Spark session's conf; unknown ``spark.state.*`` keys are refused.
+
+        The parallelism defaults to ``spark.sql.shuffle.partitions``.
+        """
+        conf = session.conf
+        check_known(conf.getAll)
+        return cls.parse(
+            lambda key: conf.get(key, None),
+            default_store=default_store,
+            default_parallelism=int(conf.get("spark.sql.shuffle.partitions", "200")),
+        )

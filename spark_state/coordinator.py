@@ -28,23 +28,39 @@ another query's                                fresh on base ``L`` only if every
 ``checkpointLocation``). Offsets are compared as parsed JSON values; a source
 the state never recorded cannot be counted twice and is not compared. Every
 refusal happens before any task runs, so nothing is written or committed.
+
+``Coordinator`` runs the driver's part of a batch around that decision:
+``begin`` (the plan, and the component's compatibility with its base),
+``commit`` (one report from every instance, then steps 3-4 of the commit
+protocol in ``manifestlog``) and ``cleanup`` (step 5).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from spark_state.errors import (
     CheckpointError,
+    KeyGroupOwnershipError,
     NoCheckpointError,
     StateBehindQueryError,
     StateMissingError,
     StateOfAnotherQueryError,
     StateQueryMismatchError,
 )
-from spark_state.manifest import Manifest, QueryBinding
+from spark_state.manifest import (
+    BlobRef,
+    ComponentSpec,
+    ItemsRef,
+    Manifest,
+    QueryBinding,
+    check_compatible,
+    next_manifest,
+)
+from spark_state.manifestlog import CheckpointExistsError, ManifestLog
 
 UNKNOWN = object()
 """A start offset that could not be determined (as opposed to None: the source's beginning)."""
@@ -230,3 +246,79 @@ def _check_same_offsets(committed: Manifest, batch: SparkBatch, store: str) -> N
                 f"{_show(now)} for source {source_id}, but state checkpoint {committed.checkpoint_id} in {store} "
                 f"committed it with {_show(recorded)}; Spark's offsets log was changed behind the query's back"
             )
+
+
+@dataclass(frozen=True)
+class InstanceReport:
+    """What one instance reports after its task: what it wrote, and what it cost (``info``, free-form)."""
+
+    instance: int
+    blob: BlobRef | None
+    items: ItemsRef | None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            **self.info,
+            "instance": self.instance,
+            "blob": self.blob.to_json() if self.blob is not None else None,
+            "items": self.items.to_json() if self.items is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "InstanceReport":
+        info = {k: v for k, v in obj.items() if k not in ("instance", "blob", "items")}
+        blob = BlobRef.from_json(obj["blob"]) if obj.get("blob") else None
+        items = ItemsRef.from_json(obj["items"]) if obj.get("items") else None
+        return cls(obj["instance"], blob, items, info)
+
+
+def check_reports(reports: Sequence[InstanceReport], parallelism: int) -> None:
+    """Exactly one report from each instance ``0 <= i < parallelism``, else nothing may be committed."""
+    seen = sorted(report.instance for report in reports)
+    if seen != list(range(parallelism)):
+        raise KeyGroupOwnershipError(
+            f"expected one report from each of {parallelism} instances, got {seen}; not committing"
+        )
+
+
+class Coordinator:
+    """The driver's part of every micro-batch around ``plan_batch``, for one state store."""
+
+    def __init__(self, manifests: ManifestLog, *, store: str):
+        self.manifests = manifests
+        self.store = store
+
+    def begin(self, batch: SparkBatch, spec: ComponentSpec) -> BatchPlan:
+        """Decide how to run ``batch`` and check that ``spec`` can continue its base's state."""
+        plan = plan_batch(self.manifests.latest(), self.manifests.load, batch, store=self.store)
+        if plan.base is not None and spec.name in plan.base.components:
+            check_compatible(plan.base.components[spec.name], spec)
+        return plan
+
+    def commit(self, plan: BatchPlan, batch: SparkBatch, spec: ComponentSpec,
+               reports: Sequence[InstanceReport]) -> Manifest | None:
+        """Commit ``plan``'s checkpoint from the instances' reports (steps 3-4); None for a replayed batch."""
+        check_reports(reports, spec.parallelism)
+        if plan.replayed:
+            return None
+        manifest = next_manifest(
+            plan.base,
+            plan.checkpoint_id,
+            {spec.name: (spec, [r.blob for r in reports if r.blob is not None],
+                         {r.instance: r.items for r in reports if r.items is not None})},
+            batch.end,
+            binding=batch.binding(),
+            committed_at=time.time(),
+        )
+        try:
+            return self.manifests.commit(manifest)
+        except CheckpointExistsError as exc:
+            raise CheckpointError(
+                f"checkpoint {plan.checkpoint_id} was committed by another query writing to the same state "
+                f"store {self.store}; give each query its own spark.state.store"
+            ) from exc
+
+    def cleanup(self, manifest: Manifest) -> list[str]:
+        """Step 5: delete what no retained checkpoint needs."""
+        return self.manifests.cleanup(manifest)

@@ -12,11 +12,13 @@ A manifest is the single source of truth for a checkpoint. It records:
   against Spark's own checkpoint before every batch;
 - per component: ``max_parallelism`` (the key space, fixed for the whole
   chain), the ``parallelism`` that wrote this checkpoint, hash and format
-  versions, key columns, the blob schema, every blob still referenced (path,
-  writer instance, key-group range, size, CRC-32, entry index), and for every
-  key group with state its *chain*: the blobs holding its entries, oldest
-  first. A chain starts with a ``full`` entry followed by ``delta`` entries;
-  a key group without a chain has no state.
+  versions, key columns, the state schema (``schema.KeyedSchema``: key columns
+  and state variables), every blob still referenced (path, writer instance,
+  key-group range, size, CRC-32, entry index), for every key group with state
+  its *chain*: the blobs holding its entries, oldest first, and each
+  instance's non-keyed *instance items* (path, size, CRC-32). A chain starts
+  with a ``full`` entry followed by ``delta`` entries; a key group without a
+  chain has no state.
 
 Everything here is pure: no I/O. ``next_component`` derives a component's
 manifest from the previous one plus the blobs written for the new checkpoint,
@@ -32,11 +34,13 @@ from spark_state.blob import FORMAT_VERSION, BlobIndex
 from spark_state.commitlog import decode_record, encode_record
 from spark_state.errors import (
     CheckpointError,
+    ConfigError,
     CorruptBlobError,
     IncompatibleCheckpointError,
     KeyGroupOwnershipError,
 )
 from spark_state.keygroups import HASH_VERSION, KeyGroupRange, key_group_range
+from spark_state.schema import KeyedSchema
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,33 @@ class BlobRef:
 
 
 @dataclass(frozen=True)
+class ItemsRef:
+    """A written instance-items file: where it is, its size and CRC-32 (checked when read)."""
+
+    path: str
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "crc32": self.crc32}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ItemsRef":
+        return cls(obj["path"], obj["size"], obj["crc32"])
+
+
+@dataclass(frozen=True)
 class ComponentSpec:
     """What the running job declares for a component at a checkpoint."""
 
     name: str
     max_parallelism: int
     parallelism: int
-    key_columns: tuple[str, ...]
-    schema: str  # base64 IPC schema of the blob batches (see blob.serialize_schema)
+    schema: KeyedSchema
+
+    @property
+    def key_columns(self) -> tuple[str, ...]:
+        return self.schema.key_columns
 
 
 @dataclass(frozen=True)
@@ -95,12 +118,17 @@ class ComponentManifest:
     max_parallelism: int
     parallelism: int
     key_columns: tuple[str, ...]
-    schema: str
+    schema: str  # KeyedSchema.serialize()
     blobs: Mapping[str, BlobRef]
     chains: Mapping[int, tuple[str, ...]]
     hash_version: int = HASH_VERSION
     format_version: int = FORMAT_VERSION
-    instance_state: Mapping[int, str] = field(default_factory=dict)
+    instance_items: Mapping[int, ItemsRef] = field(default_factory=dict)
+
+    @property
+    def keyed_schema(self) -> KeyedSchema:
+        """The state schema (key columns and state variables) the blobs were written with."""
+        return KeyedSchema.deserialize(self.schema, self.key_columns)
 
     def chain_length(self, key_group: int) -> int:
         """Number of entries a restore of ``key_group`` reads (0 if it has no state)."""
@@ -122,7 +150,7 @@ class ComponentManifest:
                 "key_group": groups,
                 "blobs": [[position[p] for p in self.chains[g]] for g in groups],
             },
-            "instance_state": {str(i): p for i, p in sorted(self.instance_state.items())},
+            "instance_items": {str(i): ref.to_json() for i, ref in sorted(self.instance_items.items())},
         }
 
     @classmethod
@@ -142,7 +170,7 @@ class ComponentManifest:
             chains=chains,
             hash_version=obj["hash_version"],
             format_version=obj["format_version"],
-            instance_state={int(i): p for i, p in obj.get("instance_state", {}).items()},
+            instance_items={int(i): ItemsRef.from_json(ref) for i, ref in obj["instance_items"].items()},
         )
 
 
@@ -231,6 +259,12 @@ class Manifest:
                 f"{where} has format version {body['format_version']}, this spark-state reads "
                 f"up to {FORMAT_VERSION}; upgrade spark-state"
             )
+        if version < FORMAT_VERSION:
+            raise IncompatibleCheckpointError(
+                f"{where} has format version {version} (spark-state 0.1, flat value columns); this spark-state "
+                f"reads format {FORMAT_VERSION} (one struct column per state variable). Finish the query with "
+                "the spark-state version that wrote it, or start this one on a new spark.state.store"
+            )
         try:
             sources = dict(body["sources"])
             binding = _binding_from_body(body, sources)
@@ -256,6 +290,23 @@ def _binding_from_body(body: dict, sources: dict) -> QueryBinding | None:
     return None
 
 
+def check_component_name(component: str) -> str:
+    """Return ``component`` if it can name a directory of the store, else raise ``ConfigError``."""
+    if (
+        not isinstance(component, str)
+        or not component
+        or "/" in component
+        or "\\" in component
+        or component.startswith(".")
+        or component != component.strip()
+    ):
+        raise ConfigError(
+            f"component name {component!r} is invalid: use a non-empty name without '/', '\\', "
+            "surrounding spaces or a leading '.'"
+        )
+    return component
+
+
 def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
     """Raise ``IncompatibleCheckpointError`` if ``spec`` cannot continue ``previous``'s chain.
 
@@ -275,13 +326,13 @@ def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
             f"checkpoints use key hash version {previous.hash_version}, this spark-state uses "
             f"{HASH_VERSION}; restore with the spark-state version that wrote them"
         )
-    if tuple(spec.key_columns) != tuple(previous.key_columns):
+    if spec.key_columns != tuple(previous.key_columns):
         problems.append(
             f"key columns are {list(spec.key_columns)} but the checkpoints are keyed by "
             f"{list(previous.key_columns)}; restore with the original key columns, or start a new "
             "state store location"
         )
-    if spec.schema != previous.schema:
+    if spec.schema.serialize() != previous.schema:
         problems.append(
             "the state schema differs from the one in the checkpoints (schema evolution is not supported); "
             "restore with the original state schema, or start a new state store location"
@@ -295,7 +346,7 @@ def next_component(
     spec: ComponentSpec,
     checkpoint_id: int,
     new_blobs: Sequence[BlobRef],
-    instance_state: Mapping[int, str] | None = None,
+    instance_items: Mapping[int, ItemsRef] | None = None,
 ) -> ComponentManifest:
     """Derive a component's manifest for ``checkpoint_id`` from the previous one and the new blobs.
 
@@ -325,37 +376,36 @@ def next_component(
                 )
     chains = {g: chain for g, chain in chains.items() if chain}
     referenced = {path for chain in chains.values() for path in chain}
-    state = _next_instance_state(previous, spec, instance_state or {})
     return ComponentManifest(
         name=spec.name,
         max_parallelism=spec.max_parallelism,
         parallelism=spec.parallelism,
-        key_columns=tuple(spec.key_columns),
-        schema=spec.schema,
+        key_columns=spec.key_columns,
+        schema=spec.schema.serialize(),
         blobs={p: b for p, b in blobs.items() if p in referenced},
         chains=chains,
-        instance_state=state,
+        instance_items=_next_instance_items(previous, spec, instance_items or {}),
     )
 
 
-def _next_instance_state(
-    previous: ComponentManifest | None, spec: ComponentSpec, written: Mapping[int, str]
-) -> dict[int, str]:
-    """Per-instance (non-keyed) state paths: the previous ones updated with the newly written ones.
+def _next_instance_items(
+    previous: ComponentManifest | None, spec: ComponentSpec, written: Mapping[int, ItemsRef]
+) -> dict[int, ItemsRef]:
+    """Per-instance items: the previous ones updated with the newly written ones.
 
-    Paths are indexed by instance, so after a parallelism change only the
-    paths written at the new parallelism count: every new instance that holds
-    items after redistribution writes them in its first checkpoint.
+    They are indexed by instance, so after a parallelism change only those
+    written at the new parallelism count: every new instance that holds items
+    after redistribution writes them in its first checkpoint.
     """
     for instance in written:
         if not 0 <= instance < spec.parallelism:
             raise KeyGroupOwnershipError(
-                f"instance state written by instance {instance}, outside parallelism {spec.parallelism}"
+                f"instance items written by instance {instance}, outside parallelism {spec.parallelism}"
             )
     keep = previous is not None and previous.parallelism == spec.parallelism
-    state = dict(previous.instance_state) if keep else {}
-    state.update(written)
-    return state
+    items = dict(previous.instance_items) if keep else {}
+    items.update(written)
+    return items
 
 
 def _check_blob(blob: BlobRef, spec: ComponentSpec, checkpoint_id: int, seen: set[int]) -> None:
@@ -378,6 +428,30 @@ def _check_blob(blob: BlobRef, spec: ComponentSpec, checkpoint_id: int, seen: se
             raise KeyGroupOwnershipError(
                 f"blob {blob.path} holds key group {entry.key_group}, outside its range {owned}"
             )
+
+
+def next_manifest(
+    previous: Manifest | None,
+    checkpoint_id: int,
+    written: Mapping[str, tuple[ComponentSpec, Sequence[BlobRef], Mapping[int, ItemsRef]]],
+    sources: Mapping[str, Any],
+    *,
+    binding: QueryBinding | None = None,
+    committed_at: float = 0.0,
+) -> Manifest:
+    """Manifest ``checkpoint_id`` derived from ``previous`` (the base) and what was written for it.
+
+    ``written`` maps each component to its spec, the blobs and the instance
+    items written for this checkpoint (``next_component``); components of
+    ``previous`` not named carry over unchanged. ``sources`` are the batch's
+    end offsets. ``consistent_checkpoints`` is set when it is committed
+    (``with_retention``).
+    """
+    components = dict(previous.components) if previous is not None else {}
+    for name, (spec, blobs, items) in written.items():
+        check_component_name(name)
+        components[name] = next_component(components.get(name), spec, checkpoint_id, blobs, items)
+    return Manifest(checkpoint_id, (), dict(sources), components, committed_at, binding)
 
 
 def with_retention(manifest: Manifest, previous: Manifest | None, retained: int) -> Manifest:

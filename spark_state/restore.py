@@ -9,8 +9,13 @@ in the file (always the case for a contiguous key-group range of a blob
 written as one instance's snapshot) coalesce into one read, so an instance
 reads only the key groups it owns, whatever the old parallelism was.
 
-``apply_chain`` turns the decoded entries of one key group (oldest first)
-into its current rows. Both are pure; the I/O lives in ``checkpoint.py``.
+The rule that turns a key group's chain of entries (oldest first) into its
+state, "a key's last occurrence wins, a tombstone deletes it", is here in its
+two forms: ``fold_chain`` over Arrow batches (bulk: counting, reading state
+out) and ``apply_entries`` row by row onto a key group's per-variable dicts
+(resident state: full chains and catch-up deltas alike; at a few hundred keys
+per key group it is about 4x faster than the Arrow kernels). Everything here
+is pure; the reads are ``blobstore.BlobStore.fetch``.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from typing import Mapping, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from spark_state.blob import DELETED_COLUMN, BlobEntry
+from spark_state.blob import BlobEntry
+from spark_state.errors import CheckpointError, CorruptBlobError
 from spark_state.keygroups import KeyGroupRange, check_parallelism, key_group_range
 from spark_state.manifest import ComponentManifest
+from spark_state.schema import DELETED_COLUMN, Key, KeyedSchema, Value
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,10 @@ def plan_instance_restore(
         for path in target[start:]:
             entry = component.blobs[path].index.entry_for(key_group)
             if entry is None:
-                raise KeyError(f"manifest chain of key group {key_group} names {path}, which has no entry for it")
+                raise CorruptBlobError(
+                    f"the manifest's chain of key group {key_group} names {path}, whose index has no entry for "
+                    "it; the manifest is damaged: restore it, or start from an earlier checkpoint"
+                )
             links.append((path, entry))
             per_blob.setdefault(path, []).append(entry)
         chains[key_group] = tuple(links)
@@ -159,19 +169,24 @@ def _read_of(path: str, entries: list[BlobEntry]) -> RangeRead:
     return RangeRead(path, start, end - start, tuple(entries))
 
 
-def apply_chain(
-    batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Sequence[str]
-) -> pa.Table:
-    """Fold one key group's entries (oldest first) into its live rows, without ``_deleted``.
+def check_chain(kinds: Sequence[str], what: str) -> None:
+    """Refuse a chain that is empty or does not start with a ``full`` entry (``what`` names it)."""
+    if not kinds:
+        raise CheckpointError(f"{what}: a chain has at least one entry")
+    if kinds[0] != "full":
+        raise CorruptBlobError(
+            f"{what}: a chain must start with a full entry, not {kinds[0]!r}; the manifest is damaged: "
+            "restore it, or start from an earlier checkpoint"
+        )
 
-    The first entry must be ``full``. A key's last occurrence wins; a last
-    occurrence with ``_deleted = true`` removes the key. Rows keep the order
-    of their last occurrence.
+
+def fold_chain(batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Sequence[str]) -> pa.Table:
+    """Fold one key group's entries (oldest first, the first ``full``) into its live rows, without ``_deleted``.
+
+    A key's last occurrence wins; a last occurrence with ``_deleted = true``
+    removes the key. Rows keep the order of their last occurrence.
     """
-    if not batches:
-        raise ValueError("a chain has at least one entry")
-    if batches[0][0] != "full":
-        raise ValueError(f"a chain must start with a full entry, not {batches[0][0]!r}")
+    check_chain([kind for kind, _ in batches], "fold_chain")
     table = pa.Table.from_batches([b for _, b in batches])
     if len(batches) > 1:
         position = pa.array(range(table.num_rows), pa.int64())
@@ -185,3 +200,34 @@ def apply_chain(
         table = table.take(pc.take(last, pc.sort_indices(last)))
     live = table.filter(pc.invert(table.column(DELETED_COLUMN)))
     return live.drop_columns([DELETED_COLUMN])
+
+
+def apply_entries(
+    groups: Sequence[dict[Key, Value]],
+    batches: Sequence[tuple[str, pa.RecordBatch]],
+    schema: KeyedSchema,
+    *,
+    whole_chain: bool,
+) -> None:
+    """Apply one key group's entries (oldest first) to its dicts, one per state variable, in place.
+
+    The row-by-row form of ``fold_chain``'s rule: a key's last occurrence
+    wins (and moves to the end, so keys keep the order of their last
+    occurrence); a tombstone removes the key from every variable; a null
+    variable removes the key from that variable. ``whole_chain`` says that
+    ``batches`` is a whole chain (it must then start with a ``full`` entry
+    and ``groups`` must be empty); otherwise they are deltas applied on top.
+    """
+    if whole_chain:
+        check_chain([kind for kind, _ in batches], "apply_entries")
+    for _, batch in batches:
+        keys, values, deleted = schema.columns_to_rows(batch)
+        if not any(groups) and not any(deleted) and all(None not in column for column in values):
+            for group, column in zip(groups, values):
+                group.update(zip(keys, column))  # an entry holds each key at most once
+            continue
+        for row, key in enumerate(keys):
+            for group, column in zip(groups, values):
+                group.pop(key, None)
+                if not deleted[row] and column[row] is not None:
+                    group[key] = column[row]

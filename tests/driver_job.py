@@ -31,7 +31,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from spark_state import keyed
-    from spark_state.streaming import MicroBatch
+    from spark_state.microbatch import MicroBatch
 
     if args.die_at:
         stage, batch = args.die_at.split(":")

@@ -15,17 +15,22 @@ from spark_state.blob import (
     FORMAT_VERSION,
     BlobEntry,
     BlobIndex,
-    blob_schema,
     decode_entry,
-    deserialize_schema,
     encode_blob,
     read_blob_file,
-    serialize_schema,
 )
 from spark_state.errors import ConfigError, CorruptBlobError
 from spark_state.keygroups import HASH_VERSION, KeyGroupRange
 
 # --------------------------------------------------------------------------- fixtures
+#
+# The blob format takes any schema ending in ``_deleted``; these tests use flat ones (a component's real
+# blob schema, with one struct column per state variable, is ``schema.KeyedSchema.blob_schema``).
+
+
+def blob_schema(state_schema: pa.Schema) -> pa.Schema:
+    return state_schema.append(pa.field(DELETED_COLUMN, pa.bool_(), nullable=False))
+
 
 INT_KEY = pa.schema([("id", pa.int64()), ("count", pa.int64())])
 STRING_KEY = pa.schema([("name", pa.string()), ("score", pa.float64())])
@@ -99,38 +104,6 @@ def encoded(request):
     entries = _sample_entries(state_schema, make)
     data, index = _encode(state_schema, entries)
     return state_schema, entries, data, index
-
-
-# --------------------------------------------------------------------------- blob_schema
-
-
-def test_blob_schema_appends_non_nullable_deleted_column_and_drops_metadata():
-    schema = INT_KEY.with_metadata({"pandas": "{}"})
-    result = blob_schema(schema)
-    assert result.names == ["id", "count", DELETED_COLUMN]
-    assert result.field(DELETED_COLUMN).type == pa.bool_()
-    assert not result.field(DELETED_COLUMN).nullable
-    assert result.metadata is None
-
-
-def test_blob_schema_rejects_a_deleted_column():
-    with pytest.raises(ConfigError, match="_deleted.*rename"):
-        blob_schema(pa.schema([("k", pa.int64()), (DELETED_COLUMN, pa.bool_())]))
-
-
-@pytest.mark.parametrize("position", [0, 1])
-def test_blob_schema_rejects_dictionary_types(position):
-    fields = [pa.field("k", pa.int64()), pa.field("v", pa.int64())]
-    fields[position] = pa.field(fields[position].name, pa.dictionary(pa.int32(), pa.string()))
-    with pytest.raises(ConfigError, match=f"{fields[position].name!r} is dictionary-encoded"):
-        blob_schema(pa.schema(fields))
-
-
-def test_schema_serialization_roundtrip():
-    schema = blob_schema(COMPOSITE_KEY)
-    text = serialize_schema(schema)
-    assert text.isascii()
-    assert deserialize_schema(text).equals(schema, check_metadata=True)
 
 
 # --------------------------------------------------------------------------- encode/decode

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_state.checkpoint import open_checkpoint_store
+from spark_state.manifestlog import open_manifest_log
 from spark_state.restore import plan_restore
 from tests.cluster import Driver, StandaloneCluster
 
@@ -96,7 +96,7 @@ class ClusterJob:
 
     def restore_bytes(self, parallelism: int) -> dict[int, int]:
         """Per instance at ``parallelism``: the bytes its restore plan reads from the latest checkpoint."""
-        component = open_checkpoint_store(str(self.store)).latest().components[COMPONENT]
+        component = open_manifest_log(str(self.store)).latest().components[COMPONENT]
         return {plan.instance: plan.bytes_to_read for plan in plan_restore(component, parallelism)}
 
 

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_state import keyed
-from spark_state.checkpoint import open_checkpoint_store
+from spark_state.manifestlog import open_manifest_log
 from spark_state.errors import ConfigError, StateBehindQueryError
-from spark_state.streaming import MicroBatch
+from spark_state.microbatch import MicroBatch
 
 pytestmark = pytest.mark.spark
 
@@ -155,7 +155,7 @@ def test_rescale_3_5_1_8_with_faults_gives_exact_output(spark, tmp_path, monkeyp
     assert job.outputs == job.expected()
 
     # The final state equals the model, read back from the store at yet another parallelism.
-    manifest = open_checkpoint_store(str(tmp_path / "state")).latest()
+    manifest = open_manifest_log(str(tmp_path / "state")).latest()
     assert manifest.components["clicks"].parallelism == 8
     totals = Counter(user for rows in job.files for user, _ in rows)
     assert _state_counts(tmp_path / "state", "clicks", parallelism=3) == dict(totals)
@@ -175,8 +175,8 @@ def test_driver_failure_before_commit_replays_batch_exactly(spark, tmp_path, mon
     monkeypatch.setattr(MicroBatch, "_fault", crash)
     with pytest.raises(Exception, match="injected driver failure"):
         job.run(2)
-    store = open_checkpoint_store(str(tmp_path / "state"))
-    assert [store.load(i).binding.batch_id for i in store.committed_ids()] == [0]
+    store = open_manifest_log(str(tmp_path / "state"))
+    assert [store.load(i).binding.batch_id for i in store.ids()] == [0]
     monkeypatch.undo()
     job.run(3)
     assert job.outputs == job.expected()
@@ -244,16 +244,16 @@ def test_sum_and_arrow_apply(spark, tmp_path):
 
 
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
-    from spark_state.keyed_state import StateLayout, restore_instance
+    from spark_state.blobstore import BlobStore
+    from spark_state.resident import restore_instance
 
-    store = open_checkpoint_store(str(store_path))
-    manifest = store.latest()
-    comp = manifest.components[component]
-    layout = StateLayout(pa.schema([("user", pa.string()), ("count", pa.int64())]), ("user",))
+    manifests = open_manifest_log(str(store_path))
+    comp = manifests.latest().components[component]
     result = {}
     for i in range(parallelism):
-        state, _, _ = restore_instance(store, comp, layout, i, parallelism, comp.max_parallelism)
-        result.update({key[0]: value[0] for _, key, value in state.items()})
+        state, _ = restore_instance(BlobStore(manifests.storage), comp, comp.keyed_schema, i, parallelism,
+                                    comp.max_parallelism)
+        result.update({key[0]: value[0] for _, key, value in state.table.items()})
     return result
 
 
@@ -271,7 +271,7 @@ def _first_seen_fn(k):
 
     def count(key, rows, state):
         if not state.exists:
-            state.instance.append(key[0])
+            state.instance_items.append(key[0])
         total = (state.get()[0] if state.exists else 0) + len(rows)
         state.update((total,))
         return [{"user": key[0], "count": total}]
@@ -287,13 +287,13 @@ def test_instance_items_survive_rescales_without_loss_or_duplication(spark, tmp_
         job.add_batch(300, keys=60 + 30 * salt, salt=salt)
         job.run(parallelism, _first_seen_fn)
         assert job.outputs == job.expected()
-        store = open_checkpoint_store(str(tmp_path / "state"))
+        store = open_manifest_log(str(tmp_path / "state"))
         component = store.latest().components["clicks"]
         assert component.parallelism == parallelism
         items = [
             item
-            for i in sorted(component.instance_state)
-            for item in json.loads(store.storage.read(component.instance_state[i]))
+            for i in sorted(component.instance_items)
+            for item in json.loads(store.storage.read(component.instance_items[i].path))
         ]
         seen = {user for rows in job.files for user, _ in rows}
         assert sorted(items) == sorted(seen)
@@ -338,7 +338,7 @@ def test_new_query_resumes_from_state_checkpoint_and_its_source_offsets(spark, t
     first = [f"u{i % 13}" for i in range(300)]
     append(first)
     run(str(tmp_path / "chk-a"), 2)
-    recorded = open_checkpoint_store(store).latest().sources[log_source_id(log)]
+    recorded = open_manifest_log(store).latest().sources[log_source_id(log)]
     assert sum(v for k, v in recorded.items() if k != "source_id") == 300
 
     second = [f"u{i % 17}" for i in range(200)]
@@ -375,7 +375,7 @@ def test_state_store_on_hdfs_rescales_with_exact_output(spark, tmp_path):
             r for r in server.requests if r.op == "OPEN" and "/blobs/" in r.path and "offset" in r.params
         ]
         assert ranged_blob_reads, "the restore at parallelism 3 must read blob ranges over WebHDFS"
-        manifest = open_checkpoint_store(store).latest()
+        manifest = open_manifest_log(store).latest()
         assert manifest.components["clicks"].parallelism == 3
         assert os.path.isdir(server.local_path("/jobs/clicks-state/checkpoints"))
 
@@ -402,8 +402,8 @@ def test_a_lost_state_record_stops_the_query_and_restoring_it_recovers(spark, tm
     for salt in range(3):
         job.add_batch(200, keys=30, salt=salt)
     job.run(2)
-    store = open_checkpoint_store(str(tmp_path / "state"))
-    committed = store.committed_ids()
+    store = open_manifest_log(str(tmp_path / "state"))
+    committed = store.ids()
     record = tmp_path / "state" / "checkpoints" / f"{committed[-1]:020d}.json"
     kept = record.read_bytes()
     record.unlink()  # the newest record is lost; older ones remain
@@ -411,7 +411,7 @@ def test_a_lost_state_record_stops_the_query_and_restoring_it_recovers(spark, tm
     with pytest.raises(StateBehindQueryError, match="micro-batches 2..2 are missing"):
         job.run(2)
     assert sorted(job.outputs) == [0, 1, 2]
-    assert open_checkpoint_store(str(tmp_path / "state")).committed_ids() == committed[:-1]
+    assert open_manifest_log(str(tmp_path / "state")).ids() == committed[:-1]
     record.write_bytes(kept)  # the documented recovery: restore the record
     job.run(3)
     assert job.outputs == job.expected()
@@ -423,13 +423,13 @@ def test_a_new_checkpoint_location_on_a_store_with_state_is_refused(spark, tmp_p
     job.add_batch(200, keys=30, salt=1)
     job.run(2)
     before = dict(job.outputs)
-    committed = open_checkpoint_store(str(tmp_path / "state")).committed_ids()
+    committed = open_manifest_log(str(tmp_path / "state")).ids()
     # A new checkpointLocation makes Spark read the files from the start: the state would count them twice.
     with pytest.raises(Exception, match="StateOfAnotherQueryError") as error:
         job.run(2, checkpoint=tmp_path / "chk-new")
     assert "the source's beginning" in str(error.value) and "does not continue it" in str(error.value)
     assert job.outputs == before
-    assert open_checkpoint_store(str(tmp_path / "state")).committed_ids() == committed
+    assert open_manifest_log(str(tmp_path / "state")).ids() == committed
 
 
 def test_replayable_sink_appends_each_batch_once_across_a_replay(spark, tmp_path, monkeypatch):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-import types
 import uuid
 
 import pyarrow as pa
@@ -467,10 +465,8 @@ def memory_log():
 @pytest.fixture
 def fake_checkpoints(monkeypatch):
     calls = {"latest": None, "retained": []}
-    module = types.ModuleType("spark_state.checkpoint")
-    module.latest_source_offsets = lambda uri, source_id: calls["latest"]
-    module.retained_source_offsets = lambda uri, source_id: calls["retained"]
-    monkeypatch.setitem(sys.modules, "spark_state.checkpoint", module)
+    monkeypatch.setattr("spark_state.manifestlog.latest_source_offsets", lambda uri, source_id: calls["latest"])
+    monkeypatch.setattr("spark_state.manifestlog.retained_source_offsets", lambda uri, source_id: calls["retained"])
     return calls
 
 

@@ -1,8 +1,8 @@
-"""Tests of spark_state.restore: the pure restore plan and ``apply_chain`` (no Spark, no storage).
+"""Tests of spark_state.restore: the pure restore plan and the fold of chains (no Spark, no storage).
 
 Manifests are built two ways: synthetically (one ``BlobRef`` per old instance
 with a made-up index, fed through ``manifest.next_component``) for exhaustive
-sweeps over small key spaces, and from real ``InstanceState.snapshot`` blobs
+sweeps over small key spaces, and from real ``ResidentState.snapshot`` blobs
 over several checkpoints and a rescale, decoded through the plan and compared
 with a dict model.
 """
@@ -16,14 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.blob import DELETED_COLUMN, BlobEntry, BlobIndex, decode_entry, deserialize_schema, encode_blob
-from spark_state.errors import CheckpointError, InvalidParallelismError
+from spark_state.blob import BlobEntry, BlobIndex, decode_entry, encode_blob
+from spark_state.errors import CheckpointError, CorruptBlobError, InvalidParallelismError
 from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_range
-from spark_state.keyed_state import InstanceState, StateLayout
-from spark_state.manifest import BlobRef, ComponentManifest, next_component
-from spark_state.restore import InstanceRestorePlan, apply_chain, plan_instance_restore, plan_restore
+from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, next_component
+from spark_state.resident import ResidentState
+from spark_state.restore import InstanceRestorePlan, apply_entries, fold_chain, plan_instance_restore, plan_restore
+from spark_state.schema import KeyedSchema, StateVariable
 
-LAYOUT = StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64())]), ("key",))
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 HEADER = 600  # synthetic blobs: bytes before the first entry
 
 
@@ -51,7 +52,7 @@ def _synthetic_blob(checkpoint_id: int, instance: int, owned: KeyGroupRange, wit
 
 
 def _single_snapshot(max_parallelism: int, parallelism: int, with_state: set[int]) -> ComponentManifest:
-    spec = LAYOUT.spec("c", parallelism, max_parallelism)
+    spec = ComponentSpec("c", max_parallelism, parallelism, SCHEMA)
     blobs = []
     for i in range(parallelism):
         owned = key_group_range(i, parallelism, max_parallelism)
@@ -170,7 +171,7 @@ def test_max_gap_merges_reads_and_costs_exactly_the_gaps(gaps, max_gap):
     m = len(gaps)
     owned = KeyGroupRange(0, m - 1)
     blob = _synthetic_blob(1, 0, owned, range(m), gaps=dict(enumerate(gaps)))
-    component = next_component(None, LAYOUT.spec("c", 1, m), 1, [blob])
+    component = next_component(None, ComponentSpec("c", m, 1, SCHEMA), 1, [blob])
     plan = plan_instance_restore(component, 0, 1, max_gap_bytes=max_gap)
     inner = gaps[1:]  # the gap before the first entry is never read
     assert plan.bytes_owned == sum(_entry_length(g) for g in range(m))
@@ -185,7 +186,7 @@ def test_max_gap_merges_reads_and_costs_exactly_the_gaps(gaps, max_gap):
 def test_gap_from_a_superseded_entry_is_bridged_only_when_allowed():
     """Key group 2 got a new full entry in checkpoint 2: checkpoint 1's blob now has a hole."""
     m = 4
-    spec = LAYOUT.spec("c", 1, m)
+    spec = ComponentSpec("c", m, 1, SCHEMA)
     first = _synthetic_blob(1, 0, KeyGroupRange(0, 3), [1, 2, 3])
     second = _synthetic_blob(2, 0, KeyGroupRange(0, 3), [2])
     component = next_component(next_component(None, spec, 1, [first]), spec, 2, [second])
@@ -221,24 +222,24 @@ class _Job:
         self.p = parallelism
         self.instances = []
         for i in range(parallelism):
-            state = InstanceState(LAYOUT, key_group_range(i, parallelism, self.m))
+            state = ResidentState(SCHEMA, key_group_range(i, parallelism, self.m))
             for g in state.key_group_range:
                 if g in self.model and self.component is not None:
-                    rows = pa.table(
-                        {"key": list(self.model[g]), "value": list(self.model[g].values())}, schema=LAYOUT.schema
-                    )
-                    state.load(g, rows, self.component.chains.get(g, ()))
+                    for key, value in self.model[g].items():
+                        state.table.put(g, (key,), (value,))
+                    state.chains.set(g, self.component.chains.get(g, ()))
+            state.table.take_changes()  # loaded, not changed
             self.instances.append(state)
 
     def rescale(self, parallelism: int) -> None:
         self._start(parallelism)
 
     def put(self, g: int, key: str, value: int) -> None:
-        self.instances[instance_for_key_group(g, self.p, self.m)].put(g, (key,), (value,))
+        self.instances[instance_for_key_group(g, self.p, self.m)].table.put(g, (key,), (value,))
         self.model.setdefault(g, {})[key] = value
 
     def delete(self, g: int, key: str) -> None:
-        self.instances[instance_for_key_group(g, self.p, self.m)].delete(g, (key,))
+        self.instances[instance_for_key_group(g, self.p, self.m)].table.delete(g, (key,))
         self.model.get(g, {}).pop(key, None)
         if g in self.model and not self.model[g]:
             del self.model[g]
@@ -252,21 +253,22 @@ class _Job:
             if not entries:
                 continue
             data, index = encode_blob(
-                LAYOUT.blob_schema, entries, key_group_range=state.key_group_range, metadata={}
+                SCHEMA.blob_schema, entries, key_group_range=state.key_group_range, metadata={}
             )
             path = f"blobs/c/{checkpoint_id:020d}/{i:05d}.arrow"
+            state.chains.record(path)
             self.files[path] = data
             blobs.append(BlobRef(path, checkpoint_id, i, state.key_group_range, len(data), zlib.crc32(data), index))
             for g, kind, _ in entries:
                 written[g] = kind
-        self.component = next_component(self.component, LAYOUT.spec("c", self.p, self.m), checkpoint_id, blobs)
+        self.component = next_component(self.component, ComponentSpec("c", self.m, self.p, SCHEMA), checkpoint_id, blobs)
         self.history.append((checkpoint_id, self.component, {g: dict(kv) for g, kv in self.model.items()}))
         return written
 
 
 def _fetch(files: dict[str, bytes], component: ComponentManifest, plan: InstanceRestorePlan) -> dict[int, dict]:
     """Execute a plan against in-memory files: only the planned byte ranges are sliced."""
-    schema = deserialize_schema(component.schema)
+    schema = component.keyed_schema.blob_schema
     decoded = {}
     for read in plan.reads:
         data = files[read.path][read.offset : read.offset + read.length]
@@ -276,8 +278,9 @@ def _fetch(files: dict[str, bytes], component: ComponentManifest, plan: Instance
             decoded[(read.path, entry.key_group)] = decode_entry(data[start : start + entry.length], schema, entry)
     result = {}
     for g, links in plan.chains.items():
-        table = apply_chain([(entry.kind, decoded[(path, g)]) for path, entry in links], component.key_columns)
-        result[g] = dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
+        groups = [{}]
+        apply_entries(groups, [(entry.kind, decoded[(path, g)]) for path, entry in links], SCHEMA, whole_chain=True)
+        result[g] = {key[0]: value[0] for key, value in groups[0].items()}
     return result
 
 
@@ -370,10 +373,10 @@ def test_chains_never_exceed_max_chain_length():
 
 
 def test_delta_without_base_state_is_rejected_but_an_empty_one_is_ignored():
-    spec = LAYOUT.spec("c", 1, 4)
-    schema = LAYOUT.blob_schema
-    empty = pa.table({"key": [], "value": [], DELETED_COLUMN: []}, schema=schema)
-    one = pa.table({"key": ["a"], "value": [1], DELETED_COLUMN: [False]}, schema=schema)
+    spec = ComponentSpec("c", 4, 1, SCHEMA)
+    schema = SCHEMA.blob_schema
+    empty = SCHEMA.rows_to_columns([], [[]], [])
+    one = SCHEMA.rows_to_columns([("a",)], [[(1,)]], [False])
 
     def ref(checkpoint_id, entries):
         data, index = encode_blob(schema, entries, key_group_range=KeyGroupRange(0, 3), metadata={})
@@ -389,75 +392,133 @@ def test_delta_without_base_state_is_rejected_but_an_empty_one_is_ignored():
             assert links[0][1].kind == "full"
 
 
-# --------------------------------------------------------------------------- apply_chain
+# --------------------------------------------------------------------------- the fold of chains
+#
+# Two forms of one rule: ``fold_chain`` (Arrow) and ``apply_entries`` (row by row onto dicts). Both are
+# checked against ``reference_fold``, the rule written plainly: a key's last occurrence wins and moves to
+# the end, a tombstone removes the key.
 
-SCHEMA = LAYOUT.blob_schema
-
-
-def _batch(rows: list[tuple[str, int | None, bool]]) -> pa.RecordBatch:
-    keys, values, deleted = (list(c) for c in zip(*rows)) if rows else ([], [], [])
-    return pa.RecordBatch.from_arrays(
-        [pa.array(keys, pa.string()), pa.array(values, pa.int64()), pa.array(deleted, pa.bool_())], schema=SCHEMA
-    )
-
-
-def _pairs(table: pa.Table) -> list[tuple]:
-    return list(zip(*(table.column(n).to_pylist() for n in table.column_names)))
+TWO = KeyedSchema(
+    (pa.field("key", pa.string()),),
+    (StateVariable("value", (pa.field("value", pa.int64()),)), StateVariable("extra", (pa.field("n", pa.int64()),))),
+)
 
 
-def test_apply_full_only():
-    table = apply_chain([("full", _batch([("a", 1, False), ("b", None, False)]))], ("key",))
-    assert table.column_names == ["key", "value"]
-    assert _pairs(table) == [("a", 1), ("b", None)]
+def _batch(rows: list[tuple[str, int | None, bool]], schema: KeyedSchema = SCHEMA) -> pa.RecordBatch:
+    """Rows ``(key, value, deleted)``; a None value on a live row is a null value column (not an absent one)."""
+    keys = [(k,) for k, _, _ in rows]
+    values = [[None if d else (v,) for _, v, d in rows]] + [[None] * len(rows)] * (len(schema.variables) - 1)
+    batches = schema.rows_to_columns(keys, values, [d for _, _, d in rows]).combine_chunks().to_batches()
+    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=schema.blob_schema)
 
 
-def test_apply_full_then_deltas_last_write_wins_and_tombstones_delete():
+def reference_fold(chain) -> list[tuple]:
+    state: dict = {}
+    for _, batch in chain:
+        for row in batch.to_pylist():
+            key = row["key"]
+            state.pop(key, None)
+            if not row["_deleted"]:
+                state[key] = row["_spark_state_value"]["value"]
+    return list(state.items())
+
+
+def _folded(chain, schema: KeyedSchema = SCHEMA) -> list[tuple]:
+    """Both forms of the fold, checked to agree with each other and with the reference."""
+    table = fold_chain(chain, schema.key_columns)
+    arrow = [(row["key"], row["_spark_state_value"]["value"]) for row in table.to_pylist()]
+    groups = [{} for _ in schema.variables]
+    apply_entries(groups, chain, schema, whole_chain=True)
+    rows = [(key[0], value[0]) for key, value in groups[0].items()]
+    assert arrow == rows == reference_fold(chain)
+    return rows
+
+
+def test_fold_full_only():
+    chain = [("full", _batch([("a", 1, False), ("b", None, False)]))]
+    assert fold_chain(chain, ("key",)).column_names == ["key", "_spark_state_value"]
+    assert _folded(chain) == [("a", 1), ("b", None)]
+
+
+def test_fold_full_then_deltas_last_write_wins_and_tombstones_delete():
     chain = [
         ("full", _batch([("a", 1, False), ("b", 2, False), ("c", 3, False)])),
         ("delta", _batch([("b", 20, False), ("d", 4, False)])),
         ("delta", _batch([("a", None, True), ("b", 200, False)])),
         ("delta", _batch([("c", None, True), ("zz", None, True)])),  # zz never existed
     ]
-    assert sorted(_pairs(apply_chain(chain, ("key",)))) == [("b", 200), ("d", 4)]
+    assert sorted(_folded(chain)) == [("b", 200), ("d", 4)]
 
 
-def test_apply_reput_after_delete():
+def test_fold_reput_after_delete():
     chain = [
         ("full", _batch([("a", 1, False)])),
         ("delta", _batch([("a", None, True)])),
         ("delta", _batch([("a", 7, False)])),
     ]
-    assert _pairs(apply_chain(chain, ("key",))) == [("a", 7)]
+    assert _folded(chain) == [("a", 7)]
     deleted_again = chain + [("delta", _batch([("a", None, True)]))]
-    assert _pairs(apply_chain(deleted_again, ("key",))) == []
+    assert _folded(deleted_again) == []
 
 
-def test_apply_rows_follow_their_last_occurrence():
+def test_fold_rows_follow_their_last_occurrence():
     chain = [
         ("full", _batch([("a", 1, False), ("b", 2, False), ("c", 3, False)])),
         ("delta", _batch([("a", 10, False)])),
     ]
-    assert _pairs(apply_chain(chain, ("key",))) == [("b", 2), ("c", 3), ("a", 10)]
+    assert _folded(chain) == [("b", 2), ("c", 3), ("a", 10)]
 
 
-def test_apply_composite_keys_with_nulls():
-    schema = pa.schema([("k1", pa.string()), ("k2", pa.int64()), ("v", pa.int64()), (DELETED_COLUMN, pa.bool_())])
+def test_fold_composite_keys_with_nulls():
+    schema = KeyedSchema.of_values([pa.field("k1", pa.string()), pa.field("k2", pa.int64())], [pa.field("v", pa.int64())])
 
     def batch(rows):
-        return pa.RecordBatch.from_pylist([dict(zip(schema.names, r)) for r in rows], schema=schema)
+        return schema.rows_to_columns(
+            [(k1, k2) for k1, k2, _, _ in rows], [[None if d else (v,) for _, _, v, d in rows]], [d for *_, d in rows]
+        ).to_batches()[0]
 
     chain = [
         ("full", batch([("x", 1, 1, False), ("x", 2, 2, False), ("y", 1, 3, False), (None, 1, 4, False)])),
         ("delta", batch([("x", 2, None, True), ("y", 1, 30, False), (None, 1, 40, False), ("x", None, 5, False)])),
     ]
-    result = apply_chain(chain, ("k1", "k2"))
-    assert sorted(_pairs(result), key=repr) == sorted(
-        [("x", 1, 1), ("y", 1, 30), (None, 1, 40), ("x", None, 5)], key=repr
-    )
+    expected = sorted([("x", 1, 1), ("y", 1, 30), (None, 1, 40), ("x", None, 5)], key=repr)
+    folded = fold_chain(chain, ("k1", "k2")).to_pylist()
+    assert sorted(((r["k1"], r["k2"], r["_spark_state_value"]["v"]) for r in folded), key=repr) == expected
+    groups = [{}]
+    apply_entries(groups, chain, schema, whole_chain=True)
+    assert sorted(((k1, k2, v[0]) for (k1, k2), v in groups[0].items()), key=repr) == expected
 
 
-def test_apply_chain_must_start_full():
-    with pytest.raises(ValueError, match="must start with a full entry"):
-        apply_chain([("delta", _batch([("a", 1, False)]))], ("key",))
-    with pytest.raises(ValueError, match="at least one entry"):
-        apply_chain([], ("key",))
+def test_a_null_variable_removes_the_key_from_that_variable_only():
+    keys, first, second = [("a",), ("b",)], [(1,), (2,)], [(10,), None]
+    full = TWO.rows_to_columns(keys, [first, second], [False, False]).to_batches()[0]
+    delta = TWO.rows_to_columns([("a",)], [[None], [(11,)]], [False]).to_batches()[0]
+    groups = [{}, {}]
+    apply_entries(groups, [("full", full), ("delta", delta)], TWO, whole_chain=True)
+    assert groups == [{("b",): (2,)}, {("a",): (11,)}]
+    folded = fold_chain([("full", full), ("delta", delta)], TWO.key_columns).to_pylist()
+    assert [(r["key"], r["_spark_state_value"], r["_spark_state_extra"]) for r in folded] == [
+        ("b", {"value": 2}, None), ("a", None, {"n": 11})
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(
+    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(-3, 3) | st.none(), st.booleans()), max_size=8),
+    min_size=1, max_size=5,
+))
+def test_both_forms_of_the_fold_agree_with_the_reference(entries):
+    chain = []
+    for n, rows in enumerate(entries):
+        unique = list({key: (key, value, deleted and n > 0) for key, value, deleted in rows}.values())
+        chain.append(("full" if n == 0 else "delta", _batch(unique)))
+    _folded(chain)
+
+
+def test_a_chain_must_start_full():
+    with pytest.raises(CorruptBlobError, match="must start with a full entry"):
+        fold_chain([("delta", _batch([("a", 1, False)]))], ("key",))
+    with pytest.raises(CorruptBlobError, match="must start with a full entry"):
+        apply_entries([{}], [("delta", _batch([("a", 1, False)]))], SCHEMA, whole_chain=True)
+    with pytest.raises(CheckpointError, match="at least one entry"):
+        fold_chain([], ("key",))

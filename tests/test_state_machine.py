@@ -1,6 +1,6 @@
 """The store against a plain dict, through checkpoints, crashes, rescales and retention.
 
-A job of ``parallelism`` instances holds keyed state in ``InstanceState``s,
+A job of ``parallelism`` instances holds keyed state in ``ResidentState``s,
 routed with ``key_group_for`` / ``instance_for_key_group``. The model is a
 dict of the live state plus one dict per committed checkpoint. After every
 step the union of the instances' state must equal the live model, each key
@@ -17,17 +17,19 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from spark_state.checkpoint import CheckpointStore
 from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
-from spark_state.keyed_state import InstanceState, StateLayout, checkpoint_instance, restore_instance
+from spark_state.manifest import ComponentSpec
+from spark_state.resident import ResidentState, restore_instance
 from spark_state.restore import plan_restore
+from spark_state.schema import KeyedSchema
 from spark_state.storage.memory import MemoryStorage
+from tests.stores import Store
 
 MAX_PARALLELISM = 8
 MAX_CHAIN_LENGTH = 3
 RETAINED = 2
 COMPONENT = "counts"
-LAYOUT = StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64())]), ("key",))
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 keys = st.text(alphabet="abcd", min_size=0, max_size=3)
 parallelisms = st.integers(min_value=1, max_value=MAX_PARALLELISM)
 
@@ -35,47 +37,45 @@ parallelisms = st.integers(min_value=1, max_value=MAX_PARALLELISM)
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = CheckpointStore(MemoryStorage(), retained=RETAINED)
+        self.store = Store(MemoryStorage(), retained=RETAINED)
         self.parallelism = 3
         self.instances = self._empty(self.parallelism)
         self.live: dict[str, int] = {}
         self.committed: dict[int, dict[str, int]] = {}
         self.next_id = 1
 
-    def _empty(self, parallelism: int) -> list[InstanceState]:
+    def _empty(self, parallelism: int) -> list[ResidentState]:
         return [
-            InstanceState(LAYOUT, key_group_range(i, parallelism, MAX_PARALLELISM)) for i in range(parallelism)
+            ResidentState(SCHEMA, key_group_range(i, parallelism, MAX_PARALLELISM)) for i in range(parallelism)
         ]
 
-    def _route(self, key: str) -> tuple[int, InstanceState]:
+    def _route(self, key: str) -> tuple[int, ResidentState]:
         group = key_group_for(key, MAX_PARALLELISM)
         return group, self.instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
 
     def _write_blobs(self, checkpoint_id: int):
         refs = [
-            checkpoint_instance(
-                self.store, COMPONENT, checkpoint_id, i, state, max_chain_length=MAX_CHAIN_LENGTH
-            )
+            state.checkpoint(self.store.blobs, COMPONENT, checkpoint_id, i, max_chain_length=MAX_CHAIN_LENGTH)[0]
             for i, state in enumerate(self.instances)
         ]
         return [ref for ref in refs if ref is not None]
 
-    def _restore(self, parallelism: int, checkpoint_id: int | None = None) -> list[InstanceState]:
+    def _restore(self, parallelism: int, checkpoint_id: int | None = None) -> list[ResidentState]:
         manifest = self.store.latest() if checkpoint_id is None else self.store.load(checkpoint_id)
         component = manifest.components.get(COMPONENT) if manifest else None
         return [
-            restore_instance(self.store, component, LAYOUT, i, parallelism, MAX_PARALLELISM)[0]
+            restore_instance(self.store.blobs, component, SCHEMA, i, parallelism, MAX_PARALLELISM)[0]
             for i in range(parallelism)
         ]
 
     @staticmethod
-    def _contents(instances: list[InstanceState]) -> dict[str, int]:
-        return {key[0]: value[0] for state in instances for _, key, value in state.items()}
+    def _contents(instances: list[ResidentState]) -> dict[str, int]:
+        return {key[0]: value[0] for state in instances for _, key, value in state.table.items()}
 
     @rule(key=keys, value=st.integers(min_value=-(2**63), max_value=2**63 - 1))
     def put(self, key: str, value: int) -> None:
         group, state = self._route(key)
-        state.put(group, (key,), (value,))
+        state.table.put(group, (key,), (value,))
         self.live[key] = value
 
     @rule(first=st.integers(0, 60), count=st.integers(1, 40), value=st.integers(-5, 5))
@@ -87,14 +87,14 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(key=keys)
     def delete(self, key: str) -> None:
         group, state = self._route(key)
-        state.delete(group, (key,))
+        state.table.delete(group, (key,))
         self.live.pop(key, None)
 
     @rule()
     def checkpoint(self) -> None:
         checkpoint_id = self.next_id
         self.next_id += 1
-        spec = LAYOUT.spec(COMPONENT, self.parallelism, MAX_PARALLELISM)
+        spec = ComponentSpec(COMPONENT, MAX_PARALLELISM, self.parallelism, SCHEMA)
         manifest = self.store.commit(
             checkpoint_id, {COMPONENT: (spec, self._write_blobs(checkpoint_id))}, {"log": {"0": checkpoint_id}}
         )
@@ -146,7 +146,7 @@ class StoreMachine(RuleBasedStateMachine):
         if manifest is None:
             return
         for i, state in enumerate(resident):
-            state.catch_up(self.store, manifest.components[COMPONENT], i, self.parallelism)
+            state.catch_up(self.store.blobs, manifest.components[COMPONENT], i, self.parallelism)
         self.instances = resident
         self.live = dict(self.committed[manifest.checkpoint_id])
 
@@ -179,7 +179,7 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def every_key_lives_in_its_owner(self) -> None:
         for index, state in enumerate(self.instances):
-            for group, key, _ in state.items():
+            for group, key, _ in state.table.items():
                 assert group == key_group_for(key[0], MAX_PARALLELISM)
                 assert instance_for_key_group(group, self.parallelism, MAX_PARALLELISM) == index
 

@@ -1,4 +1,4 @@
-"""Tests of the commit protocol (spark_state.checkpoint) and of InstanceState's checkpointing (no Spark).
+"""The commit protocol, retention and cleanup (``spark_state.manifestlog``) and resident checkpointing (no Spark).
 
 Every scenario keeps a plain dict model of the live state and of the state
 committed with each checkpoint, and checks restores against it.
@@ -17,12 +17,11 @@ import pyarrow as pa
 import pytest
 
 from spark_state.blob import BlobIndex
-from spark_state.checkpoint import (
-    BLOBS_DIR,
+from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.manifestlog import (
     CHECKPOINTS_DIR,
-    INSTANCE_STATE_DIR,
     CheckpointExistsError,
-    CheckpointStore,
+    ManifestLog,
     latest_source_offsets,
     manifest_path,
     retained_source_offsets,
@@ -38,16 +37,19 @@ from spark_state.errors import (
     StorageError,
 )
 from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_for, key_group_range
-from spark_state.keyed_state import InstanceState, StateLayout, checkpoint_instance, restore_instance
-from spark_state.manifest import Manifest
+from spark_state.keyed_table import KeyGroupTable
+from spark_state.manifest import ComponentSpec, Manifest
+from spark_state.resident import ResidentState, restore_instance
+from spark_state.schema import KeyedSchema
 from spark_state.storage import open_storage
 from spark_state.storage.base import ForwardingStorage, Storage, join
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
+from tests.stores import Store
 
 M = 8  # max parallelism
 COMPONENT = "counts"
-LAYOUT = StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64())]), ("key",))
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 
 
 def _keys_by_group(per_group: int = 12) -> dict[int, list[str]]:
@@ -76,7 +78,7 @@ def storage(request, tmp_path) -> Storage:
 class Job:
     """``parallelism`` instances of one component, checkpointing into ``store``, with a dict model."""
 
-    def __init__(self, store: CheckpointStore, parallelism: int, *, max_chain_length: int = 3):
+    def __init__(self, store: Store, parallelism: int, *, max_chain_length: int = 3):
         self.store = store
         self.max_chain_length = max_chain_length
         self.live: dict[str, int] = {}
@@ -84,25 +86,25 @@ class Job:
         self.written: dict[int, dict[int, str]] = {}  # checkpoint id -> key group -> entry kind written
         self.paths: list[str] = []  # every blob written
         self.p = parallelism
-        self.instances = [InstanceState(LAYOUT, key_group_range(i, parallelism, M)) for i in range(parallelism)]
+        self.instances = [ResidentState(SCHEMA, key_group_range(i, parallelism, M)) for i in range(parallelism)]
 
-    def _owner(self, key: str) -> tuple[int, InstanceState]:
+    def _owner(self, key: str) -> tuple[int, ResidentState]:
         g = key_group_for(key, M)
         return g, self.instances[instance_for_key_group(g, self.p, M)]
 
     def put(self, key: str, value: int) -> None:
         g, state = self._owner(key)
-        state.put(g, (key,), (value,))
+        state.table.put(g, (key,), (value,))
         self.live[key] = value
 
     def delete(self, key: str) -> None:
         g, state = self._owner(key)
-        state.delete(g, (key,))
+        state.table.delete(g, (key,))
         self.live.pop(key, None)
 
     def write_blobs(self, checkpoint_id: int):
         refs = [
-            checkpoint_instance(self.store, COMPONENT, checkpoint_id, i, s, max_chain_length=self.max_chain_length)
+            s.checkpoint(self.store.blobs, COMPONENT, checkpoint_id, i, max_chain_length=self.max_chain_length)[0]
             for i, s in enumerate(self.instances)
         ]
         refs = [r for r in refs if r is not None]
@@ -113,7 +115,7 @@ class Job:
         """Steps 1-5; ``refs`` are blobs already written for ``checkpoint_id`` (then step 1 is skipped)."""
         refs = self.write_blobs(checkpoint_id) if refs is None else refs
         manifest = self.store.commit(
-            checkpoint_id, {COMPONENT: (LAYOUT.spec(COMPONENT, self.p, M), refs)}, {"src": {"offset": checkpoint_id}}
+            checkpoint_id, {COMPONENT: (ComponentSpec(COMPONENT, M, self.p, SCHEMA), refs)}, {"src": {"offset": checkpoint_id}}
         )
         self.committed[checkpoint_id] = dict(self.live)
         self.written[checkpoint_id] = {e.key_group: e.kind for ref in refs for e in ref.index.entries}
@@ -126,20 +128,20 @@ class Job:
         manifest = self.store.latest()
         self.p = parallelism
         self.instances = [
-            restore_instance(self.store, manifest.components[COMPONENT], LAYOUT, i, parallelism, M)[0]
+            restore_instance(self.store.blobs, manifest.components[COMPONENT], SCHEMA, i, parallelism, M)[0]
             for i in range(parallelism)
         ]
         self.live = dict(self.committed[manifest.checkpoint_id])
 
 
-def restore_all(store: CheckpointStore, checkpoint_id: int, parallelism: int) -> dict[str, int]:
+def restore_all(store: Store, checkpoint_id: int, parallelism: int) -> dict[str, int]:
     component = store.load(checkpoint_id).components[COMPONENT]
     result: dict[str, int] = {}
     for i in range(parallelism):
-        state, plan, stats = restore_instance(store, component, LAYOUT, i, parallelism, M)
-        assert stats.bytes_read == plan.bytes_to_read
-        assert stats.requests == len(plan.reads)
-        for g, key, value in state.items():
+        state, caught = restore_instance(store.blobs, component, SCHEMA, i, parallelism, M)
+        assert caught.stats.bytes_read == caught.plan.bytes_to_read
+        assert caught.stats.requests == len(caught.plan.reads)
+        for g, key, value in state.table.items():
             assert g in key_group_range(i, parallelism, M)
             assert key_group_for(key[0], M) == g
             assert key[0] not in result
@@ -160,16 +162,16 @@ def files_under(storage: Storage, top: str) -> set[str]:
     return found
 
 
-def referenced_files(store: CheckpointStore, manifest: Manifest) -> set[str]:
+def referenced_files(store: Store, manifest: Manifest) -> set[str]:
     refs: set[str] = set()
     for checkpoint_id in manifest.consistent_checkpoints:
         for component in store.load(checkpoint_id).components.values():
             refs.update(component.blobs)
-            refs.update(component.instance_state.values())
+            refs.update(ref.path for ref in component.instance_items.values())
     return refs
 
 
-def run_history(store: CheckpointStore, *, cleanup: bool) -> Job:
+def run_history(store: Store, *, cleanup: bool) -> Job:
     """Seven checkpoints at parallelism 2, a rescale to 3, with a key group untouched since checkpoint 1."""
     job = Job(store, 2)
     for g in range(M):
@@ -195,7 +197,7 @@ def run_history(store: CheckpointStore, *, cleanup: bool) -> Job:
 
 
 def test_commit_makes_the_checkpoint_visible(storage):
-    store = CheckpointStore(storage)
+    store = Store(storage)
     assert store.latest() is None
     assert store.committed_ids() == []
     job = Job(store, 2)
@@ -204,7 +206,7 @@ def test_commit_makes_the_checkpoint_visible(storage):
     manifest = job.checkpoint(1)
     assert manifest.checkpoint_id == 1
     assert manifest.consistent_checkpoints == (1,)
-    fresh = CheckpointStore(storage)
+    fresh = Store(storage)
     assert fresh.committed_ids() == [1]
     assert fresh.latest() == manifest
     assert fresh.latest().sources == {"src": {"offset": 1}}
@@ -213,7 +215,7 @@ def test_commit_makes_the_checkpoint_visible(storage):
 
 def test_blobs_without_a_commit_are_invisible(storage):
     """A coordinator crash between step 1 and step 4: the blobs exist, the checkpoint does not."""
-    store = CheckpointStore(storage)
+    store = Store(storage)
     job = Job(store, 2)
     job.put("a", 1)
     job.checkpoint(1)
@@ -221,7 +223,7 @@ def test_blobs_without_a_commit_are_invisible(storage):
     job.put("b", 3)
     orphans = job.write_blobs(2)  # crash: never committed
     assert orphans and all(storage.exists(ref.path) for ref in orphans)
-    for reader in (store, CheckpointStore(storage)):
+    for reader in (store, Store(storage)):
         assert reader.committed_ids() == [1]
         assert reader.latest().checkpoint_id == 1
         assert restore_all(reader, 1, 1) == {"a": 1}
@@ -231,23 +233,23 @@ def test_blobs_without_a_commit_are_invisible(storage):
     store.cleanup(store.latest())
     assert all(storage.exists(ref.path) for ref in orphans)
     # the job restarts from 1, redoes checkpoint 2 under new attempt names, and cleanup drops the orphans
-    restarted = Job(CheckpointStore(storage), 2)
+    restarted = Job(Store(storage), 2)
     restarted.committed = {1: {"a": 1}}
     restarted.rescale(2)
     restarted.put("a", 2)
     restarted.put("b", 3)
     restarted.checkpoint(2)
     assert not any(storage.exists(ref.path) for ref in orphans)
-    assert restore_all(CheckpointStore(storage), 2, 3) == {"a": 2, "b": 3}
+    assert restore_all(Store(storage), 2, 3) == {"a": 2, "b": 3}
 
 
 def test_committing_an_existing_id_raises_with_the_manifest(storage):
-    store = CheckpointStore(storage)
+    store = Store(storage)
     job = Job(store, 1)
     job.put("a", 1)
     committed = job.checkpoint(1)
     before = storage.read(manifest_path(1))
-    for coordinator in (store, CheckpointStore(storage)):
+    for coordinator in (store, Store(storage)):
         with pytest.raises(CheckpointExistsError, match="checkpoint 1 is already committed") as info:
             coordinator.commit(1, {}, {"src": "other"})
         assert info.value.manifest == committed
@@ -256,7 +258,7 @@ def test_committing_an_existing_id_raises_with_the_manifest(storage):
 
 
 def test_a_lower_id_is_rejected(storage):
-    store = CheckpointStore(storage, retained=5)
+    store = Store(storage, retained=5)
     for checkpoint_id in (1, 3):
         store.commit(checkpoint_id, {}, {})
     with pytest.raises(CheckpointError, match="older than the latest committed checkpoint 3") as info:
@@ -284,7 +286,7 @@ def test_racing_coordinators_exactly_one_wins(storage):
     """Both coordinators see the same latest checkpoint and reach step 4 together."""
     for checkpoint_id in range(1, 6):
         barrier = threading.Barrier(2)
-        stores = [CheckpointStore(_BarrierOnCommit(storage, barrier)) for _ in range(2)]
+        stores = [Store(_BarrierOnCommit(storage, barrier)) for _ in range(2)]
         outcomes: list = [None, None]
 
         def coordinator(i: int) -> None:
@@ -303,17 +305,17 @@ def test_racing_coordinators_exactly_one_wins(storage):
         assert len(winners) == 1 and len(losers) == 1, outcomes
         assert "concurrently" in str(losers[0])
         assert losers[0].manifest == winners[0]
-        assert CheckpointStore(storage).latest() == winners[0]
+        assert Store(storage).latest() == winners[0]
 
 
 def test_latest_picks_the_highest_id(storage):
-    store = CheckpointStore(storage, retained=10)
+    store = Store(storage, retained=10)
     for checkpoint_id in (1, 2, 9, 10, 100):
         store.commit(checkpoint_id, {}, {"src": checkpoint_id})
     storage.create(f"{CHECKPOINTS_DIR}/notes.txt", b"x")
     storage.create(f"{CHECKPOINTS_DIR}/latest.json", b"{}")
     storage.create(f"{CHECKPOINTS_DIR}/{200:020d}.json.partial", b"")
-    fresh = CheckpointStore(storage)
+    fresh = Store(storage)
     assert fresh.committed_ids() == [1, 2, 9, 10, 100]
     assert fresh.latest().checkpoint_id == 100
     assert fresh.latest().sources == {"src": 100}
@@ -323,8 +325,8 @@ def test_latest_picks_the_highest_id(storage):
 # --------------------------------------------------------------------------- manifests
 
 
-def _sample_manifest(storage: Storage) -> tuple[CheckpointStore, Manifest]:
-    store = CheckpointStore(storage)
+def _sample_manifest(storage: Storage) -> tuple[Store, Manifest]:
+    store = Store(storage)
     job = Job(store, 2)
     for g in (0, 5):
         for key in KEYS[g][:4]:
@@ -340,7 +342,7 @@ def test_manifest_roundtrip():
     again = Manifest.from_bytes(data)
     assert again == manifest
     assert again.to_bytes() == data
-    assert CheckpointStore(store.storage).load(2) == manifest
+    assert Store(store.storage).load(2) == manifest
     component = again.components[COMPONENT]
     assert [component.blobs[p].checkpoint_id for p in component.chains[0]] == [1, 2]
     assert [component.blobs[p].checkpoint_id for p in component.chains[5]] == [1]
@@ -362,7 +364,7 @@ def test_a_corrupt_manifest_in_storage_is_never_read_as_a_checkpoint(storage):
     data = bytearray(storage.read(manifest_path(2)))
     data[len(data) // 2] ^= 0x20
     storage.create(manifest_path(2), bytes(data), overwrite=True)
-    fresh = CheckpointStore(storage)
+    fresh = Store(storage)
     with pytest.raises(CorruptBlobError, match="00000000000000000002.json"):
         fresh.latest()
     with pytest.raises(CorruptBlobError):
@@ -373,7 +375,7 @@ def test_a_manifest_under_the_wrong_id_is_corrupt(storage):
     store, _ = _sample_manifest(storage)
     storage.create(manifest_path(3), storage.read(manifest_path(1)))
     with pytest.raises(CorruptBlobError, match="holds checkpoint 1, not 3"):
-        CheckpointStore(storage).load(3)
+        Store(storage).load(3)
 
 
 def test_a_manifest_from_a_newer_format_is_refused():
@@ -392,16 +394,16 @@ def test_a_manifest_from_a_newer_format_is_refused():
 
 @pytest.mark.parametrize("retained", [1, 2, 3])
 def test_retention_and_cleanup(storage, retained):
-    store = CheckpointStore(storage, retained=retained)
+    store = Store(storage, retained=retained)
     job = run_history(store, cleanup=True)
     latest = store.latest()
     assert latest.checkpoint_id == 7
     expected_ids = list(range(7, 7 - retained, -1))
     assert list(latest.consistent_checkpoints) == expected_ids
-    assert CheckpointStore(storage).committed_ids() == sorted(expected_ids)
+    assert Store(storage).committed_ids() == sorted(expected_ids)
     for gone in range(1, 8 - retained):
         with pytest.raises(NoCheckpointError):
-            CheckpointStore(storage).load(gone)
+            Store(storage).load(gone)
     # exactly the referenced blobs remain
     assert files_under(storage, BLOBS_DIR) == referenced_files(store, latest)
     # key group 0 was written only at checkpoint 1 (by instance 0 of 2): its blob is still there
@@ -414,11 +416,11 @@ def test_retention_and_cleanup(storage, retained):
     # every retained checkpoint restores to exactly its state, at several parallelisms
     for checkpoint_id in expected_ids:
         for parallelism in (1, 2, 3, 8):
-            assert restore_all(CheckpointStore(storage), checkpoint_id, parallelism) == job.committed[checkpoint_id]
+            assert restore_all(Store(storage), checkpoint_id, parallelism) == job.committed[checkpoint_id]
 
 
 def test_each_manifest_lists_its_retained_predecessors():
-    store = CheckpointStore(MemoryStorage(), retained=3)
+    store = Store(MemoryStorage(), retained=3)
     lists = [store.commit(i, {}, {}).consistent_checkpoints for i in (1, 2, 4, 5, 6)]
     assert lists == [(1,), (2, 1), (4, 2, 1), (5, 4, 2), (6, 5, 4)]
 
@@ -438,8 +440,8 @@ class _CrashingDeletes(ForwardingStorage):
         self.inner.delete(path)
 
 
-def _garbage_history(storage: Storage) -> tuple[Job, CheckpointStore]:
-    store = CheckpointStore(_CrashingDeletes(storage, None), retained=2)
+def _garbage_history(storage: Storage) -> tuple[Job, Store]:
+    store = Store(_CrashingDeletes(storage, None), retained=2)
     job = run_history(store, cleanup=False)
     job.put(KEYS[3][0], 123)
     job.write_blobs(8)  # in flight
@@ -469,12 +471,12 @@ def test_cleanup_crashing_at_every_delete_leaves_a_restorable_store(backend, tmp
     committed = job.committed
     for k in range(total):
         storage = fresh_storage(k)
-        crashing = CheckpointStore(_CrashingDeletes(storage, k), retained=2)
+        crashing = Store(_CrashingDeletes(storage, k), retained=2)
         in_flight = files_under(storage, f"{BLOBS_DIR}/{COMPONENT}/{8:020d}")
         assert in_flight
         with pytest.raises(StorageError, match="injected crash"):
             crashing.cleanup(crashing.latest())
-        survivor = CheckpointStore(storage)
+        survivor = Store(storage)
         latest = survivor.latest()
         assert latest.checkpoint_id == 7
         for checkpoint_id in latest.consistent_checkpoints:
@@ -490,43 +492,43 @@ def test_cleanup_crashing_at_every_delete_leaves_a_restorable_store(backend, tmp
 
 
 def test_cleanup_never_touches_checkpoints_above_the_committed_one(storage):
-    store = CheckpointStore(storage, retained=1)
+    store = Store(storage, retained=1)
     job = run_history(store, cleanup=False)
     job.put(KEYS[2][0], 5)
     in_flight = job.write_blobs(8)
-    state_path = store.write_instance_state(COMPONENT, 8, 0, b"watermark")
+    items = store.blobs.write_items(COMPONENT, 8, 0, ["watermark"])
     assert in_flight
     store.cleanup(store.latest())
     for ref in in_flight:
         assert storage.exists(ref.path)
-    assert storage.read(state_path) == b"watermark"
+    assert store.blobs.read_items(items) == ["watermark"]
     # a late cleanup for an older manifest does not hurt the newer checkpoint either
     job.checkpoint(8, cleanup=False, refs=in_flight)
     store.cleanup(store.load(7))
-    assert restore_all(CheckpointStore(storage), 8, 2) == job.committed[8]
-    assert CheckpointStore(storage).committed_ids() == [7, 8]
+    assert restore_all(Store(storage), 8, 2) == job.committed[8]
+    assert Store(storage).committed_ids() == [7, 8]
 
 
-def test_instance_state_is_carried_over_and_cleaned_up(storage):
-    store = CheckpointStore(storage, retained=1)
-    spec = LAYOUT.spec(COMPONENT, 2, M)
-    first = store.write_instance_state(COMPONENT, 1, 0, b"one")
-    store.cleanup(store.commit(1, {COMPONENT: (spec, [])}, {}, instance_state={COMPONENT: {0: first}}))
-    second = store.write_instance_state(COMPONENT, 2, 0, b"two")
-    store.cleanup(store.commit(2, {COMPONENT: (spec, [])}, {}, instance_state={COMPONENT: {0: second}}))
+def test_instance_items_are_carried_over_and_cleaned_up(storage):
+    store = Store(storage, retained=1)
+    spec = ComponentSpec(COMPONENT, M, 2, SCHEMA)
+    first = store.blobs.write_items(COMPONENT, 1, 0, ["one"])
+    store.cleanup(store.commit(1, {COMPONENT: (spec, [])}, {}, items={COMPONENT: {0: first}}))
+    second = store.blobs.write_items(COMPONENT, 2, 0, ["two"])
+    store.cleanup(store.commit(2, {COMPONENT: (spec, [])}, {}, items={COMPONENT: {0: second}}))
     third = store.commit(3, {COMPONENT: (spec, [])}, {})
     store.cleanup(third)
-    assert third.components[COMPONENT].instance_state == {0: second}
-    assert not storage.exists(first)
-    assert storage.read(second) == b"two"
-    assert files_under(storage, INSTANCE_STATE_DIR) == {second}
+    assert third.components[COMPONENT].instance_items == {0: second}
+    assert not storage.exists(first.path)
+    assert store.blobs.read_items(second) == ["two"]
+    assert files_under(storage, ITEMS_DIR) == {second.path}
 
 
 # --------------------------------------------------------------------------- compatibility
 
 
 def _committed_component(storage: Storage):
-    store = CheckpointStore(storage)
+    store = Store(storage)
     job = Job(store, 2)
     for g in range(M):
         job.put(KEYS[g][0], g)
@@ -536,35 +538,36 @@ def _committed_component(storage: Storage):
 def test_restore_refuses_a_changed_max_parallelism():
     store, component = _committed_component(MemoryStorage())
     with pytest.raises(IncompatibleCheckpointError, match="max parallelism is 16 .* set it back to 8"):
-        restore_instance(store, component, LAYOUT, 0, 2, 16)
+        restore_instance(store.blobs, component, SCHEMA, 0, 2, 16)
 
 
 @pytest.mark.parametrize(
-    "layout, what",
+    "schema, what",
     [
-        (StateLayout(pa.schema([("value", pa.string()), ("key", pa.int64())]), ("value",)), "key columns"),
-        (StateLayout(pa.schema([("key", pa.string()), ("value", pa.int32())]), ("key",)), "state schema"),
-        (StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64()), ("x", pa.int8())]), ("key",)), "state schema"),
-        (StateLayout(pa.schema([("key", pa.string()), ("value", pa.int64())]), ("key", "value")), "key columns"),
+        (KeyedSchema.of_values([pa.field("value", pa.string())], [pa.field("key", pa.int64())]), "key columns"),
+        (KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())]), "state schema"),
+        (KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64()), pa.field("x", pa.int8())]),
+         "state schema"),
+        (KeyedSchema.of_values([pa.field("key", pa.string()), pa.field("value", pa.int64())], []), "key columns"),
     ],
 )
-def test_restore_refuses_changed_key_columns_or_schema(layout, what):
+def test_restore_refuses_changed_key_columns_or_schema(schema, what):
     store, component = _committed_component(MemoryStorage())
     with pytest.raises(IncompatibleCheckpointError, match=what) as info:
-        restore_instance(store, component, layout, 0, 2, M)
+        restore_instance(store.blobs, component, schema, 0, 2, M)
     assert "start a new state store location" in str(info.value)
 
 
 def test_restore_refuses_another_hash_version():
     store, component = _committed_component(MemoryStorage())
     with pytest.raises(IncompatibleCheckpointError, match="hash version 99.*spark-state version that wrote them"):
-        restore_instance(store, dataclasses.replace(component, hash_version=99), LAYOUT, 0, 2, M)
+        restore_instance(store.blobs, dataclasses.replace(component, hash_version=99), SCHEMA, 0, 2, M)
 
 
 def test_commit_refuses_a_changed_max_parallelism():
     store, _ = _committed_component(MemoryStorage())
     with pytest.raises(IncompatibleCheckpointError, match="set it back to 8"):
-        store.commit(2, {COMPONENT: (LAYOUT.spec(COMPONENT, 2, 16), [])}, {})
+        store.commit(2, {COMPONENT: (ComponentSpec(COMPONENT, 16, 2, SCHEMA), [])}, {})
     assert store.committed_ids() == [1]
 
 
@@ -578,10 +581,10 @@ def test_parallelism_may_change_freely():
 # --------------------------------------------------------------------------- ownership
 
 
-def _one_blob(store: CheckpointStore, checkpoint_id: int, instance: int, kgr: KeyGroupRange, key_group: int):
-    state = InstanceState(LAYOUT, kgr)
-    state.put(key_group, ("x",), (1,))
-    return store.write_blob(COMPONENT, checkpoint_id, instance, kgr, LAYOUT.blob_schema, state.snapshot())
+def _one_blob(store: Store, checkpoint_id: int, instance: int, kgr: KeyGroupRange, key_group: int):
+    state = ResidentState(SCHEMA, kgr)
+    state.table.put(key_group, ("x",), (1,))
+    return store.blobs.write_blob(COMPONENT, checkpoint_id, instance, kgr, SCHEMA.blob_schema, state.snapshot())
 
 
 @pytest.mark.parametrize(
@@ -595,49 +598,49 @@ def _one_blob(store: CheckpointStore, checkpoint_id: int, instance: int, kgr: Ke
     ],
 )
 def test_a_blob_for_the_wrong_range_is_refused(instance, kgr, parallelism, error):
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     ref = _one_blob(store, 1, instance, kgr, kgr.start)
     with pytest.raises(error):
-        store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, parallelism, M), [ref])}, {})
+        store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, parallelism, SCHEMA), [ref])}, {})
     assert store.latest() is None
     assert not store.storage.exists(manifest_path(1))
 
 
 def test_a_blob_whose_range_does_not_match_its_instance_raises_ownership_error():
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     ref = _one_blob(store, 1, 0, KeyGroupRange(0, 3), 1)
     with pytest.raises(KeyGroupOwnershipError, match=r"covers key groups \[0, 3\] but instance 0 owns \[0, 1\]"):
-        store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, 4, M), [ref])}, {})
+        store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, 4, SCHEMA), [ref])}, {})
 
 
 def test_a_blob_entry_outside_its_range_raises_ownership_error():
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     ref = _one_blob(store, 1, 0, KeyGroupRange(0, 3), 2)
     moved = dataclasses.replace(ref.index.entries[0], key_group=5)
     forged = dataclasses.replace(ref, index=BlobIndex((moved,)))
     with pytest.raises(KeyGroupOwnershipError, match="holds key group 5, outside its range"):
-        store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, 2, M), [forged])}, {})
+        store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, 2, SCHEMA), [forged])}, {})
 
 
 def test_two_blobs_from_one_instance_are_refused():
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     refs = [_one_blob(store, 1, 0, KeyGroupRange(0, 3), g) for g in (0, 1)]  # two attempts
     with pytest.raises(CheckpointError, match="two blobs from instance 0"):
-        store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, 2, M), refs)}, {})
+        store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, 2, SCHEMA), refs)}, {})
     assert store.latest() is None
-    manifest = store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, 2, M), refs[1:])}, {})
+    manifest = store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, 2, SCHEMA), refs[1:])}, {})
     assert manifest.components[COMPONENT].chains == {1: (refs[1].path,)}
 
 
 def test_a_blob_of_another_checkpoint_is_refused():
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     ref = _one_blob(store, 2, 0, KeyGroupRange(0, 3), 0)
     with pytest.raises(CheckpointError, match="written for checkpoint 2, not 1"):
-        store.commit(1, {COMPONENT: (LAYOUT.spec(COMPONENT, 2, M), [ref])}, {})
+        store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, 2, SCHEMA), [ref])}, {})
 
 
-def test_instance_state_refuses_key_groups_outside_its_range():
-    state = InstanceState(LAYOUT, KeyGroupRange(2, 5))
+def test_the_keyed_table_refuses_key_groups_outside_its_range():
+    state = KeyGroupTable(SCHEMA, KeyGroupRange(2, 5))
     for g in (2, 5):  # both bounds are inclusive
         state.put(g, ("k",), (g,))
         assert state.get(g, ("k",)) == (g,)
@@ -660,9 +663,9 @@ def test_corrupt_blob_bytes_fail_the_restore(tmp_path):
     data = bytearray(local_file.read_bytes())
     data[entry.offset + entry.length // 2] ^= 0x01
     local_file.write_bytes(bytes(data))
-    restore_instance(store, component, LAYOUT, 0, 2, M)  # instance 0 does not read that blob
-    with pytest.raises(CorruptBlobError, match=f"key group {entry.key_group} in {path} fails its checksum"):
-        restore_instance(store, component, LAYOUT, 1, 2, M)
+    restore_instance(store.blobs, component, SCHEMA, 0, 2, M)  # instance 0 does not read that blob
+    with pytest.raises(CorruptBlobError, match=f"key group {entry.key_group} in .*/{path} fails its checksum"):
+        restore_instance(store.blobs, component, SCHEMA, 1, 2, M)
 
 
 # --------------------------------------------------------------------------- source offsets
@@ -672,7 +675,7 @@ def test_source_offsets_through_a_memory_uri():
     uri = f"memory://test-offsets-{uuid.uuid4().hex}"
     assert latest_source_offsets(uri, "kafka") is None
     assert retained_source_offsets(uri, "kafka") == []
-    store = CheckpointStore(open_storage(uri), retained=3)
+    store = Store(open_storage(uri), retained=3)
     for checkpoint_id in range(1, 6):
         sources = {"kafka": {"p0": checkpoint_id * 10, "p1": checkpoint_id}}
         if checkpoint_id != 4:
@@ -690,7 +693,7 @@ def test_source_offsets_through_a_memory_uri():
 
 @pytest.mark.parametrize("max_chain_length", [1, 2, 3, 5])
 def test_chains_never_exceed_max_chain_length(max_chain_length):
-    store = CheckpointStore(MemoryStorage(), retained=1)
+    store = Store(MemoryStorage(), retained=1)
     job = Job(store, 1, max_chain_length=max_chain_length)
     keys = KEYS[3]
     for n, key in enumerate(keys):
@@ -709,7 +712,7 @@ def test_chains_never_exceed_max_chain_length(max_chain_length):
 
 
 def test_restored_instances_continue_the_chain_instead_of_restarting_it():
-    store = CheckpointStore(MemoryStorage(), retained=2)
+    store = Store(MemoryStorage(), retained=2)
     job = Job(store, 2, max_chain_length=3)
     keys = KEYS[6]
     for n, key in enumerate(keys):
@@ -741,20 +744,19 @@ def test_restored_instances_continue_the_chain_instead_of_restarting_it():
 )
 def test_a_key_group_where_most_keys_changed_gets_a_full_entry(changed, deleted, kind):
     """Twelve keys; full when 2 * (updated + deleted) >= keys remaining, else delta."""
-    state = InstanceState(LAYOUT, KeyGroupRange(0, 0))
+    state = ResidentState(SCHEMA, KeyGroupRange(0, 0))
     for n in range(12):
-        state.put(0, (f"k{n}",), (n,))
-    state.snapshot(max_chain_length=10)
+        state.table.put(0, (f"k{n}",), (n,))
+    state.checkpoint(Store(MemoryStorage()).blobs, COMPONENT, 1, 0, max_chain_length=10)  # the stored base
     for n in range(changed):
-        state.put(0, (f"k{n}",), (-n,))
+        state.table.put(0, (f"k{n}",), (-n,))
     for n in range(changed, changed + deleted):
-        state.delete(0, (f"k{n}",))
+        state.table.delete(0, (f"k{n}",))
     remaining = 12 - deleted
     ((g, got_kind, table),) = state.snapshot(max_chain_length=10)
     assert (g, got_kind) == (0, kind)
-    rows = dict(
-        zip(table.column("key").to_pylist(), zip(table.column("value").to_pylist(), table.column("_deleted").to_pylist()))
-    )
+    values = table.column("_spark_state_value").combine_chunks().field("value").to_pylist()
+    rows = dict(zip(table.column("key").to_pylist(), zip(values, table.column("_deleted").to_pylist())))
     if kind == "full":
         assert len(rows) == remaining and not any(d for _, d in rows.values())
     else:
@@ -763,7 +765,7 @@ def test_a_key_group_where_most_keys_changed_gets_a_full_entry(changed, deleted,
 
 
 def test_a_key_group_that_becomes_empty_is_cleared():
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     job = Job(store, 1)
     for key in KEYS[4][:3]:
         job.put(key, 1)
@@ -778,11 +780,11 @@ def test_a_key_group_that_becomes_empty_is_cleared():
 
 
 def test_a_key_group_written_and_emptied_between_checkpoints_writes_nothing():
-    state = InstanceState(LAYOUT, KeyGroupRange(0, 3))
-    state.put(1, ("a",), (1,))
-    state.put(2, ("b",), (2,))
-    state.delete(2, ("b",))
-    state.put(3, ("c",), (3,))
+    state = ResidentState(SCHEMA, KeyGroupRange(0, 3))
+    state.table.put(1, ("a",), (1,))
+    state.table.put(2, ("b",), (2,))
+    state.table.delete(2, ("b",))
+    state.table.put(3, ("c",), (3,))
     assert [(g, kind, t.num_rows) for g, kind, t in state.snapshot()] == [(1, "full", 1), (3, "full", 1)]
     assert state.snapshot() == []
 
@@ -793,13 +795,13 @@ def test_a_key_group_written_and_emptied_between_checkpoints_writes_nothing():
 @pytest.mark.parametrize("retained", [0, -1, 1.5, True, "3"])
 def test_retained_must_be_a_positive_int(retained):
     with pytest.raises(ConfigError, match="retained checkpoints must be an integer >= 1"):
-        CheckpointStore(MemoryStorage(), retained=retained)
+        ManifestLog(MemoryStorage(), retained=retained)
 
 
 @pytest.mark.parametrize("name", ["", "a/b", ".hidden", " padded"])
 def test_component_names_are_validated(name):
-    store = CheckpointStore(MemoryStorage())
+    store = Store(MemoryStorage())
     with pytest.raises(ConfigError, match="component name"):
-        store.write_instance_state(name, 1, 0, b"")
+        store.blobs.write_items(name, 1, 0, [])
     with pytest.raises(ConfigError, match="component name"):
-        store.commit(1, {name: (LAYOUT.spec(name or "x", 1, M), [])}, {})
+        store.commit(1, {name: (ComponentSpec(name or "x", M, 1, SCHEMA), [])}, {})

@@ -1,0 +1,139 @@
+"""The executor side of a state store: write and fetch blobs and instance items, every byte checksummed.
+
+Layout under the store's root (the driver's ``manifestlog`` owns ``checkpoints/``)::
+
+    blobs/<component>/<checkpoint_id:020d>/<instance:05d>-<start>-<end>-<attempt>.arrow
+    instance-items/<component>/<checkpoint_id:020d>/<instance:05d>-<attempt>.json
+
+A task writes under a fresh attempt name with an atomic ``create``; nothing
+refers to the file until the driver commits a manifest naming it (step 1 of
+the commit protocol in ``manifestlog``), so a failed, retried or speculative
+attempt leaves at most an unreferenced file, collected by ``cleanup``. Every
+read is verified against the size and CRC-32 the manifest recorded: a
+damaged file raises ``CorruptBlobError`` naming it and is never served.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import pyarrow as pa
+
+from spark_state.blob import EntryKind, decode_entry, encode_blob
+from spark_state.errors import CorruptBlobError
+from spark_state.keygroups import KeyGroupRange
+from spark_state.manifest import BlobRef, ComponentManifest, ItemsRef, check_component_name
+from spark_state.restore import InstanceRestorePlan
+from spark_state.storage.base import Storage, join
+
+BLOBS_DIR = "blobs"
+ITEMS_DIR = "instance-items"
+
+FetchedEntries = dict[int, list[tuple[EntryKind, pa.RecordBatch]]]
+"""Per key group, its ``(kind, batch)`` entries oldest first, in the blob schema (with ``_deleted``)."""
+
+
+@dataclass(frozen=True)
+class FetchStats:
+    """What a fetch cost: bytes transferred and storage requests made."""
+
+    bytes_read: int
+    requests: int
+    seconds: float
+
+
+def _attempt() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class BlobStore:
+    """Blobs and instance items in ``storage``; see the module docstring."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    def write_blob(
+        self,
+        component: str,
+        checkpoint_id: int,
+        instance: int,
+        key_group_range: KeyGroupRange,
+        schema: pa.Schema,
+        entries: Iterable[tuple[int, EntryKind, pa.Table | pa.RecordBatch]],
+        *,
+        compression: str | None = None,
+    ) -> BlobRef:
+        """Write one instance's entries for ``checkpoint_id`` as a new, unreferenced blob.
+
+        ``schema`` is the blob schema; ``entries`` are ``(key_group, kind,
+        rows)`` in increasing key-group order, all inside ``key_group_range``
+        (the instance's range, inclusive). Returns the ``BlobRef`` to report
+        to the driver.
+        """
+        check_component_name(component)
+        path = join(
+            BLOBS_DIR,
+            component,
+            f"{checkpoint_id:020d}",
+            f"{instance:05d}-{key_group_range.start}-{key_group_range.end}-{_attempt()}.arrow",
+        )
+        data, index = encode_blob(
+            schema,
+            entries,
+            key_group_range=key_group_range,
+            metadata={"component": component, "checkpoint_id": str(checkpoint_id), "instance": str(instance)},
+            compression=compression,
+        )
+        self.storage.create(path, data)
+        return BlobRef(path, checkpoint_id, instance, key_group_range, len(data), zlib.crc32(data), index)
+
+    def write_items(self, component: str, checkpoint_id: int, instance: int, items: Sequence[Any]) -> ItemsRef:
+        """Write one instance's items (a JSON list) for ``checkpoint_id`` as a new, unreferenced file."""
+        check_component_name(component)
+        path = join(ITEMS_DIR, component, f"{checkpoint_id:020d}", f"{instance:05d}-{_attempt()}.json")
+        data = json.dumps(list(items)).encode()
+        self.storage.create(path, data)
+        return ItemsRef(path, len(data), zlib.crc32(data))
+
+    def read_items(self, ref: ItemsRef) -> list:
+        """The items of ``ref``, verified against its size and CRC-32."""
+        data = self.storage.read(ref.path)
+        if len(data) != ref.size or zlib.crc32(data) != ref.crc32:
+            raise CorruptBlobError(
+                f"instance items {self.storage.uri}/{ref.path} fail their checksum (corrupt or truncated: "
+                f"{len(data)} bytes, the manifest recorded {ref.size}); restore the file, or start from an "
+                "earlier checkpoint"
+            )
+        try:
+            items = json.loads(data)
+        except ValueError as exc:
+            raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not JSON: {exc}") from exc
+        if not isinstance(items, list):
+            raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not a JSON list")
+        return items
+
+    def fetch(self, component: ComponentManifest, plan: InstanceRestorePlan) -> tuple[FetchedEntries, FetchStats]:
+        """Execute ``plan``'s reads, verifying every entry's checksum; the entries per key group and the cost."""
+        started = time.perf_counter()
+        schema = component.keyed_schema.blob_schema
+        decoded: dict[tuple[str, int], pa.RecordBatch] = {}
+        bytes_read = 0
+        for read in plan.reads:
+            data = self.storage.read(read.path, read.offset, read.length)
+            bytes_read += len(data)
+            view = memoryview(data)
+            for entry in read.entries:
+                start = entry.offset - read.offset
+                decoded[(read.path, entry.key_group)] = decode_entry(
+                    view[start : start + entry.length], schema, entry, where=f"{self.storage.uri}/{read.path}"
+                )
+        entries = {
+            key_group: [(entry.kind, decoded[(path, key_group)]) for path, entry in links]
+            for key_group, links in plan.chains.items()
+        }
+        return entries, FetchStats(bytes_read, len(plan.reads), time.perf_counter() - started)

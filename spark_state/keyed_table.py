@@ -1,0 +1,198 @@
+"""One instance's keyed state in memory: per key group, one dict per state variable, with change tracking.
+
+``KeyGroupTable`` holds, for each key group of the instance's range (inclusive
+bounds), one dict per state variable of the component's ``KeyedSchema``
+(``key -> value``; ``key`` a tuple of key column values, ``value`` a tuple of
+the variable's column values). A key has state while any variable holds it.
+Every access names the key group; one outside the range raises
+``KeyGroupOwnershipError`` (routing and store disagree), never stores it.
+
+It remembers which keys changed since ``take_changes`` was last called, so a
+checkpoint writes only those. Restoring is lazy: a key group whose chain was
+fetched stays Arrow record batches (``install``) and is folded into dicts by
+``restore.apply_entries`` when first accessed, so a restart at a new
+parallelism pays per key group a batch touches, not per key of state. No I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import pyarrow as pa
+
+from spark_state.blob import EntryKind
+from spark_state.errors import KeyGroupOwnershipError
+from spark_state.keygroups import KeyGroupRange
+from spark_state.restore import apply_entries, check_chain, fold_chain
+from spark_state.schema import DELETED_COLUMN, Key, KeyedSchema, Value
+
+Entries = Sequence[tuple[EntryKind, pa.RecordBatch]]
+
+
+class FetchedChain:
+    """A key group's chain as fetched (oldest entry first, starting with a full one), not yet folded."""
+
+    def __init__(self, key_group: int, batches: Entries, schema: KeyedSchema):
+        check_chain([kind for kind, _ in batches], f"key group {key_group}")
+        self.batches = batches
+        self.schema = schema
+        self._live: int | None = None
+
+    def live_keys(self) -> int:
+        """Keys the chain holds once folded (computed once, with Arrow kernels on the key columns)."""
+        if self._live is None:
+            columns = list(self.schema.key_columns) + [DELETED_COLUMN]
+            self._live = fold_chain([(k, b.select(columns)) for k, b in self.batches], self.schema.key_columns).num_rows
+        return self._live
+
+
+class KeyGroupTable:
+    """See the module docstring; ``variable`` arguments are indexes into ``schema.variables`` (0: ``value``)."""
+
+    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange):
+        self.schema = schema
+        self.key_group_range = key_group_range
+        self._width = len(schema.variables)
+        self._groups: dict[int, list[dict[Key, Value]]] = {}
+        self._unloaded: dict[int, FetchedChain] = {}
+        self._dirty: dict[int, set[Key]] = {}
+
+    # Ownership and lazy folding ---------------------------------------------------------
+
+    def _check(self, key_group: int) -> None:
+        if key_group not in self.key_group_range:
+            raise KeyGroupOwnershipError(
+                f"key group {key_group} is not owned by this instance (owns {self.key_group_range}); "
+                "rows were routed with a different parallelism or max parallelism than the store uses"
+            )
+
+    def _check_all(self, key_groups: Sequence[int]) -> None:
+        if len(key_groups) == 0:
+            return
+        low, high = min(key_groups), max(key_groups)
+        if low < self.key_group_range.start or high > self.key_group_range.end:
+            self._check(next(g for g in key_groups if g not in self.key_group_range))
+
+    def _group(self, key_group: int) -> list[dict[Key, Value]]:
+        """The key group's dicts, folding its fetched chain first if it has one (creates empty dicts)."""
+        fetched = self._unloaded.pop(key_group, None)
+        group = self._groups.get(key_group)
+        if group is None:
+            group = self._groups[key_group] = [{} for _ in range(self._width)]
+        if fetched is not None:
+            apply_entries(group, fetched.batches, self.schema, whole_chain=True)
+        return group
+
+    def _fold_many(self, key_groups: Sequence[int]) -> None:
+        if self._unloaded:
+            for key_group in self._unloaded.keys() & set(key_groups):
+                self._group(key_group)
+
+    # Access -----------------------------------------------------------------------------
+
+    def get(self, key_group: int, key: Key, default: Any = None, variable: int = 0) -> Value | Any:
+        self._check(key_group)
+        if key_group in self._unloaded:
+            self._group(key_group)
+        group = self._groups.get(key_group)
+        return default if group is None else group[variable].get(key, default)
+
+    def put(self, key_group: int, key: Key, value: Value, variable: int = 0) -> None:
+        self._check(key_group)
+        self._group(key_group)[variable][key] = value
+        self._dirty.setdefault(key_group, set()).add(key)
+
+    def delete(self, key_group: int, key: Key, variable: int | None = None) -> None:
+        """Remove ``key`` from one variable, or (``variable=None``) all of its state."""
+        self._check(key_group)
+        group = self._group(key_group)
+        targets = group if variable is None else [group[variable]]
+        removed = [values.pop(key) for values in targets if key in values]
+        if removed:
+            self._dirty.setdefault(key_group, set()).add(key)
+
+    def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
+        """``[get(g, k, default) for g, k in zip(key_groups, keys)]`` for the ``value`` variable."""
+        self._check_all(key_groups)
+        self._fold_many(key_groups)
+        groups, empty = self._groups, ({},)
+        return [groups.get(g, empty)[0].get(k, default) for g, k in zip(key_groups, keys)]
+
+    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value]) -> None:
+        """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences."""
+        self._check_all(key_groups)
+        self._fold_many(key_groups)
+        groups, dirty, width = self._groups, self._dirty, self._width
+        for g, k, v in zip(key_groups, keys, values):
+            group = groups.get(g)
+            if group is None:
+                group = groups[g] = [{} for _ in range(width)]
+            group[0][k] = v
+            changed = dirty.get(g)
+            if changed is None:
+                changed = dirty[g] = set()
+            changed.add(k)
+
+    def items(self, variable: int = 0) -> Iterator[tuple[int, Key, Value]]:
+        """Every ``(key_group, key, value)`` of one variable, by key group (folds everything)."""
+        for key_group in list(self._unloaded):
+            self._group(key_group)
+        for key_group in sorted(self._groups):
+            for key, value in self._groups[key_group][variable].items():
+                yield key_group, key, value
+
+    def __len__(self) -> int:
+        """Keys with any state."""
+        loaded = sum(len(_keys(group)) for group in self._groups.values())
+        return loaded + sum(f.live_keys() for f in self._unloaded.values())
+
+    # Checkpointing ----------------------------------------------------------------------
+
+    def take_changes(self) -> dict[int, set[Key]]:
+        """The keys changed per key group since the last call, which clears them."""
+        changes, self._dirty = self._dirty, {}
+        return changes
+
+    def key_count(self, key_group: int) -> int:
+        return len(_keys(self._group(key_group))) if key_group in self._groups or key_group in self._unloaded else 0
+
+    def rows(self, key_group: int, keys: Sequence[Key] | None = None) -> tuple[list[Key], list[list[Value | None]]]:
+        """The given keys (all keys when None) and, per variable, their values (None where absent)."""
+        group = self._group(key_group)
+        chosen = list(_keys(group)) if keys is None else list(keys)
+        return chosen, [[values.get(key) for key in chosen] for values in group]
+
+    def drop_if_empty(self, key_group: int) -> None:
+        group = self._groups.get(key_group)
+        if group is not None and not any(group):
+            del self._groups[key_group]
+
+    # Restoring --------------------------------------------------------------------------
+
+    def install(self, key_group: int, fetched: FetchedChain) -> None:
+        """Replace a key group's content by a fetched whole chain, folded on first access."""
+        self._check(key_group)
+        self._groups.pop(key_group, None)
+        self._dirty.pop(key_group, None)
+        self._unloaded[key_group] = fetched
+
+    def apply(self, key_group: int, batches: Entries) -> None:
+        """Apply fetched delta entries on top of the key group's content."""
+        self._check(key_group)
+        apply_entries(self._group(key_group), batches, self.schema, whole_chain=False)
+        self.drop_if_empty(key_group)
+
+    def clear(self, key_group: int) -> None:
+        self._groups.pop(key_group, None)
+        self._unloaded.pop(key_group, None)
+        self._dirty.pop(key_group, None)
+
+
+def _keys(group: list[dict[Key, Value]]) -> dict[Key, None]:
+    """The keys of a key group across its variables, in first-variable order (an ordered set)."""
+    if len(group) == 1:
+        return group[0]  # type: ignore[return-value]
+    keys: dict[Key, None] = {}
+    for values in group:
+        keys.update(dict.fromkeys(values))
+    return keys

@@ -1,0 +1,210 @@
+"""The driver side of a state store: the log of checkpoint manifests, the commit point, retention and cleanup.
+
+Layout under the store's root (``blobstore`` owns ``blobs/`` and ``instance-items/``)::
+
+    checkpoints/<checkpoint_id:020d>.json     manifest = the commit record (``commitlog`` framing)
+
+Commit protocol for checkpoint N (``coordinator.Coordinator`` runs it; the code follows these steps):
+
+1. Every instance that changed state writes its blob (and its instance items,
+   if they changed) for N under a fresh attempt name (``BlobStore``).
+   Nothing references them yet, so no reader can see them; a retried or
+   speculative task writes another attempt and only one is committed.
+2. Every instance reports its ``BlobRef`` and ``ItemsRef`` to the driver.
+3. The driver derives manifest N from manifest N-1, the reports and the
+   sources' end offsets of N (``manifest.next_component``), which checks that
+   each blob came from the instance that owns its key groups.
+4. ``commit`` atomically creates ``checkpoints/N.json`` without overwrite.
+   **This is the commit point**: N is committed exactly when that file
+   exists, and no other step makes anything visible. If it already exists, N
+   was committed before and ``CheckpointExistsError`` says so.
+5. ``cleanup`` (driver only, best effort, after the commit): delete manifests
+   that fell out of ``consistent_checkpoints``, oldest first, then every blob
+   and items file under a checkpoint id <= N that no retained manifest
+   references. A crash at any point of 1-5 leaves the newest committed
+   manifest and all its files intact: files are only deleted once no retained
+   manifest names them, and manifests before files.
+
+The latest checkpoint is the highest id listed, whose checksum is verified on
+load; a file listing never decides what is committed.
+"""
+
+from __future__ import annotations
+
+from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.commitlog import CommitLog
+from spark_state.errors import BlobExistsError, BlobNotFoundError, CheckpointError, ConfigError, CorruptBlobError, NoCheckpointError
+from spark_state.manifest import Manifest, with_retention
+from spark_state.storage.base import Storage, join
+
+CHECKPOINTS_DIR = "checkpoints"
+DEFAULT_RETAINED = 3
+
+
+class CheckpointExistsError(CheckpointError):
+    """Checkpoint N is already committed; the existing manifest is attached as ``manifest``."""
+
+    def __init__(self, message: str, manifest: Manifest):
+        super().__init__(message)
+        self.manifest = manifest
+
+
+def manifest_path(checkpoint_id: int) -> str:
+    return join(CHECKPOINTS_DIR, f"{checkpoint_id:020d}.json")
+
+
+class ManifestReader:
+    """Reads the committed checkpoints of one state store; parsed manifests are cached (they never change).
+
+    Executors get only this (to find a task's base checkpoint); the driver's
+    ``ManifestLog`` adds the commit and cleanup.
+    """
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._log = CommitLog(storage, CHECKPOINTS_DIR, what="checkpoint")
+        self._manifests: dict[int, Manifest] = {}
+
+    # Reading ----------------------------------------------------------------
+
+    def ids(self) -> list[int]:
+        """Ids of the manifests present, ascending (discovery only; see the module docstring)."""
+        return self._log.ids()
+
+    def latest(self) -> Manifest | None:
+        """The newest committed checkpoint's manifest, or None if there is none."""
+        latest = self._log.latest_id()
+        return self.load(latest) if latest is not None else None
+
+    def load(self, checkpoint_id: int) -> Manifest:
+        """The manifest of ``checkpoint_id``; ``NoCheckpointError`` if it was never committed or was cleaned up."""
+        cached = self._manifests.get(checkpoint_id)
+        if cached is not None:
+            return cached
+        try:
+            body = self._log.load(checkpoint_id)
+        except BlobNotFoundError:
+            raise NoCheckpointError(
+                f"checkpoint {checkpoint_id} does not exist in {self.storage.uri} (committed: {self.ids()[-5:]})"
+            ) from None
+        where = self._log.where(checkpoint_id)
+        manifest = Manifest.from_json(body, where=where)
+        if manifest.checkpoint_id != checkpoint_id:
+            raise CorruptBlobError(f"{where} holds checkpoint {manifest.checkpoint_id}, not {checkpoint_id}")
+        self._manifests[checkpoint_id] = manifest
+        return manifest
+
+    def forget_cached_manifests(self) -> None:
+        """Drop parsed manifests kept in memory (the store was replaced behind this object's back)."""
+        self._manifests.clear()
+
+
+class ManifestLog(ManifestReader):
+    """The driver's view of a state store's checkpoints: reading, the commit point, retention and cleanup."""
+
+    def __init__(self, storage: Storage, *, retained: int = DEFAULT_RETAINED):
+        if not isinstance(retained, int) or isinstance(retained, bool) or retained < 1:
+            raise ConfigError(f"retained checkpoints must be an integer >= 1, got {retained!r}")
+        super().__init__(storage)
+        self.retained = retained
+
+    # Step 4 -----------------------------------------------------------------
+
+    def commit(self, manifest: Manifest) -> Manifest:
+        """Commit ``manifest`` (its ``consistent_checkpoints`` are set here); return what was committed.
+
+        Its id must be greater than the latest committed id.
+        """
+        previous = self.latest()
+        checkpoint_id = manifest.checkpoint_id
+        if previous is not None and checkpoint_id <= previous.checkpoint_id:
+            if checkpoint_id == previous.checkpoint_id:
+                raise CheckpointExistsError(f"checkpoint {checkpoint_id} is already committed", previous)
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id} is older than the latest committed checkpoint "
+                f"{previous.checkpoint_id}; checkpoint ids must increase"
+            )
+        manifest = with_retention(manifest, previous, self.retained)
+        try:
+            self._log.create(checkpoint_id, manifest.to_json())
+        except BlobExistsError:
+            raise CheckpointExistsError(
+                f"checkpoint {checkpoint_id} was committed concurrently by another coordinator",
+                self.load(checkpoint_id),
+            ) from None
+        self._manifests[checkpoint_id] = manifest
+        return manifest
+
+    # Step 5 -----------------------------------------------------------------
+
+    def cleanup(self, manifest: Manifest) -> list[str]:
+        """Delete what no retained checkpoint needs (step 5); return the deleted paths.
+
+        Safe to run again after a crash; never touches anything written for a
+        checkpoint id above ``manifest.checkpoint_id`` (it may be in flight).
+        """
+        retained = set(manifest.consistent_checkpoints)
+        deleted: list[str] = []
+        for checkpoint_id in self.ids():
+            if checkpoint_id < manifest.checkpoint_id and checkpoint_id not in retained:
+                self._log.delete(checkpoint_id)
+                self._manifests.pop(checkpoint_id, None)
+                deleted.append(manifest_path(checkpoint_id))
+        referenced: set[str] = set()
+        for checkpoint_id in retained:
+            try:
+                kept = self.load(checkpoint_id)
+            except NoCheckpointError:
+                continue
+            for component in kept.components.values():
+                referenced.update(component.blobs)
+                referenced.update(ref.path for ref in component.instance_items.values())
+        for top in (BLOBS_DIR, ITEMS_DIR):
+            for component in self.storage.list(top):
+                for checkpoint_dir in self.storage.list(join(top, component)):
+                    if not checkpoint_dir.isdigit() or int(checkpoint_dir) > manifest.checkpoint_id:
+                        continue
+                    directory = join(top, component, checkpoint_dir)
+                    names = self.storage.list(directory)
+                    garbage = [join(directory, n) for n in names if join(directory, n) not in referenced]
+                    for path in garbage:
+                        self.storage.delete(path)
+                    deleted.extend(garbage)
+                    if len(garbage) == len(names):
+                        self.storage.delete(directory)
+        return deleted
+
+    # Sources ----------------------------------------------------------------
+
+    def retained_source_offsets(self, source_id: str) -> list:
+        """The offsets recorded for ``source_id`` in every retained checkpoint, newest first."""
+        latest = self.latest()
+        if latest is None:
+            return []
+        result = []
+        for checkpoint_id in latest.consistent_checkpoints:
+            try:
+                offsets = self.load(checkpoint_id).sources.get(source_id)
+            except NoCheckpointError:
+                continue
+            if offsets is not None:
+                result.append(offsets)
+        return result
+
+
+def open_manifest_log(uri: str, *, retained: int = DEFAULT_RETAINED) -> ManifestLog:
+    """A ``ManifestLog`` over ``spark_state.storage.open_storage(uri)``."""
+    from spark_state.storage import open_storage
+
+    return ManifestLog(open_storage(uri), retained=retained)
+
+
+def latest_source_offsets(state_store_uri: str, source_id: str):
+    """The offsets recorded for ``source_id`` in the latest committed checkpoint, or None."""
+    manifest = open_manifest_log(state_store_uri).latest()
+    return None if manifest is None else manifest.sources.get(source_id)
+
+
+def retained_source_offsets(state_store_uri: str, source_id: str) -> list:
+    """The offsets recorded for ``source_id`` in every retained checkpoint, newest first."""
+    return open_manifest_log(state_store_uri).retained_source_offsets(source_id)

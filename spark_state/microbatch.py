@@ -1,0 +1,208 @@
+"""The driver's part of every micro-batch of a keyed query: only the Spark calls around the ``Coordinator``.
+
+A ``StatefulQuery`` is a Structured Streaming query whose ``foreachBatch``
+runs ``MicroBatch.run`` for every micro-batch N:
+
+1. read the settings (``spark.state.*``) from the session that started the
+   query, so a changed parallelism applies from the next batch on;
+2. ask Spark's checkpoint about batch N (query id, start and end offsets)
+   and let ``Coordinator.begin`` decide: run on the latest committed
+   checkpoint; or, when batch N was already committed (the driver died after
+   our commit but before Spark's), recompute it on the one before without
+   committing again; or refuse, when the store and Spark's checkpoint
+   disagree (see ``coordinator``);
+3. route rows: key group and instance are computed in the JVM from the same
+   hash as ``keygroups.key_group_for``; ``repartitionById`` makes Spark task
+   i instance i; each task runs ``operator.run_instance``;
+4. write the output rows to the sink with batch id N (idempotently);
+5. ``Coordinator.commit``: checkpoint N with this batch's source end offsets
+   (Spark's ``offsets/N``, the record Spark replays from) and its binding to
+   the query;
+6. ``Coordinator.cleanup``: delete what no retained checkpoint needs.
+
+A crash before step 5 leaves checkpoint N uncommitted: Spark replays batch N
+with the same offsets, tasks restart from the same base, and the sink skips
+or overwrites what step 4 had written. A crash after step 5 is step 2's case.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from spark_state.conf import STORE, StateConf
+from spark_state.coordinator import Coordinator, SparkBatch, check_reports
+from spark_state.errors import CheckpointError, ConfigError
+from spark_state.functions import KEY_GROUP_COLUMN
+from spark_state.manifest import ComponentSpec
+from spark_state.manifestlog import open_manifest_log
+from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
+from spark_state.sinks import BatchSink
+from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
+
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+"""Local property Spark sets on the thread that runs a streaming query's micro-batches."""
+RUN_ID_PROPERTY = "spark.jobGroup.id"
+"""Spark runs each streaming query's jobs in a job group named by the run id."""
+
+
+def location_name(uri: str) -> str:
+    """How a checkpoint location is named in state checkpoints and sink ids: a local path as a path."""
+    return uri[len("file:"):] if uri.startswith("file:/") and not uri.startswith("file://") else uri
+
+
+def default_store(checkpoint_location: str) -> str:
+    """``<checkpointLocation>/state`` where the state store can live beside Spark's checkpoint."""
+    if checkpoint_location.startswith("/") or checkpoint_location.startswith("webhdfs://"):
+        return checkpoint_location.rstrip("/") + "/state"
+    raise ConfigError(
+        f"checkpointLocation {checkpoint_location!r} is not on a file system spark-state can also store state "
+        f"on by default; set {STORE} to a state store URI (a local path for local[*], webhdfs://HOST:PORT/path)"
+    )
+
+
+def to_spark_schema(schema: pa.Schema):
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(schema)
+
+
+@dataclass
+class MicroBatch:
+    """The driver's part of every micro-batch (see the module docstring); one per query.
+
+    ``stream`` is the ``streaming.StatefulStream`` being run.
+    """
+
+    stream: Any
+    session: Any
+    checkpoint_location: str
+    spark_checkpoint: SparkCheckpoint
+    sink: BatchSink
+    parallelism_override: int | None = None
+    fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
+    history: list[dict] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
+
+    def coordinator(self, conf: StateConf) -> Coordinator:
+        """One per setting, kept for the query's life, so parsed manifests are reused across batches."""
+        key = (conf.store, conf.checkpoints_retained)
+        if key not in self._coordinators:
+            manifests = open_manifest_log(conf.store, retained=conf.checkpoints_retained)
+            self._coordinators[key] = Coordinator(manifests, store=conf.store)
+        return self._coordinators[key]
+
+    def conf(self) -> StateConf:
+        """Settings for the next batch, from the session that started the query."""
+        conf = StateConf.from_session(self.session, default_store=lambda: default_store(self.checkpoint_location))
+        if self.parallelism_override is not None:
+            conf = replace(conf, parallelism=self.parallelism_override)
+        return conf
+
+    def spark_batch(self, batch_df, batch_id: int) -> SparkBatch:
+        """What Spark's checkpoint says about micro-batch ``batch_id`` (see ``coordinator.SparkBatch``)."""
+        context = batch_df.sparkSession.sparkContext
+        checkpoint = self.spark_checkpoint
+        query_id = context.getLocalProperty(QUERY_ID_PROPERTY) or checkpoint.query_id()
+        end = checkpoint.offsets(batch_id)
+        if end is None:
+            raise CheckpointError(
+                f"Spark's offsets log has no entry {checkpoint.uri}/offsets/{batch_id} for the micro-batch it "
+                "runs; the checkpoint location was changed while the query ran"
+            )
+        return SparkBatch(
+            query_id=query_id,
+            run_id=context.getLocalProperty(RUN_ID_PROPERTY),
+            batch_id=batch_id,
+            checkpoint_location=self.checkpoint_location,
+            end=end,
+            start=batch_start_offsets(self.session, query_id, batch_id, checkpoint),
+        )
+
+    def run(self, batch_df, batch_id: int) -> None:
+        with self._lock:
+            self._run(batch_df, batch_id)
+
+    def _run(self, batch_df, batch_id: int) -> None:
+        conf = self.conf()
+        coordinator = self.coordinator(conf)
+        spark_batch = self.spark_batch(batch_df, batch_id)
+        stream = self.stream
+        spec = ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema)
+        plan = coordinator.begin(spark_batch, spec)
+        task = TaskSpec(
+            store_uri=coordinator.manifests.storage.uri,
+            component=stream.keyed.name,
+            schema=stream.schema,
+            input_columns=stream.input_columns,
+            output_schema=stream.output_schema,
+            function=stream.function,
+            checkpoint_id=plan.checkpoint_id,
+            base_checkpoint_id=plan.base.checkpoint_id if plan.base is not None else None,
+            base_committed_at=plan.base.committed_at if plan.base is not None else None,
+            parallelism=conf.parallelism,
+            max_parallelism=conf.max_parallelism,
+            max_chain_length=conf.max_chain_length,
+            compression=conf.compression,
+        )
+        result = self._run_tasks(batch_df, task)
+        try:
+            from pyspark.sql import functions as F
+
+            metas = result.where(F.col(META_COLUMN).isNotNull()).select(META_COLUMN).collect()
+            reports = [report_from_meta(row[0]) for row in metas]
+            check_reports(reports, conf.parallelism)
+            self._fault("tasks_done", batch_id)
+            self.sink.write(result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN), batch_id)
+            self._fault("output_written", batch_id)
+            manifest = coordinator.commit(plan, spark_batch, spec, reports)
+            if manifest is not None:
+                self._fault("committed", batch_id)
+                coordinator.cleanup(manifest)
+        finally:
+            result.unpersist()
+        self.history.append(
+            {
+                "batch_id": batch_id,
+                "checkpoint_id": plan.checkpoint_id,
+                "replayed": plan.replayed,
+                "parallelism": conf.parallelism,
+                "instances": sorted((r.to_json() for r in reports), key=lambda m: m["instance"]),
+            }
+        )
+
+    def _run_tasks(self, batch_df, task: TaskSpec):
+        """Step 3: route every row to its instance's task and run the tasks; the persisted result."""
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        from spark_state.routing import instance_column, key_group_column
+
+        stream = self.stream
+        key_columns = list(task.schema.key_columns)
+        key_group = key_group_column(batch_df, key_columns, task.max_parallelism)
+        needed = list(dict.fromkeys(key_columns + list(stream.input_columns)))
+        routed = batch_df.select(*needed, key_group.alias(KEY_GROUP_COLUMN)).withColumn(
+            INSTANCE_COLUMN, instance_column(F.col(KEY_GROUP_COLUMN), task.parallelism, task.max_parallelism)
+        )
+
+        def process(batches):
+            from pyspark import TaskContext
+
+            yield from run_instance(task, TaskContext.get().partitionId(), batches)
+
+        out_schema = to_spark_schema(task.output_schema.append(pa.field(META_COLUMN, pa.string())))
+        return (
+            routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))
+            .drop(INSTANCE_COLUMN)
+            .mapInArrow(process, out_schema)
+            .persist(StorageLevel.MEMORY_AND_DISK)
+        )
+
+    def _fault(self, stage: str, batch_id: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(stage, batch_id)

@@ -1,0 +1,228 @@
+"""The state of one instance kept in a Python worker between micro-batches, and how it meets the store.
+
+``ResidentState`` is one instance's keyed state (``KeyGroupTable``), the
+chains it reflects (``ChainTracker``) and its instance items
+(``InstanceItems``). A task uses it in three steps:
+
+1. ``catch_up(blobs, component, ...)`` brings it to exactly a committed
+   checkpoint, reading only what differs (``restore.plan_instance_restore``
+   with what it holds): nothing when this process ran the instance last
+   batch, the missing delta suffix of a stale chain, the whole chain of a key
+   group that diverged (a failed attempt) or of every key group after a
+   rescale. Uncommitted changes are discarded first. After a rescale its
+   share of the old instances' items is taken (``redistribute_items``).
+2. the keyed function reads and changes it;
+3. ``checkpoint(blobs, ...)`` writes the changed key groups as the instance's
+   blob for the checkpoint, and the items if they changed (step 1 of the
+   commit protocol in ``manifestlog``).
+
+Between batches the state stays in the process (``take``/``keep``), keyed by
+store, component and instance. Spark does not pin tasks to workers, so a
+task may find no resident state (a cold catch-up) or state left behind by an
+older attempt (a catch-up that reloads what diverged); states of another
+parallelism are dropped when a task of the new one arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from spark_state.blob import EntryKind
+from spark_state.blobstore import BlobStore, FetchStats
+from spark_state.chains import DEFAULT_MAX_CHAIN_LENGTH, ChainTracker, PlannedEntry
+from spark_state.errors import KeyGroupOwnershipError
+from spark_state.instance_items import InstanceItems, redistribute_items
+from spark_state.keygroups import KeyGroupRange, key_group_range
+from spark_state.keyed_table import FetchedChain, KeyGroupTable
+from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
+from spark_state.restore import InstanceRestorePlan, plan_instance_restore
+from spark_state.schema import KeyedSchema
+
+CATCH_UP_MAX_GAP_BYTES = 8192
+"""Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What a catch-up read: the plan it executed, the fetch's cost, and bytes of instance items read."""
+
+    plan: InstanceRestorePlan
+    stats: FetchStats
+    items_bytes: int
+
+
+class ResidentState:
+    """See the module docstring. ``key_group_range`` is inclusive."""
+
+    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange):
+        self.schema = schema
+        self.key_group_range = key_group_range
+        self.table = KeyGroupTable(schema, key_group_range)
+        self.chains = ChainTracker()
+        self.items = InstanceItems()
+        self._items_ref: ItemsRef | None = None  # the committed items file ``items`` reflects
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    # Step 1 -------------------------------------------------------------------------------
+
+    def catch_up(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> CatchUp:
+        """Bring the state to exactly ``component``'s, reading only what differs.
+
+        ``instance`` at ``parallelism`` must own this state's key-group range.
+        """
+        owned = key_group_range(instance, parallelism, component.max_parallelism)
+        if owned != self.key_group_range:
+            raise KeyGroupOwnershipError(
+                f"instance {instance} at parallelism {parallelism} owns {owned}, this state holds "
+                f"{self.key_group_range}; build a new ResidentState for the new parallelism"
+            )
+        self.chains.forget(self.table.take_changes())
+        plan = plan_instance_restore(
+            component, instance, parallelism, have=self.chains.held(), max_gap_bytes=CATCH_UP_MAX_GAP_BYTES
+        )
+        entries, stats = blobs.fetch(component, plan)
+        for key_group in plan.clear:
+            self.table.clear(key_group)
+            self.chains.set(key_group, ())
+        for key_group, batches in entries.items():
+            if key_group in plan.appends:
+                self.table.apply(key_group, batches)
+            else:
+                self.table.install(key_group, FetchedChain(key_group, batches, self.schema))
+            self.chains.set(key_group, component.chains[key_group])
+        return CatchUp(plan, stats, self._catch_up_items(blobs, component, instance, parallelism))
+
+    def _catch_up_items(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> int:
+        """Bring the items to ``component``'s; after a rescale take this instance's share. Returns bytes read."""
+        if component.parallelism == parallelism:
+            target = component.instance_items.get(instance)
+            if target == self._items_ref and not self.items.changed:
+                return 0
+            self.items = InstanceItems(blobs.read_items(target) if target else ())
+            self._items_ref = target
+            return target.size if target else 0
+        old = {i: blobs.read_items(ref) for i, ref in component.instance_items.items()}
+        mine = redistribute_items(old, component.parallelism, parallelism)[instance]
+        self.items = InstanceItems(mine)
+        self.items.changed = bool(mine)  # must be written at the new parallelism (manifest.next_component)
+        self._items_ref = None
+        return sum(ref.size for ref in component.instance_items.values())
+
+    # Step 3 -------------------------------------------------------------------------------
+
+    def snapshot(self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH) -> list[tuple[int, EntryKind, pa.Table]]:
+        """Entries for the changes since the last snapshot, in key-group order (see ``chains``).
+
+        The rows of all entries become one array per column, then each entry
+        gets compact copies of its slices (a zero-copy slice would be padded
+        differently in the blob); the cost is per row, not per key group.
+        """
+        changes = self.table.take_changes()
+        planned = self.chains.plan(
+            {g: len(keys) for g, keys in changes.items()}, self.table.key_count, max_chain_length
+        )
+        keys: list = []
+        values: list[list] = [[] for _ in self.schema.variables]
+        deleted: list[bool] = []
+        bounds: list[tuple[PlannedEntry, int, int]] = []
+        for entry in planned:
+            start = len(keys)
+            wanted = None if entry.kind == "full" else changes[entry.key_group]
+            chosen, per_variable = self.table.rows(entry.key_group, wanted)
+            keys.extend(chosen)
+            for column, part in zip(values, per_variable):
+                column.extend(part)
+            deleted.extend(all(part[row] is None for part in per_variable) for row in range(len(chosen)))
+            bounds.append((entry, start, len(chosen)))
+            self.table.drop_if_empty(entry.key_group)
+        for key_group in changes:
+            self.table.drop_if_empty(key_group)
+        if not bounds:
+            return []
+        table = self.schema.rows_to_columns(keys, values, deleted)
+        arrays = [column.combine_chunks() for column in table.columns]
+        return [
+            (entry.key_group, entry.kind,
+             pa.Table.from_arrays([pa.concat_arrays([a.slice(start, n)]) for a in arrays], schema=table.schema))
+            for entry, start, n in bounds
+        ]
+
+    def checkpoint(
+        self,
+        blobs: BlobStore,
+        component: str,
+        checkpoint_id: int,
+        instance: int,
+        *,
+        max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH,
+        compression: str | None = None,
+    ) -> tuple[BlobRef | None, ItemsRef | None]:
+        """Write this checkpoint's blob (None when no key group changed) and items (None when unchanged)."""
+        entries = self.snapshot(max_chain_length=max_chain_length)
+        blob = None
+        if entries:
+            blob = blobs.write_blob(
+                component, checkpoint_id, instance, self.key_group_range, self.schema.blob_schema, entries,
+                compression=compression,
+            )
+            self.chains.record(blob.path)
+        items = None
+        if self.items.changed:
+            items = blobs.write_items(component, checkpoint_id, instance, self.items.to_list())
+            self.items.changed = False
+            self._items_ref = items
+        return blob, items
+
+
+def restore_instance(
+    blobs: BlobStore,
+    component: ComponentManifest | None,
+    schema: KeyedSchema,
+    instance: int,
+    parallelism: int,
+    max_parallelism: int,
+) -> tuple[ResidentState, CatchUp | None]:
+    """Build instance ``instance``'s state at ``parallelism`` from ``component`` (None: start empty)."""
+    state = ResidentState(schema, key_group_range(instance, parallelism, max_parallelism))
+    if component is None:
+        return state, None
+    check_compatible(component, ComponentSpec(component.name, max_parallelism, parallelism, schema))
+    return state, state.catch_up(blobs, component, instance, parallelism)
+
+
+# The process's resident states ---------------------------------------------------------
+
+_LOCK = threading.Lock()
+_RESIDENT: dict[tuple[str, str], dict[int, ResidentState]] = {}
+
+
+def take(store: str, component: str, instance: int, parallelism: int, max_parallelism: int,
+         schema: KeyedSchema) -> ResidentState:
+    """This process's state of ``instance``, or a new empty one; drops states of another parallelism."""
+    owned = key_group_range(instance, parallelism, max_parallelism)
+    with _LOCK:
+        states = _RESIDENT.setdefault((store, component), {})
+        for other in [i for i, s in states.items()
+                      if i >= parallelism or s.key_group_range != key_group_range(i, parallelism, max_parallelism)]:
+            del states[other]
+        state = states.pop(instance, None)
+    if state is None or state.key_group_range != owned or state.schema != schema:
+        state = ResidentState(schema, owned)
+    return state
+
+
+def keep(store: str, component: str, instance: int, state: ResidentState) -> None:
+    """Keep ``state`` in this process for the next task of the same instance."""
+    with _LOCK:
+        _RESIDENT.setdefault((store, component), {})[instance] = state
+
+
+def resident_instances(store: str, component: str) -> list[int]:
+    """The instances whose state this process holds (for reports and tests)."""
+    with _LOCK:
+        return sorted(_RESIDENT.get((store, component), {}))

@@ -1,0 +1,158 @@
+"""Resident state catching up with the store: delta suffixes, diverged attempts, clears, lazy folding."""
+
+from __future__ import annotations
+
+import copy
+
+import pyarrow as pa
+import pytest
+
+from spark_state.blobstore import BlobStore
+from spark_state.errors import CorruptBlobError, KeyGroupOwnershipError
+from spark_state.keygroups import key_group_for, key_group_range
+from spark_state.manifest import ComponentSpec
+from spark_state.resident import ResidentState, keep, resident_instances, take
+from spark_state.schema import KeyedSchema
+from spark_state.storage.memory import MemoryStorage
+from tests.stores import Store
+
+M = 4
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
+
+
+def _contents(state: ResidentState) -> dict[str, int]:
+    return {key[0]: value[0] for _, key, value in state.table.items()}
+
+
+def _commit(store: Store, checkpoint_id: int, state: ResidentState, parallelism: int = 1):
+    ref, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=10)
+    spec = ComponentSpec("c", M, parallelism, SCHEMA)
+    return store.commit(checkpoint_id, {"c": (spec, [ref] if ref else [])}, {}).components["c"]
+
+
+@pytest.fixture
+def store() -> Store:
+    return Store(MemoryStorage(), retained=5)
+
+
+def _dense_state() -> ResidentState:
+    state = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    for n in range(200):
+        key = f"k{n}"
+        state.table.put(key_group_for(key, M), (key,), (n,))
+    return state
+
+
+def _put(state: ResidentState, key: str, value: int) -> None:
+    state.table.put(key_group_for(key, M), (key,), (value,))
+
+
+def test_stale_resident_state_reads_only_the_missing_deltas(store):
+    live = _dense_state()
+    _commit(store, 1, live)
+    stale = copy.deepcopy(live)
+    _put(live, "k1", 1000)
+    live.table.delete(key_group_for("k2", M), ("k2",))
+    _commit(store, 2, live)
+    _put(live, "new", 7)
+    component = _commit(store, 3, live)
+
+    caught = stale.catch_up(store.blobs, component, 0, 1)
+    plan, stats = caught.plan, caught.stats
+
+    touched = {key_group_for(k, M) for k in ("k1", "k2", "new")}
+    assert set(plan.appends) == touched and set(plan.chains) == touched
+    assert all(entry.kind == "delta" for links in plan.chains.values() for _, entry in links)
+    full_size = sum(b.size for b in component.blobs.values() if b.checkpoint_id == 1)
+    assert stats.bytes_read < full_size / 4
+    expected = {f"k{n}": n for n in range(200)} | {"k1": 1000, "new": 7}
+    del expected["k2"]
+    assert _contents(stale) == expected == _contents(live)
+    held = stale.chains.held()
+    assert held == {g: component.chains.get(g, ()) for g in held}
+
+
+def test_uncommitted_attempt_is_reloaded_not_trusted(store):
+    live = _dense_state()
+    component = _commit(store, 1, live)
+    _put(live, "k3", -1)
+    live.checkpoint(store.blobs, "c", 2, 0, max_chain_length=10)  # written, never committed
+    _put(live, "k4", -1)  # changed, never snapshotted
+
+    plan = live.catch_up(store.blobs, component, 0, 1).plan
+
+    changed = {key_group_for("k3", M), key_group_for("k4", M)}
+    assert changed <= set(plan.chains) and not (changed & set(plan.appends))
+    assert _contents(live) == {f"k{n}": n for n in range(200)}
+
+
+def test_key_group_emptied_in_store_is_cleared_in_memory(store):
+    state = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    _put(state, "only", 1)
+    _commit(store, 1, state)
+    stale = copy.deepcopy(state)
+    state.table.delete(key_group_for("only", M), ("only",))
+    component = _commit(store, 2, state)
+
+    plan = stale.catch_up(store.blobs, component, 0, 1).plan
+
+    assert plan.clear == frozenset({key_group_for("only", M)})
+    assert _contents(stale) == {}
+
+
+def test_catch_up_refuses_another_instances_range(store):
+    state = _dense_state()
+    component = _commit(store, 1, state)
+    with pytest.raises(KeyGroupOwnershipError, match="owns"):
+        state.catch_up(store.blobs, component, 0, 2)
+
+
+def test_restore_folds_a_key_group_only_when_it_is_first_accessed(store):
+    live = _dense_state()
+    _commit(store, 1, live)
+    _put(live, "k1", 1000)
+    live.table.delete(key_group_for("k2", M), ("k2",))
+    _put(live, "new", 7)
+    component = _commit(store, 2, live)  # chains: full, then a delta with a tombstone in some key groups
+
+    restored = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    restored.catch_up(store.blobs, component, 0, 1)
+
+    table = restored.table
+    assert table._groups == {} and set(table._unloaded) == set(range(M))  # nothing folded yet
+    assert len(restored) == len(live) == 200  # counted from the Arrow batches: 200 - k2 + new
+    assert table._groups == {}
+    g = key_group_for("k1", M)
+    assert table.get(g, ("k1",)) == (1000,)
+    assert set(table._groups) == {g} and g not in table._unloaded
+    assert restored.chains.held() == {k: component.chains[k] for k in range(M)}  # folding keeps the chain
+    # a put into an unloaded key group keeps the rest of the group
+    _put(restored, "k5", 55)
+    _put(live, "k5", 55)
+    assert _contents(restored) == _contents(live)
+
+
+def test_a_chain_not_starting_with_a_full_entry_is_refused_at_restore(store, monkeypatch):
+    live = _dense_state()
+    component = _commit(store, 1, live)
+    real = BlobStore.fetch
+
+    def deltas_only(self, *args, **kwargs):
+        entries, stats = real(self, *args, **kwargs)
+        return {g: [("delta", batch) for _, batch in batches] for g, batches in entries.items()}, stats
+
+    monkeypatch.setattr(BlobStore, "fetch", deltas_only)
+    with pytest.raises(CorruptBlobError, match="must start with a full entry"):
+        ResidentState(SCHEMA, key_group_range(0, 1, M)).catch_up(store.blobs, component, 0, 1)
+
+
+def test_a_process_drops_resident_states_of_another_parallelism():
+    store, component = "memory://resident-test", "c"
+    for instance in range(4):
+        keep(store, component, instance, take(store, component, instance, 4, M, SCHEMA))
+    assert resident_instances(store, component) == [0, 1, 2, 3]
+    state = take(store, component, 1, 2, M, SCHEMA)  # a task of the new parallelism 2
+    assert state.key_group_range == key_group_range(1, 2, M) and len(state) == 0
+    assert resident_instances(store, component) == []  # instance 0 at 4 owns another range than at 2
+    keep(store, component, 1, state)
+    assert take(store, component, 1, 2, M, SCHEMA) is state
