@@ -44,10 +44,11 @@ def check_known(keys: Iterable[str]) -> None:
     """Raise ``ConfigError`` for a ``spark.state.*`` key this version does not know (a typo is never ignored)."""
     unknown = sorted(k for k in keys if k.startswith(PREFIX) and k not in KNOWN_KEYS)
     if unknown:
-        hints = [
-            f"{key} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(key, KNOWN_KEYS, 1)) else key
-            for key in unknown
-        ]
+        names = {k[len(PREFIX):].lower(): k for k in KNOWN_KEYS}
+        hints = []
+        for key in unknown:
+            match = difflib.get_close_matches(key[len(PREFIX):].lower(), names, 1, cutoff=0.75)
+            hints.append(f"{key} (did you mean {names[match[0]]}?)" if match else key)
         raise ConfigError(f"unknown setting(s) {', '.join(hints)}; the settings are: {', '.join(KNOWN_KEYS)}")
 
 

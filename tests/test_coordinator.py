@@ -176,3 +176,86 @@ def test_query_start_is_refused_early_when_the_store_is_behind_or_empty():
         check_query_start(history.latest(), "q1", 3, checkpoint_location=CHK_A, store="/state")
     with pytest.raises(StateMissingError):
         check_query_start(None, "q1", 0, checkpoint_location=CHK_A, store="/state")
+
+
+# --------------------------------------------------------------------------- the Coordinator around plan_batch
+
+import pyarrow as pa  # noqa: E402
+
+from spark_state.coordinator import Coordinator, InstanceReport  # noqa: E402
+from spark_state.errors import IncompatibleCheckpointError, KeyGroupOwnershipError  # noqa: E402
+from spark_state.keygroups import key_group_for, key_group_range  # noqa: E402
+from spark_state.manifest import ComponentSpec  # noqa: E402
+from spark_state.manifestlog import ManifestLog  # noqa: E402
+from spark_state.resident import ResidentState  # noqa: E402
+from spark_state.schema import KeyedSchema  # noqa: E402
+from spark_state.storage.memory import MemoryStorage  # noqa: E402
+from tests.stores import Store  # noqa: E402
+
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
+M = 8
+
+
+def _reports(store: Store, checkpoint_id: int, parallelism: int, keys: list[str]) -> list[InstanceReport]:
+    reports = []
+    for i in range(parallelism):
+        state = ResidentState(SCHEMA, key_group_range(i, parallelism, M))
+        for key in keys:
+            g = key_group_for(key, M)
+            if g in state.key_group_range:
+                state.table.put(g, (key,), (1,))
+        blob, items = state.checkpoint(store.blobs, "c", checkpoint_id, i)
+        reports.append(InstanceReport(i, blob, items, {"rows_in": len(keys)}))
+    return reports
+
+
+def _coordinator(storage) -> tuple[Coordinator, Store]:
+    store = Store(storage)
+    return Coordinator(ManifestLog(storage), store="memory://state"), store
+
+
+def test_a_batch_is_planned_committed_with_its_binding_and_a_replay_commits_nothing():
+    coordinator, store = _coordinator(MemoryStorage())
+    spec = ComponentSpec("c", M, 2, SCHEMA)
+    first = batch(0, 0, 10)
+    plan = coordinator.begin(first, spec)
+    manifest = coordinator.commit(plan, first, spec, _reports(store, plan.checkpoint_id, 2, ["a", "b", "c"]))
+    assert manifest.binding == first.binding() and manifest.sources == first.end
+    assert sorted(manifest.components["c"].chains) == sorted({key_group_for(k, M) for k in "abc"})
+    replay = coordinator.begin(first, spec)  # the driver died after the commit, before Spark's
+    assert replay.replayed and replay.checkpoint_id == 0
+    assert coordinator.commit(replay, first, spec, _reports(store, 0, 2, ["a"])) is None
+    assert store.committed_ids() == [0]
+    report = InstanceReport.from_json(InstanceReport(1, None, None, {"keys": 3}).to_json())
+    assert (report.instance, report.blob, report.items, dict(report.info)) == (1, None, None, {"keys": 3})
+
+
+@pytest.mark.parametrize("instances", [[0], [0, 0, 1], [0, 1, 2]])
+def test_a_missing_duplicated_or_foreign_report_commits_nothing(instances):
+    coordinator, store = _coordinator(MemoryStorage())
+    spec = ComponentSpec("c", M, 2, SCHEMA)
+    plan = coordinator.begin(batch(0, 0, 10), spec)
+    reports = [InstanceReport(i, None, None) for i in instances]
+    with pytest.raises(KeyGroupOwnershipError, match="expected one report from each of 2 instances"):
+        coordinator.commit(plan, batch(0, 0, 10), spec, reports)
+    assert store.committed_ids() == []
+
+
+def test_begin_refuses_a_component_that_cannot_continue_its_base():
+    coordinator, store = _coordinator(MemoryStorage())
+    spec = ComponentSpec("c", M, 2, SCHEMA)
+    plan = coordinator.begin(batch(0, 0, 10), spec)
+    coordinator.commit(plan, batch(0, 0, 10), spec, _reports(store, 0, 2, ["a"]))
+    with pytest.raises(IncompatibleCheckpointError, match="max parallelism is 16"):
+        coordinator.begin(batch(1, 10, 20), ComponentSpec("c", 16, 2, SCHEMA))
+
+
+def test_a_second_query_committing_the_same_checkpoint_is_told_to_use_its_own_store():
+    storage = MemoryStorage()
+    (one, store), (two, _) = _coordinator(storage), _coordinator(storage)
+    spec = ComponentSpec("c", M, 1, SCHEMA)
+    plans = [one.begin(batch(0, 0, 10), spec), two.begin(batch(0, 0, 10, query_id="q2"), spec)]
+    one.commit(plans[0], batch(0, 0, 10), spec, _reports(store, 0, 1, ["a"]))
+    with pytest.raises(CheckpointError, match="another query writing to the same state store"):
+        two.commit(plans[1], batch(0, 0, 10, query_id="q2"), spec, _reports(store, 0, 1, ["b"]))
+    assert store.committed_ids() == [0] and store.latest().binding.query_id == "q1"

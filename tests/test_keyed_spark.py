@@ -89,7 +89,7 @@ class Job:
 @pytest.fixture(autouse=True)
 def _clean_conf(spark):
     yield
-    for key in ("spark.state.parallelism", "spark.state.store", "spark.state.maxParallelism"):
+    for key in ("spark.state.parallelism", "spark.state.store", "spark.state.maxParallelism", "spark.state.paralelism"):
         spark.conf.unset(key)
 
 
@@ -462,3 +462,49 @@ def test_replayable_sink_appends_each_batch_once_across_a_replay(spark, tmp_path
     assert sorted((r["user"], r["count"]) for r in rows) == sorted(
         (user, count) for batch in expected.values() for user, count in batch.items()
     )
+
+
+def test_a_misspelled_setting_or_a_non_integer_parallelism_is_refused_by_name(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    spark.conf.set("spark.state.paralelism", "3")
+    with pytest.raises(ConfigError, match=r"spark.state.paralelism \(did you mean spark.state.parallelism\?\)"):
+        keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink).option(
+            "checkpointLocation", str(tmp_path / "chk")
+        ).start()
+    spark.conf.unset("spark.state.paralelism")
+    spark.conf.set("spark.state.store", str(tmp_path / "state"))
+    query = keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink).option(
+        "checkpointLocation", str(tmp_path / "chk")
+    ).start()
+    try:
+        for bad in (2.5, "abc", True, 0):
+            with pytest.raises(ConfigError, match="parallelism"):
+                query.set_parallelism(bad)
+        query.set_parallelism(3)
+    finally:
+        query.stop()
+
+
+def test_mean_min_and_max_per_key(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    job.add_batch(300, keys=20, salt=0)
+    job.add_batch(300, keys=25, salt=1)
+    seen: dict[str, list[int]] = {}
+    for rows in job.files:
+        for user, amount in rows:
+            seen.setdefault(user, []).append(amount)
+    for method, expected in (("mean", lambda v: sum(v) / len(v)), ("min", min), ("max", max)):
+        outputs: dict[str, float] = {}
+        column = f"{method}_amount"
+
+        def sink(out, batch_id):
+            outputs.update({r["user"]: r[column] for r in out.collect()})
+
+        spark.conf.set("spark.state.parallelism", "3")
+        spark.conf.set("spark.state.store", str(tmp_path / f"state-{method}"))
+        query = (
+            getattr(keyed(job.stream(), "user", name=method), method)("amount").writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(tmp_path / f"chk-{method}")).trigger(availableNow=True).start()
+        )
+        query.awaitTermination()
+        assert outputs == {user: expected(values) for user, values in seen.items()}, method

@@ -1,0 +1,133 @@
+"""Built-in aggregates (a table of definitions) and user functions over a key-group table (no Spark)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spark_state.errors import ConfigError
+from spark_state.functions import AGGREGATES, KEY_GROUP_COLUMN, Aggregate, PythonFunction
+from spark_state.instance_items import InstanceItems
+from spark_state.keygroups import KeyGroupRange, key_group_for
+from spark_state.keyed_table import KeyGroupTable
+from spark_state.schema import KeyedSchema
+
+M = 8
+KEY = pa.field("key", pa.string())
+
+
+def _rows(pairs: list[tuple[str, object]], kind: pa.DataType) -> pa.Table:
+    keys = [k for k, _ in pairs]
+    return pa.table({
+        "key": pa.array(keys, pa.string()),
+        "x": pa.array([v for _, v in pairs], kind),
+        KEY_GROUP_COLUMN: pa.array([key_group_for(k, M) for k in keys], pa.int32()),
+    })
+
+
+def _run(aggregate: Aggregate, batches: list[list[tuple[str, object]]], kind: pa.DataType) -> list[dict]:
+    table = KeyGroupTable(KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M - 1))
+    outputs = []
+    for pairs in batches:
+        result = aggregate.apply(table, _rows(pairs, kind), ("key",))
+        assert result.schema.field(aggregate.output_name).type == aggregate.output_type()
+        outputs.append(dict(zip(result.column("key").to_pylist(), result.column(aggregate.output_name).to_pylist())))
+    return outputs
+
+
+def _model(kind: str, batches: list[list[tuple[str, object]]]) -> list[dict]:
+    """The running aggregates, computed plainly from all rows seen so far."""
+    seen: dict[str, list] = defaultdict(list)
+    outputs = []
+    for pairs in batches:
+        for key, value in pairs:
+            seen[key].append(value)
+        result = {}
+        for key in {k for k, _ in pairs}:
+            values = [v for v in seen[key] if v is not None]
+            result[key] = {
+                "count": len(seen[key]),
+                "sum": sum(values) if values else None,
+                "min": min(values) if values else None,
+                "max": max(values) if values else None,
+                "mean": sum(values) / len(values) if values else None,
+            }[kind]
+        outputs.append(result)
+    return outputs
+
+
+batches = st.lists(
+    st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "é", ""]), st.integers(-100, 100) | st.none()), max_size=12),
+    min_size=1, max_size=5,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)))
+def test_every_builtin_equals_the_running_aggregate_over_all_rows(batches, kind):
+    aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else pa.int64())
+    got = _run(aggregate, batches, pa.int64())
+    for have, want in zip(got, _model(kind, batches)):
+        assert have.keys() == want.keys()
+        for key in want:
+            if isinstance(want[key], float):
+                assert math.isclose(have[key], want[key])
+            else:
+                assert have[key] == want[key]
+
+
+def test_min_and_max_keep_strings_and_the_input_type():
+    batches = [[("a", "pear"), ("a", "apple")], [("a", "zebra"), ("b", None)]]
+    assert _run(Aggregate("min", "x", "lo", pa.string()), batches, pa.string()) == [{"a": "apple"}, {"a": "apple", "b": None}]
+    assert _run(Aggregate("max", "x", "hi", pa.string()), batches, pa.string())[1] == {"a": "zebra", "b": None}
+
+
+def test_mean_state_is_a_sum_and_a_count():
+    aggregate = Aggregate("mean", "x", "mean_x", pa.int64())
+    assert [f.name for f in aggregate.state_fields()] == ["mean_x_sum", "mean_x_count"]
+    assert aggregate.output_type() == pa.float64()
+
+
+@pytest.mark.parametrize("kind, column, input_type, match", [
+    ("sum", "x", pa.string(), "needs a numeric column"),
+    ("mean", "x", pa.bool_(), "needs a numeric column"),
+    ("min", "x", pa.list_(pa.int64()), "numeric, string, date or timestamp"),
+    ("median", "x", pa.int64(), "unknown aggregate 'median'"),
+    ("sum", None, None, "needs a column"),
+])
+def test_bad_aggregates_are_refused_naming_the_column(kind, column, input_type, match):
+    with pytest.raises(ConfigError, match=match):
+        Aggregate(kind, column, "out", input_type)
+
+
+def test_a_user_function_sees_each_keys_rows_and_state_once_per_batch():
+    schema = KeyedSchema.of_values([KEY], [pa.field("total", pa.int64())])
+    table = KeyGroupTable(schema, KeyGroupRange(0, M - 1))
+    items = InstanceItems()
+    calls = []
+
+    def fn(key, rows, state):
+        calls.append((key, list(rows["x"])))
+        total = (state.get()[0] if state.exists else 0) + int(rows["x"].sum())
+        if total > 10:
+            state.remove()
+        else:
+            state.update({"total": total})
+        state.instance_items.append(key[0])
+        return [{"key": key[0], "total": total}]
+
+    function = PythonFunction(fn)
+    out = pa.schema([KEY, pa.field("total", pa.int64())])
+    rows = _rows([("a", 1), ("b", 7), ("a", 2)], pa.int64())
+    first = function.apply(table, items, rows, ("key",), ("total",), ["key", "x"], out)
+    assert sorted(first.to_pylist(), key=lambda r: r["key"]) == [{"key": "a", "total": 3}, {"key": "b", "total": 7}]
+    assert sorted(calls) == [(("a",), [1, 2]), (("b",), [7])]
+    function.apply(table, items, _rows([("b", 5)], pa.int64()), ("key",), ("total",), ["key", "x"], out)
+    assert table.get(key_group_for("b", M), ("b",)) is None  # removed when it passed 10
+    assert table.get(key_group_for("a", M), ("a",)) == (3,)
+    assert sorted(items) == ["a", "b", "b"]
