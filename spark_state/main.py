@@ -1,6 +1,6 @@
 """The main job: a streaming keyed count that is stopped and restarted at another parallelism.
 
-    ./run main [--work DIR] [--events-per-stage N] [--keys K]
+    ./run main [--work DIR] [--events-per-split N] [--keys K] [--batch-rows N]
 
 1. Writes a ``replayable`` log of keyed events (4 splits) from the generator.
 2. Streams it through ``keyed(events, "key", name="counts").count()`` at

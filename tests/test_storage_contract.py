@@ -594,3 +594,17 @@ def test_open_storage_lists_the_supported_schemes():
     message = str(error.value)
     for scheme in ["file://", "memory://", "webhdfs://", "hdfs://"]:
         assert scheme in message
+
+
+def test_the_hdfs_client_is_imported_only_for_an_hdfs_store():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, spark_state.operator, spark_state.microbatch, spark_state.storage as s\n"
+        "assert 'hdfs' not in sys.modules, 'imported eagerly'\n"
+        "s.open_storage('/tmp/x'); assert 'hdfs' not in sys.modules, 'imported for a local store'\n"
+        "s.open_storage('webhdfs://localhost:1/x'); assert 'hdfs' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

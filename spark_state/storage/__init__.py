@@ -21,11 +21,15 @@ from __future__ import annotations
 import re
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from typing import TYPE_CHECKING
+
 from spark_state.errors import ConfigError
 from spark_state.storage.base import CountingStorage, ForwardingStorage, Storage
-from spark_state.storage.hdfs import WebHdfsStorage
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
+
+if TYPE_CHECKING:
+    from spark_state.storage.hdfs import WebHdfsStorage
 
 __all__ = [
     "CountingStorage",
@@ -43,6 +47,15 @@ SUPPORTED_URIS = (
     "a plain path or file:///abs/path, memory://NAME, "
     "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME)"
 )
+
+
+def __getattr__(name: str):
+    """``WebHdfsStorage`` is imported (with the ``hdfs`` client) only when something asks for it."""
+    if name == "WebHdfsStorage":
+        from spark_state.storage.hdfs import WebHdfsStorage
+
+        return WebHdfsStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_storage(uri: str) -> Storage:
@@ -77,7 +90,9 @@ def _open_memory(uri: str, parts) -> MemoryStorage:
         raise ConfigError(f"invalid memory URI {uri!r}: {err}") from err
 
 
-def _open_webhdfs(uri: str, parts) -> WebHdfsStorage:
+def _open_webhdfs(uri: str, parts) -> "WebHdfsStorage":
+    from spark_state.storage.hdfs import WebHdfsStorage
+
     try:
         port = parts.port
     except ValueError:
