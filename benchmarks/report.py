@@ -141,6 +141,29 @@ def checkpoint_section(data: dict, file: str) -> list[str]:
     return out
 
 
+def manifest_section(data: dict, file: str) -> list[str]:
+    out = ["### Manifest per checkpoint", "", f"From `benchmarks/results/{file}` (`{data['command']}`, load average "
+           f"{data['environment']['load_average_1m']} at start).", "",
+           "Every key group holds state; each checkpoint changes 1% of the key groups. The same blobs are committed "
+           "as delta records on the previous checkpoint (a full record at least every 16) and, side by side, as a "
+           "full record every checkpoint. Medians over the checkpoints.", "",
+           "| key groups | record bytes, delta / full | record / state delta bytes | driver commit s, delta / full "
+           "| executor read s warm, delta / full | executor read s cold, delta / full |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for size in data["sizes"]:
+        d, f = size["delta_records"], size["full_records"]
+        out.append(
+            f"| {size['max_parallelism']:,} | {d['record_bytes']['median']:,.0f} / {f['record_bytes']['median']:,.0f} "
+            f"| {d['record_to_state_delta']['median']:.3f} | {d['commit_seconds']['median']:.4f} / "
+            f"{f['commit_seconds']['median']:.4f} | {d['warm_load_seconds']['median']:.4f} / "
+            f"{f['warm_load_seconds']['median']:.4f} | {d['cold_load_seconds']['median']:.3f} / "
+            f"{f['cold_load_seconds']['median']:.3f} |")
+    out += ["", "Targets: " + "; ".join(f"{t['target']}: {t['value']} ({'met' if t['met'] else 'missed'})"
+                                        for t in data["targets"]) + ".", "",
+            f"![manifest](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    return out
+
+
 def parts_section(keygroups: tuple[dict, str], source: tuple[dict, str], restore: tuple[dict, str]) -> list[str]:
     k, kf = keygroups
     s, sf = source
@@ -248,6 +271,7 @@ def render(results: Path = RESULTS) -> str:
     lines += rescale_section(*rescale)
     lines += throughput_section(*keyed)
     lines += checkpoint_section(*checkpoint)
+    lines += manifest_section(*load("manifest", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0])
     lines.append(END)

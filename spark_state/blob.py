@@ -78,19 +78,34 @@ class BlobIndex:
         return None
 
     def to_json(self) -> dict:
-        """Columnar JSON form (compact for thousands of entries)."""
-        return {
-            "key_group": [e.key_group for e in self.entries],
-            "kind": [ENTRY_KINDS.index(e.kind) for e in self.entries],
-            "offset": [e.offset for e in self.entries],
-            "length": [e.length for e in self.entries],
-            "rows": [e.rows for e in self.entries],
-            "crc32": [e.crc32 for e in self.entries],
+        """Columnar JSON form. Entries are contiguous in a blob as ``encode_blob`` writes it, so the
+        offsets are stored as the first one (``start``) and follow from the lengths; an index whose
+        entries are not contiguous keeps its ``offset`` column instead."""
+        entries = self.entries
+        obj = {
+            "key_group": [e.key_group for e in entries],
+            "kind": [ENTRY_KINDS.index(e.kind) for e in entries],
+            "length": [e.length for e in entries],
+            "rows": [e.rows for e in entries],
+            "crc32": [e.crc32 for e in entries],
         }
+        if all(b.offset == a.offset + a.length for a, b in zip(entries, entries[1:])):
+            obj["start"] = entries[0].offset if entries else 0
+        else:
+            obj["offset"] = [e.offset for e in entries]
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict) -> "BlobIndex":
-        columns = [obj[name] for name in ("key_group", "kind", "offset", "length", "rows", "crc32")]
+        lengths = obj["length"]
+        if "offset" in obj:
+            offsets = obj["offset"]
+        else:
+            offsets, position = [], obj["start"]
+            for length in lengths:
+                offsets.append(position)
+                position += length
+        columns = [obj["key_group"], obj["kind"], offsets, lengths, obj["rows"], obj["crc32"]]
         return cls(
             tuple(
                 BlobEntry(g, ENTRY_KINDS[k], o, n, r, c)  # type: ignore[arg-type]

@@ -78,17 +78,23 @@ class CommitLog:
         """Record ``n``'s full URI, for messages."""
         return f"{self.storage.uri}/{self.path(n)}"
 
-    def create(self, n: int, body: Any) -> None:
-        """Commit record ``n``; ``BlobExistsError`` if it exists (another writer won ``n``)."""
+    def create(self, n: int, body: Any) -> int:
+        """Commit record ``n``; return its size in bytes. ``BlobExistsError`` if it exists (another writer won ``n``)."""
+        data = encode_record(body)
         try:
-            self.storage.create(self.path(n), encode_record(body))
+            self.storage.create(self.path(n), data)
         except BlobExistsError:
             raise BlobExistsError(f"{self.what} {n} already exists at {self.where(n)}") from None
+        return len(data)
 
     def load(self, n: int) -> Any:
         """The verified body of record ``n``; ``BlobNotFoundError`` if there is none."""
+        return self.load_sized(n)[0]
+
+    def load_sized(self, n: int) -> tuple[Any, int]:
+        """``load(n)`` and the record's size in bytes."""
         data = self.storage.read(self.path(n))
-        return decode_record(data, self.where(n), accept_unframed=self.accept_unframed)
+        return decode_record(data, self.where(n), accept_unframed=self.accept_unframed), len(data)
 
     def load_if_exists(self, n: int) -> Any | None:
         """``load(n)``, or None when record ``n`` does not exist."""

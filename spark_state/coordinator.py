@@ -113,7 +113,7 @@ def plan_batch(latest: Manifest | None, load: Callable[[int], Manifest], batch: 
             )
         return BatchPlan(0, None, False)
     written = latest.binding
-    if written is None or not written.same_query(batch.query_id, batch.checkpoint_location):
+    if written is None or not written.same_query(batch.query_id):
         _check_continues(latest, batch, store)
         return BatchPlan(latest.checkpoint_id + 1, latest, False)
     if written.batch_id == batch.batch_id - 1:
@@ -144,7 +144,7 @@ def check_query_start(latest: Manifest | None, query_id: str | None, last_commit
         return
     if latest is None:
         plan_batch(None, _no_load, SparkBatch(query_id, None, last_committed + 1, checkpoint_location, {}), store=store)
-    elif latest.binding is not None and latest.binding.same_query(query_id, checkpoint_location):
+    elif latest.binding is not None and latest.binding.same_query(query_id):
         if latest.binding.batch_id < last_committed:
             plan_batch(latest, _no_load, SparkBatch(query_id, None, last_committed + 1, checkpoint_location, {}),
                        store=store)
@@ -212,7 +212,7 @@ def _replay(latest: Manifest, load: Callable[[int], Manifest], batch: SparkBatch
     for position, checkpoint_id in enumerate(retained):
         manifest = load(checkpoint_id)
         binding = manifest.binding
-        if binding is None or not binding.same_query(batch.query_id, batch.checkpoint_location):
+        if binding is None or not binding.same_query(batch.query_id):
             break
         if binding.batch_id != batch.batch_id:
             continue

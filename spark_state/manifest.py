@@ -23,6 +23,13 @@ A manifest is the single source of truth for a checkpoint. It records:
 Everything here is pure: no I/O. ``next_component`` derives a component's
 manifest from the previous one plus the blobs written for the new checkpoint,
 and raises instead of guessing when the blobs disagree with the routing.
+
+A checkpoint is stored as one record (``Manifest.to_json``): either *full*
+(everything above) or a *delta* on the record of an earlier checkpoint (its
+base): per component that changed, the new and dropped blobs and the changed
+and cleared chains, so what a checkpoint writes grows with what changed, not
+with the key space. ``manifestlog`` chooses between them and reads a delta
+on top of its base.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from spark_state.blob import FORMAT_VERSION, BlobIndex
-from spark_state.commitlog import decode_record, encode_record
 from spark_state.errors import (
     CheckpointError,
     ConfigError,
@@ -55,29 +61,16 @@ class BlobRef:
     crc32: int
     index: BlobIndex
 
-    def to_json(self) -> dict:
-        return {
-            "path": self.path,
-            "checkpoint_id": self.checkpoint_id,
-            "instance": self.instance,
-            "key_group_start": self.key_group_range.start,
-            "key_group_end": self.key_group_range.end,
-            "size": self.size,
-            "crc32": self.crc32,
-            "index": self.index.to_json(),
-        }
+    def to_json(self) -> list:
+        """Compact: ``[path, checkpoint_id, instance, key_group_start, key_group_end, size, crc32, index]``."""
+        kgr = self.key_group_range
+        return [self.path, self.checkpoint_id, self.instance, kgr.start, kgr.end, self.size, self.crc32,
+                self.index.to_json()]
 
     @classmethod
-    def from_json(cls, obj: dict) -> "BlobRef":
-        return cls(
-            path=obj["path"],
-            checkpoint_id=obj["checkpoint_id"],
-            instance=obj["instance"],
-            key_group_range=KeyGroupRange(obj["key_group_start"], obj["key_group_end"]),
-            size=obj["size"],
-            crc32=obj["crc32"],
-            index=BlobIndex.from_json(obj["index"]),
-        )
+    def from_json(cls, obj: list) -> "BlobRef":
+        path, checkpoint_id, instance, start, end, size, crc32, index = obj
+        return cls(path, checkpoint_id, instance, KeyGroupRange(start, end), size, crc32, BlobIndex.from_json(index))
 
 
 @dataclass(frozen=True)
@@ -134,10 +127,7 @@ class ComponentManifest:
         """Number of entries a restore of ``key_group`` reads (0 if it has no state)."""
         return len(self.chains.get(key_group, ()))
 
-    def to_json(self) -> dict:
-        paths = sorted(self.blobs)
-        position = {path: i for i, path in enumerate(paths)}
-        groups = sorted(self.chains)
+    def _header(self) -> dict:
         return {
             "max_parallelism": self.max_parallelism,
             "parallelism": self.parallelism,
@@ -145,33 +135,69 @@ class ComponentManifest:
             "format_version": self.format_version,
             "key_columns": list(self.key_columns),
             "schema": self.schema,
-            "blobs": [self.blobs[p].to_json() for p in paths],
-            "chains": {
-                "key_group": groups,
-                "blobs": [[position[p] for p in self.chains[g]] for g in groups],
-            },
             "instance_items": {str(i): ref.to_json() for i, ref in sorted(self.instance_items.items())},
         }
 
-    @classmethod
-    def from_json(cls, name: str, obj: dict) -> "ComponentManifest":
-        blobs = [BlobRef.from_json(b) for b in obj["blobs"]]
-        chains = {
-            g: tuple(blobs[i].path for i in refs)
-            for g, refs in zip(obj["chains"]["key_group"], obj["chains"]["blobs"], strict=True)
+    def to_json(self) -> dict:
+        """The whole component (a full record)."""
+        paths = sorted(self.blobs)
+        return {**self._header(), "blobs": [self.blobs[p].to_json() for p in paths], "chains": _chains_json(self.chains, sorted(self.chains))}
+
+    def delta_json(self, previous: "ComponentManifest") -> dict:
+        """What changed since ``previous`` (a delta record): the new blobs, and the blobs no chain needs any more.
+
+        The chains follow from the new blobs' entries (``advance_chains``),
+        so the record grows with the change, not with the key space.
+        """
+        header, before = self._header(), previous._header()
+        return {
+            **{key: value for key, value in header.items() if before[key] != value},
+            "new_blobs": [self.blobs[p].to_json() for p in sorted(self.blobs.keys() - previous.blobs.keys())],
+            "dropped_blobs": sorted(previous.blobs.keys() - self.blobs.keys()),
         }
+
+    @classmethod
+    def from_json(cls, name: str, obj: dict, previous: "ComponentManifest | None" = None) -> "ComponentManifest":
+        """Read a full record's component, or (with ``previous``) apply a delta record's to it (``delta_json``)."""
+        if previous is not None:
+            obj = {**previous._header(), **obj}  # a delta repeats only the header fields that changed
+        if previous is None:
+            blobs = {b.path: b for b in map(BlobRef.from_json, obj["blobs"])}
+            chains = _chains_from_json(obj["chains"])
+            missing = {path for chain in chains.values() for path in chain if path not in blobs}
+        else:
+            blobs, chains = dict(previous.blobs), dict(previous.chains)
+            advance_chains(chains, blobs, [BlobRef.from_json(b) for b in obj["new_blobs"]])
+            dropped = [blobs.pop(path) for path in obj["dropped_blobs"]]
+            missing = {
+                ref.path for ref in dropped for e in ref.index.entries if ref.path in chains.get(e.key_group, ())
+            }
+        if missing:
+            raise CorruptBlobError(f"component {name!r}: chains name blobs the manifest does not list: {sorted(missing)[:3]}")
         return cls(
             name=name,
             max_parallelism=obj["max_parallelism"],
             parallelism=obj["parallelism"],
             key_columns=tuple(obj["key_columns"]),
             schema=obj["schema"],
-            blobs={b.path: b for b in blobs},
+            blobs=blobs,
             chains=chains,
             hash_version=obj["hash_version"],
             format_version=obj["format_version"],
             instance_items={int(i): ItemsRef.from_json(ref) for i, ref in obj["instance_items"].items()},
         )
+
+
+def _chains_json(chains: Mapping[int, tuple[str, ...]], key_groups: Sequence[int]) -> dict:
+    """Chains of ``key_groups`` as columns: key groups, and per key group its blobs as indexes into ``paths``."""
+    paths = sorted({path for g in key_groups for path in chains[g]})
+    position = {path: i for i, path in enumerate(paths)}
+    return {"key_group": list(key_groups), "paths": paths, "blobs": [[position[p] for p in chains[g]] for g in key_groups]}
+
+
+def _chains_from_json(obj: dict) -> dict[int, tuple[str, ...]]:
+    paths = obj["paths"]
+    return {g: tuple(paths[i] for i in refs) for g, refs in zip(obj["key_group"], obj["blobs"], strict=True)}
 
 
 @dataclass(frozen=True)
@@ -188,17 +214,15 @@ class QueryBinding:
     those are matched by ``checkpoint_location``.
     """
 
-    query_id: str | None
+    query_id: str
     run_id: str | None
     batch_id: int
     checkpoint_location: str
     start: Mapping[str, Any] = field(default_factory=dict)
 
-    def same_query(self, query_id: str, checkpoint_location: str) -> bool:
-        """Whether the query ``query_id`` at ``checkpoint_location`` is the one that wrote this binding."""
-        if self.query_id is not None:
-            return self.query_id == query_id
-        return self.checkpoint_location == checkpoint_location
+    def same_query(self, query_id: str) -> bool:
+        """Whether the query ``query_id`` is the one that wrote this binding."""
+        return self.query_id == query_id
 
     def to_json(self) -> dict:
         return {
@@ -214,10 +238,6 @@ class QueryBinding:
         return cls(obj["query_id"], obj["run_id"], obj["batch_id"], obj["checkpoint_location"], obj["start"])
 
 
-LEGACY_BINDING_SOURCE = "spark"
-"""Source id under which manifests written before ``QueryBinding`` kept the batch id and checkpoint location."""
-
-
 @dataclass(frozen=True)
 class Manifest:
     """A committed checkpoint."""
@@ -229,27 +249,47 @@ class Manifest:
     committed_at: float = 0.0
     binding: QueryBinding | None = None
 
-    def to_bytes(self) -> bytes:
-        """Canonical JSON framed with a CRC-32 over the body (``commitlog.encode_record``)."""
-        return encode_record(self.to_json())
+    def to_json(self, previous: "Manifest | None" = None) -> dict:
+        """The record committing this manifest: the whole of it, or (given ``previous``) a delta on it.
 
-    def to_json(self) -> dict:
-        return {
+        A delta names its base (``previous.checkpoint_id``) and holds, per
+        component that changed, only the new and dropped blobs and the changed
+        and cleared chains; reading it needs the base (``from_json``).
+        """
+        body = {
             "format_version": FORMAT_VERSION,
+            "kind": "full" if previous is None else "delta",
+            "base": None if previous is None else previous.checkpoint_id,
             "checkpoint_id": self.checkpoint_id,
             "consistent_checkpoints": list(self.consistent_checkpoints),
             "committed_at": self.committed_at,
             "sources": dict(self.sources),
-            "components": {name: c.to_json() for name, c in sorted(self.components.items())},
             "binding": self.binding.to_json() if self.binding is not None else None,
         }
+        if previous is None:
+            body["components"] = {name: c.to_json() for name, c in sorted(self.components.items())}
+        else:
+            body["components"] = {
+                name: c.delta_json(previous.components[name]) if name in previous.components else {"full": c.to_json()}
+                for name, c in sorted(self.components.items())
+                if previous.components.get(name) is not c
+            }
+        return body
+
+    @staticmethod
+    def base_of(body: Any, *, where: str = "manifest") -> int | None:
+        """The id of the record a record body is a delta on, or None for a full record."""
+        try:
+            base = body["base"]
+            if body["kind"] not in ("full", "delta") or (base is None) != (body["kind"] == "full"):
+                raise ValueError(f"kind {body['kind']!r} with base {base!r}")
+            return base
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptBlobError(f"{where} is not a manifest record: {exc!r}") from exc
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
-        return cls.from_json(decode_record(data, where), where=where)
-
-    @classmethod
-    def from_json(cls, body: Any, *, where: str = "manifest") -> "Manifest":
+    def from_json(cls, body: Any, *, where: str = "manifest", base: "Manifest | None" = None) -> "Manifest":
+        """Read a record; a delta record needs its ``base`` manifest (the one ``base_of`` names)."""
         try:
             version = body["format_version"]
         except (KeyError, TypeError) as exc:
@@ -265,29 +305,27 @@ class Manifest:
                 f"reads format {FORMAT_VERSION} (one struct column per state variable). Finish the query with "
                 "the spark-state version that wrote it, or start this one on a new spark.state.store"
             )
+        wanted = cls.base_of(body, where=where)
+        if wanted is not None and (base is None or base.checkpoint_id != wanted):
+            raise CorruptBlobError(f"{where} is a delta on checkpoint {wanted}, which was not given to read it")
         try:
-            sources = dict(body["sources"])
-            binding = _binding_from_body(body, sources)
+            components = dict(base.components) if base is not None else {}
+            for name, obj in body["components"].items():
+                if base is None or "full" in obj:
+                    components[name] = ComponentManifest.from_json(name, obj.get("full", obj))
+                else:
+                    components[name] = ComponentManifest.from_json(name, obj, base.components[name])
+            binding = body["binding"]
             return cls(
                 checkpoint_id=body["checkpoint_id"],
                 consistent_checkpoints=tuple(body["consistent_checkpoints"]),
-                sources=sources,
-                components={n: ComponentManifest.from_json(n, c) for n, c in body["components"].items()},
+                sources=dict(body["sources"]),
+                components=components,
                 committed_at=body["committed_at"],
-                binding=binding,
+                binding=QueryBinding.from_json(binding) if binding is not None else None,
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             raise CorruptBlobError(f"{where} has a checksum but not the fields of a manifest: {exc!r}") from exc
-
-
-def _binding_from_body(body: dict, sources: dict) -> QueryBinding | None:
-    """The binding of a manifest body; older manifests kept a partial one among the sources."""
-    if body.get("binding") is not None:
-        return QueryBinding.from_json(body["binding"])
-    legacy = sources.pop(LEGACY_BINDING_SOURCE, None)
-    if isinstance(legacy, dict) and "batch_id" in legacy:
-        return QueryBinding(None, None, legacy["batch_id"], legacy["checkpoint_location"])
-    return None
 
 
 def check_component_name(component: str) -> str:
@@ -363,18 +401,7 @@ def next_component(
     seen_instances: set[int] = set()
     for blob in new_blobs:
         _check_blob(blob, spec, checkpoint_id, seen_instances)
-        blobs[blob.path] = blob
-        for entry in blob.index.entries:
-            if entry.kind == "full":
-                chains[entry.key_group] = (blob.path,) if entry.rows else ()
-            elif entry.key_group in chains:
-                chains[entry.key_group] = chains[entry.key_group] + (blob.path,)
-            elif entry.rows:
-                raise CheckpointError(
-                    f"blob {blob.path} has a delta for key group {entry.key_group}, which has no "
-                    "base state; the writer must write a full entry first"
-                )
-    chains = {g: chain for g, chain in chains.items() if chain}
+    advance_chains(chains, blobs, new_blobs)
     referenced = {path for chain in chains.values() for path in chain}
     return ComponentManifest(
         name=spec.name,
@@ -386,6 +413,31 @@ def next_component(
         chains=chains,
         instance_items=_next_instance_items(previous, spec, instance_items or {}),
     )
+
+
+def advance_chains(chains: dict[int, tuple[str, ...]], blobs: dict[str, BlobRef], new_blobs: Sequence[BlobRef]) -> None:
+    """Apply the entries of a checkpoint's new blobs to the chains, in place; add the blobs.
+
+    For every entry: ``full`` replaces the key group's chain (a ``full``
+    entry with zero rows clears it), ``delta`` appends to it; a delta with
+    rows for a key group without a chain raises ``CheckpointError``. Both
+    the writer of a checkpoint and the reader of its delta record apply it.
+    """
+    for blob in new_blobs:
+        blobs[blob.path] = blob
+        for entry in blob.index.entries:
+            if entry.kind == "full":
+                if entry.rows:
+                    chains[entry.key_group] = (blob.path,)
+                else:
+                    chains.pop(entry.key_group, None)
+            elif entry.key_group in chains:
+                chains[entry.key_group] = chains[entry.key_group] + (blob.path,)
+            elif entry.rows:
+                raise CheckpointError(
+                    f"blob {blob.path} has a delta for key group {entry.key_group}, which has no "
+                    "base state; the writer must write a full entry first"
+                )
 
 
 def _next_instance_items(

@@ -2,7 +2,14 @@
 
 Layout under the store's root (``blobstore`` owns ``blobs/`` and ``instance-items/``)::
 
-    checkpoints/<checkpoint_id:020d>.json     manifest = the commit record (``commitlog`` framing)
+    checkpoints/<checkpoint_id:020d>.json     the commit record of a checkpoint (``commitlog`` framing)
+
+A record is *full* (the whole manifest) or a *delta* on the record of the
+previous checkpoint (``manifest.Manifest.to_json``), so a checkpoint writes
+what changed, not the whole key space. A full record is written at least
+every ``MAX_DELTAS`` checkpoints and whenever the deltas since the last full
+one add up to half its size, which bounds what a cold reader reads; a reader
+with the previous manifest in memory reads one small record.
 
 Commit protocol for checkpoint N (``coordinator.Coordinator`` runs it; the code follows these steps):
 
@@ -26,10 +33,14 @@ Commit protocol for checkpoint N (``coordinator.Coordinator`` runs it; the code 
    manifest names them, and manifests before files.
 
 The latest checkpoint is the highest id listed, whose checksum is verified on
-load; a file listing never decides what is committed.
+load; a file listing never decides what is committed. Cleanup keeps every
+record a retained checkpoint is read from (its chain back to a full record).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
 from spark_state.commitlog import CommitLog
@@ -39,6 +50,21 @@ from spark_state.storage.base import Storage, join
 
 CHECKPOINTS_DIR = "checkpoints"
 DEFAULT_RETAINED = 3
+MAX_DELTAS = 16
+"""At most this many delta records follow a full one."""
+CACHED_MANIFESTS = 32
+"""Parsed manifests a reader keeps (least recently used dropped first)."""
+
+
+@dataclass(frozen=True)
+class _Lineage:
+    """How a checkpoint's record is read: its base (None for a full record), and the delta chain back to it."""
+
+    base: int | None
+    full: int
+    deltas: int
+    delta_bytes: int
+    full_bytes: int
 
 
 class CheckpointExistsError(CheckpointError):
@@ -63,7 +89,8 @@ class ManifestReader:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._log = CommitLog(storage, CHECKPOINTS_DIR, what="checkpoint")
-        self._manifests: dict[int, Manifest] = {}
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._lineage: dict[int, _Lineage] = {}
 
     # Reading ----------------------------------------------------------------
 
@@ -76,27 +103,79 @@ class ManifestReader:
         latest = self._log.latest_id()
         return self.load(latest) if latest is not None else None
 
+    def _remember(self, manifest: Manifest, lineage: _Lineage) -> None:
+        self._manifests[manifest.checkpoint_id] = manifest
+        self._manifests.move_to_end(manifest.checkpoint_id)
+        self._lineage[manifest.checkpoint_id] = lineage
+        while len(self._manifests) > CACHED_MANIFESTS:
+            self._manifests.popitem(last=False)
+
     def load(self, checkpoint_id: int) -> Manifest:
-        """The manifest of ``checkpoint_id``; ``NoCheckpointError`` if it was never committed or was cleaned up."""
+        """The manifest of ``checkpoint_id``; ``NoCheckpointError`` if it was never committed or was cleaned up.
+
+        A delta record is read on top of its base, itself loaded (from the
+        cache when it is there) the same way.
+        """
         cached = self._manifests.get(checkpoint_id)
         if cached is not None:
+            self._manifests.move_to_end(checkpoint_id)
             return cached
-        try:
-            body = self._log.load(checkpoint_id)
-        except BlobNotFoundError:
-            raise NoCheckpointError(
-                f"checkpoint {checkpoint_id} does not exist in {self.storage.uri} (committed: {self.ids()[-5:]})"
-            ) from None
-        where = self._log.where(checkpoint_id)
-        manifest = Manifest.from_json(body, where=where)
-        if manifest.checkpoint_id != checkpoint_id:
-            raise CorruptBlobError(f"{where} holds checkpoint {manifest.checkpoint_id}, not {checkpoint_id}")
-        self._manifests[checkpoint_id] = manifest
-        return manifest
+        pending: list[tuple[int, dict, int]] = []
+        wanted, base = checkpoint_id, None
+        while True:
+            try:
+                body, size = self._log.load_sized(wanted)
+            except BlobNotFoundError:
+                if not pending:
+                    raise NoCheckpointError(
+                        f"checkpoint {checkpoint_id} does not exist in {self.storage.uri} (committed: {self.ids()[-5:]})"
+                    ) from None
+                raise CorruptBlobError(
+                    f"checkpoint {pending[-1][0]} in {self.storage.uri} is stored as a delta on checkpoint {wanted}, "
+                    f"whose record {self._log.where(wanted)} is missing; restore it, or start from a checkpoint "
+                    "stored in full"
+                ) from None
+            pending.append((wanted, body, size))
+            parent = Manifest.base_of(body, where=self._log.where(wanted))
+            if parent is None:
+                break
+            base = self._manifests.get(parent)
+            if base is not None:
+                break
+            wanted = parent
+        for record_id, body, size in reversed(pending):
+            where = self._log.where(record_id)
+            manifest = Manifest.from_json(body, where=where, base=base)
+            if manifest.checkpoint_id != record_id:
+                raise CorruptBlobError(f"{where} holds checkpoint {manifest.checkpoint_id}, not {record_id}")
+            self._remember(manifest, self._lineage_of(record_id, base, size))
+            base = manifest
+        return base
+
+    def _lineage_of(self, checkpoint_id: int, base: Manifest | None, size: int) -> _Lineage:
+        if base is None:
+            return _Lineage(None, checkpoint_id, 0, 0, size)
+        parent = self._lineage[base.checkpoint_id]
+        return _Lineage(base.checkpoint_id, parent.full, parent.deltas + 1, parent.delta_bytes + size, parent.full_bytes)
+
+    def records_needed(self, checkpoint_ids) -> set[int]:
+        """The records the given checkpoints are read from: each one's chain back to a full record."""
+        needed: set[int] = set()
+        for checkpoint_id in checkpoint_ids:
+            try:
+                self.load(checkpoint_id)
+            except NoCheckpointError:
+                continue
+            record: int | None = checkpoint_id
+            while record is not None and record not in needed:
+                needed.add(record)
+                record = self._lineage[record].base
+        return needed
 
     def forget_cached_manifests(self) -> None:
         """Drop parsed manifests kept in memory (the store was replaced behind this object's back)."""
         self._manifests.clear()
+        self._lineage.clear()
 
 
 class ManifestLog(ManifestReader):
@@ -125,14 +204,16 @@ class ManifestLog(ManifestReader):
                 f"{previous.checkpoint_id}; checkpoint ids must increase"
             )
         manifest = with_retention(manifest, previous, self.retained)
+        lineage = self._lineage.get(previous.checkpoint_id) if previous is not None else None
+        full = lineage is None or lineage.deltas >= MAX_DELTAS or 2 * lineage.delta_bytes >= lineage.full_bytes
         try:
-            self._log.create(checkpoint_id, manifest.to_json())
+            size = self._log.create(checkpoint_id, manifest.to_json(None if full else previous))
         except BlobExistsError:
             raise CheckpointExistsError(
                 f"checkpoint {checkpoint_id} was committed concurrently by another coordinator",
                 self.load(checkpoint_id),
             ) from None
-        self._manifests[checkpoint_id] = manifest
+        self._remember(manifest, self._lineage_of(checkpoint_id, None if full else previous, size))
         return manifest
 
     # Step 5 -----------------------------------------------------------------
@@ -144,11 +225,13 @@ class ManifestLog(ManifestReader):
         checkpoint id above ``manifest.checkpoint_id`` (it may be in flight).
         """
         retained = set(manifest.consistent_checkpoints)
+        records = self.records_needed(retained)
         deleted: list[str] = []
         for checkpoint_id in self.ids():
-            if checkpoint_id < manifest.checkpoint_id and checkpoint_id not in retained:
+            if checkpoint_id < manifest.checkpoint_id and checkpoint_id not in records:
                 self._log.delete(checkpoint_id)
                 self._manifests.pop(checkpoint_id, None)
+                self._lineage.pop(checkpoint_id, None)
                 deleted.append(manifest_path(checkpoint_id))
         referenced: set[str] = set()
         for checkpoint_id in retained:

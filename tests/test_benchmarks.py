@@ -116,10 +116,22 @@ def test_restore_benchmark_runs(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_manifest_benchmark_runs(tmp_path):
+    out = tmp_path / "manifest.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_manifest.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    data = json.loads(out.read_text())
+    (size,) = data["sizes"]
+    delta, full = size["delta_records"], size["full_records"]
+    assert delta["record_bytes"]["median"] * 4 < full["record_bytes"]["median"]  # 1% changed: a small record
+    assert len(delta["checkpoints"]) == len(full["checkpoints"]) == 4
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
 @pytest.mark.spark
 def test_report_renders_smoke_results(results, rescale, keyed, checkpoint):
     """The README section renders from the smoke runs' files (plus the committed others)."""
-    for name in ("keygroups.json", "source.json", "restore.json"):
+    for name in ("keygroups.json", "source.json", "restore.json", "manifest.json"):
         shutil.copy(report.RESULTS / name, results / name)
     text = report.render(results)
     assert text.startswith(report.BEGIN) and text.endswith(report.END)

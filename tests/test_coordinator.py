@@ -13,7 +13,7 @@ from spark_state.errors import (
     StateOfAnotherQueryError,
     StateQueryMismatchError,
 )
-from spark_state.manifest import LEGACY_BINDING_SOURCE, Manifest, QueryBinding
+from spark_state.manifest import Manifest, QueryBinding
 
 LOG = "replayable:file:///data/events"
 CHK_A, CHK_B = "/chk/a", "/chk/b"
@@ -152,18 +152,6 @@ def test_the_replay_of_a_new_querys_first_batch_uses_the_other_querys_checkpoint
     history = three_batches().commit("q2", 0, 30, 45, location=CHK_B)
     plan = history.plan(batch(0, 30, 45, query_id="q2", location=CHK_B))
     assert (plan.checkpoint_id, plan.base.checkpoint_id, plan.replayed) == (3, 2, True)
-
-
-def test_legacy_manifests_are_matched_by_checkpoint_location():
-    legacy = Manifest.from_bytes(
-        Manifest(0, (0,), {LOG: offsets(10), LEGACY_BINDING_SOURCE: {"checkpoint_location": CHK_A, "batch_id": 0}},
-                 {}).to_bytes()
-    )
-    assert legacy.binding == QueryBinding(None, None, 0, CHK_A) and LEGACY_BINDING_SOURCE not in legacy.sources
-    plan = plan_batch(legacy, {0: legacy}.__getitem__, batch(1, 10, 20), store="/state")
-    assert (plan.checkpoint_id, plan.replayed) == (1, False)
-    with pytest.raises(StateOfAnotherQueryError):
-        plan_batch(legacy, {0: legacy}.__getitem__, batch(0, 0, 20, location=CHK_B), store="/state")
 
 
 def test_query_start_is_refused_early_when_the_store_is_behind_or_empty():

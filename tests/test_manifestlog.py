@@ -38,6 +38,7 @@ from spark_state.errors import (
 )
 from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_for, key_group_range
 from spark_state.keyed_table import KeyGroupTable
+from spark_state.commitlog import decode_record, encode_record
 from spark_state.manifest import ComponentSpec, Manifest
 from spark_state.resident import ResidentState, restore_instance
 from spark_state.schema import KeyedSchema
@@ -338,10 +339,10 @@ def _sample_manifest(storage: Storage) -> tuple[Store, Manifest]:
 
 def test_manifest_roundtrip():
     store, manifest = _sample_manifest(MemoryStorage())
-    data = manifest.to_bytes()
-    again = Manifest.from_bytes(data)
+    data = encode_record(manifest.to_json())
+    again = Manifest.from_json(decode_record(data, "m"))
     assert again == manifest
-    assert again.to_bytes() == data
+    assert encode_record(again.to_json()) == data
     assert Store(store.storage).load(2) == manifest
     component = again.components[COMPONENT]
     assert [component.blobs[p].checkpoint_id for p in component.chains[0]] == [1, 2]
@@ -351,12 +352,12 @@ def test_manifest_roundtrip():
 
 def test_every_flipped_manifest_bit_is_detected():
     _, manifest = _sample_manifest(MemoryStorage())
-    data = manifest.to_bytes()
+    data = encode_record(manifest.to_json())
     for position in range(len(data)):
         corrupted = bytearray(data)
         corrupted[position] ^= 1 << (position % 8)
         with pytest.raises(CorruptBlobError):
-            Manifest.from_bytes(bytes(corrupted))
+            Manifest.from_json(decode_record(bytes(corrupted), "m"))
 
 
 def test_a_corrupt_manifest_in_storage_is_never_read_as_a_checkpoint(storage):
@@ -380,28 +381,33 @@ def test_a_manifest_under_the_wrong_id_is_corrupt(storage):
 
 def test_a_manifest_from_a_newer_format_is_refused():
     _, manifest = _sample_manifest(MemoryStorage())
-    outer = json.loads(manifest.to_bytes())
+    outer = json.loads(encode_record(manifest.to_json()))
     body = json.loads(outer["body"])
     body["format_version"] += 1
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     data = json.dumps({"crc32": zlib.crc32(text.encode()), "body": text}).encode()
     with pytest.raises(IncompatibleCheckpointError, match="upgrade spark-state"):
-        Manifest.from_bytes(data)
+        Manifest.from_json(decode_record(data, "m"))
 
 
 # --------------------------------------------------------------------------- retention and cleanup
 
 
+@pytest.mark.parametrize("deltas", [0, 16])
 @pytest.mark.parametrize("retained", [1, 2, 3])
-def test_retention_and_cleanup(storage, retained):
+def test_retention_and_cleanup(storage, retained, deltas, monkeypatch):
+    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", deltas)  # 0: every record is full
     store = Store(storage, retained=retained)
     job = run_history(store, cleanup=True)
     latest = store.latest()
     assert latest.checkpoint_id == 7
     expected_ids = list(range(7, 7 - retained, -1))
     assert list(latest.consistent_checkpoints) == expected_ids
-    assert Store(storage).committed_ids() == sorted(expected_ids)
-    for gone in range(1, 8 - retained):
+    # the retained checkpoints' records, and the earlier records they are read from (deltas on them)
+    needed = Store(storage).manifests.records_needed(expected_ids)
+    assert needed == set(expected_ids) if deltas == 0 else needed >= set(expected_ids)
+    assert Store(storage).committed_ids() == sorted(needed)
+    for gone in set(range(1, 8)) - needed:
         with pytest.raises(NoCheckpointError):
             Store(storage).load(gone)
     # exactly the referenced blobs remain
@@ -485,8 +491,9 @@ def test_cleanup_crashing_at_every_delete_leaves_a_restorable_store(backend, tmp
         # a rerun (by a restarted coordinator) finishes the job
         survivor.cleanup(latest)
         assert files_under(storage, f"{BLOBS_DIR}/{COMPONENT}/{8:020d}") == in_flight
-        assert survivor.committed_ids() == [6, 7]
-        kept = {manifest_path(6), manifest_path(7)} | referenced_files(survivor, latest) | in_flight
+        records = survivor.manifests.records_needed([6, 7])
+        assert survivor.committed_ids() == sorted(records) and {6, 7} <= records
+        kept = {manifest_path(i) for i in records} | referenced_files(survivor, latest) | in_flight
         assert files_under(storage, "") == kept
         assert len(kept) == len(expected_files)
 
@@ -506,7 +513,7 @@ def test_cleanup_never_touches_checkpoints_above_the_committed_one(storage):
     job.checkpoint(8, cleanup=False, refs=in_flight)
     store.cleanup(store.load(7))
     assert restore_all(Store(storage), 8, 2) == job.committed[8]
-    assert Store(storage).committed_ids() == [7, 8]
+    assert Store(storage).committed_ids() == sorted(Store(storage).manifests.records_needed([7, 8]))
 
 
 def test_instance_items_are_carried_over_and_cleaned_up(storage):
@@ -805,3 +812,69 @@ def test_component_names_are_validated(name):
         store.blobs.write_items(name, 1, 0, [])
     with pytest.raises(ConfigError, match="component name"):
         store.commit(1, {name: (ComponentSpec(name or "x", M, 1, SCHEMA), [])}, {})
+
+
+# --------------------------------------------------------------------------- full and delta records
+
+
+def _many_key_groups(store: Store, max_parallelism: int, parallelism: int, checkpoints: int, changed: int):
+    """Every key group holds state; then each checkpoint changes ``changed`` key groups (a delta entry each)."""
+    states = [ResidentState(SCHEMA, key_group_range(i, parallelism, max_parallelism)) for i in range(parallelism)]
+
+    def commit(checkpoint_id: int):
+        refs = [r for r in (s.checkpoint(store.blobs, COMPONENT, checkpoint_id, i)[0] for i, s in enumerate(states)) if r]
+        spec = ComponentSpec(COMPONENT, max_parallelism, parallelism, SCHEMA)
+        return store.commit(checkpoint_id, {COMPONENT: (spec, refs)}, {"src": checkpoint_id}), refs
+
+    for g in range(max_parallelism):
+        for n in range(3):
+            states[instance_for_key_group(g, parallelism, max_parallelism)].table.put(g, (f"{g}-{n}",), (n,))
+    manifests = [commit(0)[0]]
+    for checkpoint_id in range(1, checkpoints + 1):
+        for g in range(checkpoint_id, max_parallelism, max_parallelism // changed):
+            states[instance_for_key_group(g, parallelism, max_parallelism)].table.put(g, (f"{g}-0",), (-checkpoint_id,))
+        manifests.append(commit(checkpoint_id)[0])
+    return manifests
+
+
+def test_a_checkpoint_that_changes_few_key_groups_writes_a_small_delta_record(monkeypatch):
+    storage = MemoryStorage()
+    manifests = _many_key_groups(Store(storage, retained=2), 1024, 4, 5, changed=8)
+    sizes = [len(storage.read(manifest_path(m.checkpoint_id))) for m in manifests]
+    assert max(sizes[1:]) * 10 < sizes[0]  # 8 of 1024 key groups changed: a fraction of the full record
+    cold = Store(storage)  # reads the deltas on top of the full record 0
+    for manifest in manifests[1:]:
+        assert cold.load(manifest.checkpoint_id) == manifest
+    assert decode_record(storage.read(manifest_path(5)), "m")["kind"] == "delta"
+
+
+def test_a_full_record_follows_at_most_max_deltas_deltas(monkeypatch):
+    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", 3)
+    storage = MemoryStorage()
+    _many_key_groups(Store(storage, retained=2), 1024, 2, 9, changed=4)
+    kinds = [decode_record(storage.read(manifest_path(i)), "m")["kind"] for i in Store(storage).committed_ids()]
+    assert "delta" in kinds and all(run <= 3 for run in map(len, "".join(k[0] for k in kinds).split("f")))
+
+
+def test_a_delta_record_whose_base_record_is_missing_or_damaged_is_never_read():
+    storage = MemoryStorage()
+    _many_key_groups(Store(storage, retained=5), 256, 2, 3, changed=4)
+    data = storage.read(manifest_path(1))
+    storage.delete(manifest_path(1))
+    with pytest.raises(CorruptBlobError, match="delta on checkpoint 1, whose record .*00000000000000000001.json is missing"):
+        Store(storage).load(2)
+    storage.create(manifest_path(1), data[:-3] + b"}}}")
+    with pytest.raises(CorruptBlobError, match="00000000000000000001.json"):
+        Store(storage).load(3)
+
+
+def test_a_reader_keeps_a_bounded_number_of_parsed_manifests(monkeypatch):
+    monkeypatch.setattr("spark_state.manifestlog.CACHED_MANIFESTS", 4)
+    storage = MemoryStorage()
+    store = Store(storage, retained=20)
+    for checkpoint_id in range(12):
+        store.commit(checkpoint_id, {}, {"src": checkpoint_id})
+    reader = ManifestLog(storage)
+    for checkpoint_id in range(12):
+        assert reader.load(checkpoint_id).sources == {"src": checkpoint_id}
+    assert len(reader._manifests) == 4

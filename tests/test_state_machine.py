@@ -101,7 +101,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.cleanup(manifest)
         self.committed[checkpoint_id] = dict(self.live)
         retained = sorted(self.committed, reverse=True)[:RETAINED]
-        assert self.store.committed_ids() == sorted(retained)
+        assert self.store.committed_ids() == sorted(self.store.manifests.records_needed(retained))
+        assert set(retained) <= set(self.store.committed_ids())
         assert self._stored_blobs() == self._referenced_blobs(retained)
 
     def _stored_blobs(self) -> set[str]:
