@@ -39,7 +39,7 @@ import common  # noqa: E402
 from spark_state import manifestlog  # noqa: E402
 from spark_state.blobstore import BlobStore  # noqa: E402
 from spark_state.keygroups import instance_for_key_group, key_group_range  # noqa: E402
-from spark_state.manifest import ComponentSpec, next_manifest  # noqa: E402
+from spark_state.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
 from spark_state.manifestlog import ManifestLog, ManifestReader  # noqa: E402
 from spark_state.resident import ResidentState  # noqa: E402
 from spark_state.schema import KeyedSchema  # noqa: E402
@@ -88,7 +88,7 @@ def run(max_parallelism: int, checkpoints: int, keys_per_group: int, work: Path)
         for name in (POLICIES if checkpoint_id % 2 else POLICIES[::-1]):  # alternate who goes first
             log = logs[name]
             started = time.perf_counter()
-            manifest = log.commit(next_manifest(log.latest(), checkpoint_id, {COMPONENT: (spec, refs, {})}, {}))
+            manifest = log.commit(next_manifest(log.latest(), checkpoint_id, {COMPONENT: ComponentUpdate(spec, refs)}, {}))
             commit = time.perf_counter() - started
             record = log.storage.size(manifestlog.manifest_path(checkpoint_id))
             if checkpoint_id:

@@ -40,7 +40,7 @@ from spark_state.keygroups import (  # noqa: E402
     key_group_range,
     key_groups_for_columns,
 )
-from spark_state.manifest import ComponentSpec, next_manifest  # noqa: E402
+from spark_state.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
 from spark_state.manifestlog import ManifestLog  # noqa: E402
 from spark_state.restore import fold_chain, plan_instance_restore  # noqa: E402
 from spark_state.schema import KeyedSchema  # noqa: E402
@@ -75,7 +75,7 @@ def write_checkpoint(storage, keys: np.ndarray, counts: np.ndarray, parallelism:
                 entries.append((g, "full", table))
         refs.append(BlobStore(storage).write_blob(COMPONENT, 1, instance, owned, SCHEMA.blob_schema, entries))
     spec = ComponentSpec(COMPONENT, max_parallelism, parallelism, SCHEMA)
-    manifest = ManifestLog(storage).commit(next_manifest(None, 1, {COMPONENT: (spec, refs, {})}, {}))
+    manifest = ManifestLog(storage).commit(next_manifest(None, 1, {COMPONENT: ComponentUpdate(spec, refs)}, {}))
     return manifest.components[COMPONENT]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Mapping
 
 import pyarrow as pa
 
@@ -56,6 +56,8 @@ class BlobEntry:
     length: int
     rows: int
     crc32: int
+    earliest: tuple[int | None, int | None, int | None] | None = None
+    """Earliest event, processing and expiry timer over the key group's keys when written (``timers``)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class BlobIndex:
             obj["start"] = entries[0].offset if entries else 0
         else:
             obj["offset"] = [e.offset for e in entries]
+        if any(e.earliest is not None for e in entries):
+            obj["earliest"] = [list(e.earliest) if e.earliest is not None else None for e in entries]
         return obj
 
     @classmethod
@@ -105,11 +109,12 @@ class BlobIndex:
             for length in lengths:
                 offsets.append(position)
                 position += length
-        columns = [obj["key_group"], obj["kind"], offsets, lengths, obj["rows"], obj["crc32"]]
+        earliest = [tuple(e) if e is not None else None for e in obj.get("earliest", [None] * len(lengths))]
+        columns = [obj["key_group"], obj["kind"], offsets, lengths, obj["rows"], obj["crc32"], earliest]
         return cls(
             tuple(
-                BlobEntry(g, ENTRY_KINDS[k], o, n, r, c)  # type: ignore[arg-type]
-                for g, k, o, n, r, c in zip(*columns, strict=True)
+                BlobEntry(g, ENTRY_KINDS[k], o, n, r, c, t)  # type: ignore[arg-type]
+                for g, k, o, n, r, c, t in zip(*columns, strict=True)
             )
         )
 
@@ -121,6 +126,7 @@ def encode_blob(
     key_group_range: KeyGroupRange,
     metadata: dict[str, str],
     compression: str | None = None,
+    earliest: Mapping[int, tuple[int | None, int | None, int | None]] | None = None,
 ) -> tuple[bytes, BlobIndex]:
     """Serialize ``(key_group, kind, rows)`` entries into one blob.
 
@@ -128,7 +134,8 @@ def encode_blob(
     ``rows`` must have exactly its column names and types, including
     ``_deleted``. Key groups must be strictly increasing and inside
     ``key_group_range`` (inclusive bounds). Returns the blob bytes and their
-    index; ``compression`` is an Arrow IPC codec ("lz4", "zstd") or None.
+    index; ``compression`` is an Arrow IPC codec ("lz4", "zstd") or None;
+    ``earliest`` gives, per key group, the earliest timers its entry records.
     """
     file_metadata = {
         "spark_state.format_version": str(FORMAT_VERSION),
@@ -166,8 +173,9 @@ def encode_blob(
     if starts:
         # The writer emits magic and schema lazily with the first batch.
         starts[0] = _MAGIC_PREFIX + len(schema.serialize())
+    earliest = earliest or {}
     entries_out = tuple(
-        BlobEntry(e.key_group, e.kind, s, end - s, e.rows, zlib.crc32(data[s:end]))
+        BlobEntry(e.key_group, e.kind, s, end - s, e.rows, zlib.crc32(data[s:end]), earliest.get(e.key_group))
         for e, s, end in zip(index, starts, ends)
     )
     if entries_out:

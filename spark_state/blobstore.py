@@ -67,13 +67,15 @@ class BlobStore:
         entries: Iterable[tuple[int, EntryKind, pa.Table | pa.RecordBatch]],
         *,
         compression: str | None = None,
+        earliest=None,
     ) -> BlobRef:
         """Write one instance's entries for ``checkpoint_id`` as a new, unreferenced blob.
 
         ``schema`` is the blob schema; ``entries`` are ``(key_group, kind,
         rows)`` in increasing key-group order, all inside ``key_group_range``
-        (the instance's range, inclusive). Returns the ``BlobRef`` to report
-        to the driver.
+        (the instance's range, inclusive); ``earliest`` the earliest timers per
+        key group (``blob.encode_blob``). Returns the ``BlobRef`` to report to
+        the driver.
         """
         check_component_name(component)
         path = join(
@@ -88,6 +90,7 @@ class BlobStore:
             key_group_range=key_group_range,
             metadata={"component": component, "checkpoint_id": str(checkpoint_id), "instance": str(instance)},
             compression=compression,
+            earliest=earliest,
         )
         self.storage.create(path, data)
         return BlobRef(path, checkpoint_id, instance, key_group_range, len(data), zlib.crc32(data), index)

@@ -54,6 +54,7 @@ from spark_state.errors import (
 from spark_state.manifest import (
     BlobRef,
     ComponentSpec,
+    ComponentUpdate,
     ItemsRef,
     Manifest,
     QueryBinding,
@@ -82,6 +83,8 @@ class SparkBatch:
     checkpoint_location: str
     end: Mapping[str, Any]
     start: Mapping[str, Any] = field(default_factory=dict)
+    timestamp_ms: int = 0
+    """The batch's processing time (Spark's ``batchTimestampMs``, the same when the batch is replayed)."""
 
     def binding(self) -> QueryBinding:
         """The binding a checkpoint committed for this batch records."""
@@ -297,19 +300,25 @@ class Coordinator:
         return plan
 
     def commit(self, plan: BatchPlan, batch: SparkBatch, spec: ComponentSpec,
-               reports: Sequence[InstanceReport]) -> Manifest | None:
-        """Commit ``plan``'s checkpoint from the instances' reports (steps 3-4); None for a replayed batch."""
+               reports: Sequence[InstanceReport], *, drained: bool = False) -> Manifest | None:
+        """Commit ``plan``'s checkpoint from the instances' reports (steps 3-4); None for a replayed batch.
+
+        A report's ``info["max_event_time_ms"]`` (the largest event time of
+        its on-time rows) advances the component's watermark (``next_component``).
+        """
         check_reports(reports, spec.parallelism)
         if plan.replayed:
             return None
+        event_times = [r.info["max_event_time_ms"] for r in reports if r.info.get("max_event_time_ms") is not None]
+        update = ComponentUpdate(
+            spec,
+            [r.blob for r in reports if r.blob is not None],
+            {r.instance: r.items for r in reports if r.items is not None},
+            max(event_times) if event_times else None,
+        )
         manifest = next_manifest(
-            plan.base,
-            plan.checkpoint_id,
-            {spec.name: (spec, [r.blob for r in reports if r.blob is not None],
-                         {r.instance: r.items for r in reports if r.items is not None})},
-            batch.end,
-            binding=batch.binding(),
-            committed_at=time.time(),
+            plan.base, plan.checkpoint_id, {spec.name: update}, batch.end,
+            binding=batch.binding(), committed_at=time.time(), drained=drained,
         )
         try:
             return self.manifests.commit(manifest)

@@ -10,7 +10,12 @@ computes per key, how a partial merges into the state, and how the state
 becomes the output value). Adding one is adding an entry.
 
 **User functions** (``PythonFunction``) are called once per key with that
-key's new rows and a ``KeyState``, like Spark's ``applyInPandasWithState``.
+key's new rows and a ``KeyState``, like Spark's ``applyInPandasWithState``;
+with ``on_timer`` they register timers (``state.timers``) and are called back
+for a key when its timer is due, even if the key has no new rows; with a time
+to live a key's value is not served after it expires and is deleted from the
+state (``timers``). A batch runs in this order: the rows, then the due
+timers in time order, then the expiries.
 """
 
 from __future__ import annotations
@@ -23,8 +28,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spark_state.errors import ConfigError
+from spark_state.eventtime import END_OF_TIME
 from spark_state.instance_items import InstanceItems
 from spark_state.keyed_table import KeyGroupTable
+from spark_state.schema import Key
+from spark_state.timers import (
+    EVENT,
+    EXPIRES,
+    PROCESSING,
+    KeyTimersHandle,
+    Timer,
+    TimerIndex,
+    with_expiry,
+    with_timer,
+)
 
 KEY_GROUP_COLUMN = "_spark_state_key_group"
 
@@ -156,23 +173,69 @@ class Aggregate:
         return pa.table(output)
 
 
+@dataclass(frozen=True)
+class BatchTime:
+    """The times a micro-batch runs with: its watermark (None: none yet), its processing time, whether it drains.
+
+    A drain fires every timer (``timer_watermark`` and the processing time for
+    timers are the end of time); late rows and expiries use the real times.
+    """
+
+    watermark_ms: int | None
+    processing_ms: int
+    drain: bool = False
+
+    @property
+    def timer_watermark(self) -> int | None:
+        return END_OF_TIME if self.drain else self.watermark_ms
+
+
+@dataclass(frozen=True)
+class TimeToLive:
+    """A value expires ``duration_ms`` after its last update, in processing time or in event time (watermark)."""
+
+    duration_ms: int
+    kind: str = PROCESSING
+
+    def __post_init__(self) -> None:
+        if self.kind not in (PROCESSING, EVENT):
+            raise ConfigError(f"ttl_kind={self.kind!r} is not one of {PROCESSING!r}, {EVENT!r}")
+
+    def now(self, time: BatchTime) -> int | None:
+        return time.processing_ms if self.kind == PROCESSING else time.watermark_ms
+
+
 class KeyState:
     """The state of one key inside a ``PythonFunction`` call (like Spark's ``GroupState``).
 
     ``get`` returns the value as a tuple of the state schema's value columns
-    (None if the key has no state); ``update`` takes such a tuple (or a dict
-    by column name); ``remove`` deletes it. ``instance_items`` are the
-    non-keyed state of the instance processing this key (``InstanceItems``:
-    a list of JSON values shared by all its keys, split or merged on rescale).
+    (None if the key has no state, or if it expired under a time to live);
+    ``update`` takes such a tuple (or a dict by column name); ``remove``
+    deletes it. ``timers`` registers, deletes and lists the key's timers
+    (with ``on_timer``). ``watermark`` and ``processing_time`` are the batch's
+    (milliseconds). ``instance_items`` are the non-keyed state of the instance
+    processing this key (a list of JSON values shared by its keys, split or
+    merged on rescale).
     """
 
-    __slots__ = ("_value", "_fields", "changed", "instance_items")
+    __slots__ = ("_value", "_fields", "changed", "instance_items", "_timers", "_time", "expires", "_ttl", "_event_ms")
 
-    def __init__(self, value: tuple | None, fields: tuple[str, ...], instance_items: InstanceItems | None = None):
+    def __init__(self, value: tuple | None, fields: tuple[str, ...], instance_items: InstanceItems | None = None, *,
+                 timers: KeyTimersHandle | None = None, time: BatchTime | None = None,
+                 ttl: TimeToLive | None = None, expires: int | None = None, event_time_ms: int | None = None):
+        self._time = time
+        self._ttl = ttl
+        self.expires = expires
+        if ttl is not None and expires is not None and time is not None:
+            now = ttl.now(time)
+            if now is not None and expires <= now:
+                value = None  # expired: never served again
         self._value = value
         self._fields = fields
         self.changed = False
         self.instance_items = instance_items
+        self._timers = timers
+        self._event_ms = event_time_ms
 
     @property
     def exists(self) -> bool:
@@ -192,10 +255,28 @@ class KeyState:
             raise ConfigError(f"state update has {len(value)} values, the state schema has {list(self._fields)}")
         self._value = value
         self.changed = True
+        if self._ttl is not None:
+            start = self._time.processing_ms if self._ttl.kind == PROCESSING else self._event_ms
+            self.expires = None if start is None else start + self._ttl.duration_ms
 
     def remove(self) -> None:
         self._value = None
         self.changed = True
+        self.expires = None
+
+    @property
+    def timers(self) -> KeyTimersHandle:
+        if self._timers is None:
+            raise ConfigError("this keyed function has no timers: pass on_timer=... to apply() to use state.timers")
+        return self._timers
+
+    @property
+    def watermark(self) -> int | None:
+        return None if self._time is None else self._time.watermark_ms
+
+    @property
+    def processing_time(self) -> int | None:
+        return None if self._time is None else self._time.processing_ms
 
 
 def _group_rows(table: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table, np.ndarray]:
@@ -215,6 +296,12 @@ def _group_rows(table: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table
     return ordered, np.append(starts, ordered.num_rows)
 
 
+EVENT_MS_COLUMN = "_spark_state_event_ms"
+"""Each row's event time in milliseconds, added by the operator when the query has event time."""
+LATE_COLUMN = "_late"
+"""With ``late="pass"``, the boolean column that marks a function's late rows."""
+
+
 @dataclass(frozen=True)
 class PythonFunction:
     """A user function ``fn(key, rows, state) -> output`` called once per key with rows in the batch.
@@ -224,49 +311,152 @@ class PythonFunction:
     key's new rows, in arrival order within their input partition;
     ``state`` a ``KeyState``. It returns the output rows for that key: a
     pandas DataFrame, a pyarrow Table, a list of dicts, or None.
+    ``on_timer(key, timer, state) -> output`` is called for each due timer of
+    a key (``timers.Timer``), in time order; ``ttl`` expires values.
     """
 
     fn: Callable[[tuple, Any, KeyState], Any]
     style: str = "pandas"
+    on_timer: Callable[[tuple, Timer, KeyState], Any] | None = None
+    ttl: TimeToLive | None = None
 
     def __post_init__(self) -> None:
         if self.style not in ("pandas", "arrow"):
             raise ConfigError(f"style must be 'pandas' or 'arrow', got {self.style!r}")
         if not callable(self.fn):
             raise ConfigError("the keyed function must be callable as fn(key, rows, state)")
+        if self.on_timer is not None and not callable(self.on_timer):
+            raise ConfigError("on_timer must be callable as on_timer(key, timer, state)")
 
-    def apply(
-        self,
-        table: KeyGroupTable,
-        items: InstanceItems,
-        rows: pa.Table,
-        key_columns: tuple[str, ...],
-        value_fields: tuple[str, ...],
-        input_columns: Sequence[str],
-        output_schema: pa.Schema,
-    ) -> pa.Table:
+    @property
+    def uses_timers(self) -> bool:
+        """Whether its component needs the ``timers`` state variable."""
+        return self.on_timer is not None or self.ttl is not None
+
+    def _key_state(self, state, key_group: int, key: Key, value_fields: tuple[str, ...], time: BatchTime,
+                   event_time_ms: int | None, event_time: bool) -> KeyState:
+        stored = state.table.get(key_group, key, variable=state.timers_variable) if state.timers_variable else None
+        handle = KeyTimersHandle(stored, event_time=event_time) if self.on_timer is not None else None
+        expires = stored[2] if stored is not None and self.ttl is not None else None
+        return KeyState(state.table.get(key_group, key), value_fields, state.items, timers=handle, time=time,
+                        ttl=self.ttl, expires=expires, event_time_ms=event_time_ms)
+
+    def _write_back(self, state, key_group: int, key: Key, key_state: KeyState) -> None:
+        """Store what the call changed: the value, and the key's timers and expiry (indexing new ones)."""
+        table = state.table
+        if key_state.changed:
+            if key_state.exists:
+                table.put(key_group, key, key_state.get())
+            else:
+                table.delete(key_group, key, 0)
+        variable = state.timers_variable
+        if variable is None:
+            return
+        stored = table.get(key_group, key, variable=variable)
+        handle = key_state._timers
+        new = handle.value if handle is not None else stored
+        if self.ttl is not None:
+            new = with_expiry(new, key_state.expires if key_state.exists else None)
+        if new == stored:
+            return
+        if new is None:
+            table.delete(key_group, key, variable)
+        else:
+            table.put(key_group, key, new, variable)
+        for kind, time_ms in (handle.registered if handle is not None else ()):
+            state.timers.push(kind, time_ms, key_group, key)
+        if new is not None and new[2] is not None and (stored is None or stored[2] != new[2]):
+            state.timers.push(EXPIRES, new[2], key_group, key)
+
+    def apply(self, state, rows: pa.Table, key_columns: tuple[str, ...], value_fields: tuple[str, ...],
+              input_columns: Sequence[str], output_schema: pa.Schema, time: BatchTime, event_time: bool) -> pa.Table:
+        """Call ``fn`` once per key of ``rows`` (the instance's rows of the batch) on ``state`` (a ``ResidentState``)."""
         ordered, bounds = _group_rows(rows, key_columns)
         payload = ordered.select(list(input_columns))
         key_group_values = ordered.column(KEY_GROUP_COLUMN).to_numpy()
+        event_ms = ordered.column(EVENT_MS_COLUMN).to_numpy() if EVENT_MS_COLUMN in ordered.column_names else None
         key_lists = [ordered.column(c).to_pylist() for c in key_columns]
         frame = payload.to_pandas() if self.style == "pandas" else payload
         outputs: list[pa.Table] = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             key_group = int(key_group_values[start])
             key = tuple(values[start] for values in key_lists)
-            key_state = KeyState(table.get(key_group, key), value_fields, items)
+            latest = int(event_ms[start:end].max()) if event_ms is not None else None
+            key_state = self._key_state(state, key_group, key, value_fields, time, latest, event_time)
             part = frame.iloc[start:end].reset_index(drop=True) if self.style == "pandas" else frame.slice(start, end - start)
             result = self.fn(key, part, key_state)
-            if key_state.changed:
-                if key_state.exists:
-                    table.put(key_group, key, key_state.get())
-                else:
-                    table.delete(key_group, key, 0)
+            self._write_back(state, key_group, key, key_state)
             if result is not None:
                 outputs.append(_to_output_table(result, output_schema))
-        if not outputs:
-            return output_schema.empty_table()
-        return pa.concat_tables(outputs)
+        return pa.concat_tables(outputs) if outputs else output_schema.empty_table()
+
+    def fire(self, state, value_fields: tuple[str, ...], output_schema: pa.Schema, time: BatchTime,
+             event_time: bool) -> tuple[pa.Table, int]:
+        """Call ``on_timer`` for every due timer, in time order; the output and the number of timers fired.
+
+        Event-time timers are due at or before the batch's watermark (every
+        one when it drains), processing-time timers at or before its
+        processing time. A timer registered while timers fire is due at the
+        earliest in the next batch.
+        """
+        if self.on_timer is None or state.timers is None:
+            return output_schema.empty_table(), 0
+        table, index, variable = state.table, state.timers, state.timers_variable
+
+        def fold(position: int):
+            return lambda g: [(t, key) for key, timers in table.values(g, variable).items() for t in timers[position]]
+
+        due = []
+        if event_time and time.timer_watermark is not None:
+            due += [(t, 0, g, key) for t, g, key in index.due(EVENT, time.timer_watermark, fold(0))]
+        processing_now = END_OF_TIME if time.drain else time.processing_ms
+        due += [(t, 1, g, key) for t, g, key in index.due(PROCESSING, processing_now, fold(1))]
+        due.sort(key=lambda d: (d[0], d[1], d[2]))
+        outputs, fired = [], 0
+        for time_ms, position, key_group, key in due:
+            kind = (EVENT, PROCESSING)[position]
+            stored = table.get(key_group, key, variable=variable)
+            if stored is None or time_ms not in stored[position]:
+                continue  # deleted, or fired already (a duplicate index entry)
+            remaining = with_timer(stored, kind, time_ms, remove=True)
+            if remaining is None:
+                table.delete(key_group, key, variable)
+            else:
+                table.put(key_group, key, remaining, variable)
+            key_state = self._key_state(state, key_group, key, value_fields, time,
+                                        time_ms if kind == EVENT else None, event_time)
+            result = self.on_timer(key, Timer(time_ms, kind), key_state)
+            self._write_back(state, key_group, key, key_state)
+            fired += 1
+            if result is not None:
+                outputs.append(_to_output_table(result, output_schema))
+        return (pa.concat_tables(outputs) if outputs else output_schema.empty_table()), fired
+
+    def expire(self, state, time: BatchTime) -> int:
+        """Delete the values whose time to live ran out (never served since); the number deleted."""
+        if self.ttl is None or state.timers is None:
+            return 0
+        now = self.ttl.now(time)
+        if now is None:
+            return 0
+        table, variable = state.table, state.timers_variable
+
+        def fold(g):
+            return [(timers[2], key) for key, timers in table.values(g, variable).items() if timers[2] is not None]
+
+        expired = 0
+        for time_ms, key_group, key in state.timers.due(EXPIRES, now, fold):
+            stored = table.get(key_group, key, variable=variable)
+            if stored is None or stored[2] != time_ms:
+                continue
+            table.delete(key_group, key, 0)
+            rest = with_expiry(stored, None)
+            if rest is None:
+                table.delete(key_group, key, variable)
+            else:
+                table.put(key_group, key, rest, variable)
+            expired += 1
+        return expired
 
 
 def _to_output_table(result: Any, schema: pa.Schema) -> pa.Table:

@@ -133,6 +133,11 @@ class KeyGroupTable:
                 changed = dirty[g] = set()
             changed.add(k)
 
+    def values(self, key_group: int, variable: int) -> dict[Key, Value]:
+        """One variable's ``key -> value`` of a key group (folds it; do not change the dict, use put/delete)."""
+        self._check(key_group)
+        return self._group(key_group)[variable]
+
     def items(self, variable: int = 0) -> Iterator[tuple[int, Key, Value]]:
         """Every ``(key_group, key, value)`` of one variable, by key group (folds everything)."""
         for key_group in list(self._unloaded):

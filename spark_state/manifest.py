@@ -46,6 +46,7 @@ from spark_state.errors import (
     KeyGroupOwnershipError,
 )
 from spark_state.keygroups import HASH_VERSION, KeyGroupRange, key_group_range
+from spark_state.eventtime import next_watermark
 from spark_state.schema import KeyedSchema
 
 
@@ -97,10 +98,22 @@ class ComponentSpec:
     max_parallelism: int
     parallelism: int
     schema: KeyedSchema
+    delay_ms: int | None = None
+    """The watermark delay of its event time; None when the component has no event time."""
 
     @property
     def key_columns(self) -> tuple[str, ...]:
         return self.schema.key_columns
+
+
+@dataclass(frozen=True)
+class ComponentUpdate:
+    """What one checkpoint wrote for a component: its blobs, its instance items, the largest event time seen."""
+
+    spec: ComponentSpec
+    blobs: Sequence[BlobRef] = ()
+    items: Mapping[int, ItemsRef] = field(default_factory=dict)
+    max_event_time_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,9 @@ class ComponentManifest:
     hash_version: int = HASH_VERSION
     format_version: int = FORMAT_VERSION
     instance_items: Mapping[int, ItemsRef] = field(default_factory=dict)
+    watermark_ms: int | None = None
+    """The watermark the next micro-batch runs with (``eventtime``); None without event time or rows."""
+    max_event_time_ms: int | None = None
 
     @property
     def keyed_schema(self) -> KeyedSchema:
@@ -136,6 +152,8 @@ class ComponentManifest:
             "key_columns": list(self.key_columns),
             "schema": self.schema,
             "instance_items": {str(i): ref.to_json() for i, ref in sorted(self.instance_items.items())},
+            "watermark_ms": self.watermark_ms,
+            "max_event_time_ms": self.max_event_time_ms,
         }
 
     def to_json(self) -> dict:
@@ -144,15 +162,19 @@ class ComponentManifest:
         return {**self._header(), "blobs": [self.blobs[p].to_json() for p in paths], "chains": _chains_json(self.chains, sorted(self.chains))}
 
     def delta_json(self, previous: "ComponentManifest") -> dict:
-        """What changed since ``previous`` (a delta record): the new blobs, and the blobs no chain needs any more.
+        """What changed since ``previous`` (a delta record): the new blobs, the key groups that became empty,
+        and the blobs no chain needs any more.
 
-        The chains follow from the new blobs' entries (``advance_chains``),
-        so the record grows with the change, not with the key space.
+        The other chains follow from the new blobs' entries (``advance_chains``),
+        so the record grows with the change, not with the key space. (A blob
+        holding only entries that emptied key groups is not referenced, so the
+        emptied key groups are listed.)
         """
         header, before = self._header(), previous._header()
         return {
             **{key: value for key, value in header.items() if before[key] != value},
             "new_blobs": [self.blobs[p].to_json() for p in sorted(self.blobs.keys() - previous.blobs.keys())],
+            "cleared": sorted(previous.chains.keys() - self.chains.keys()),
             "dropped_blobs": sorted(previous.blobs.keys() - self.blobs.keys()),
         }
 
@@ -168,6 +190,8 @@ class ComponentManifest:
         else:
             blobs, chains = dict(previous.blobs), dict(previous.chains)
             advance_chains(chains, blobs, [BlobRef.from_json(b) for b in obj["new_blobs"]])
+            for key_group in obj["cleared"]:
+                chains.pop(key_group, None)
             dropped = [blobs.pop(path) for path in obj["dropped_blobs"]]
             missing = {
                 ref.path for ref in dropped for e in ref.index.entries if ref.path in chains.get(e.key_group, ())
@@ -185,6 +209,8 @@ class ComponentManifest:
             hash_version=obj["hash_version"],
             format_version=obj["format_version"],
             instance_items={int(i): ItemsRef.from_json(ref) for i, ref in obj["instance_items"].items()},
+            watermark_ms=obj["watermark_ms"],
+            max_event_time_ms=obj["max_event_time_ms"],
         )
 
 
@@ -248,6 +274,8 @@ class Manifest:
     components: Mapping[str, ComponentManifest]
     committed_at: float = 0.0
     binding: QueryBinding | None = None
+    drained: bool = False
+    """The batch of this checkpoint was a drain: every event-time timer fired, the query stopped after it."""
 
     def to_json(self, previous: "Manifest | None" = None) -> dict:
         """The record committing this manifest: the whole of it, or (given ``previous``) a delta on it.
@@ -265,6 +293,7 @@ class Manifest:
             "committed_at": self.committed_at,
             "sources": dict(self.sources),
             "binding": self.binding.to_json() if self.binding is not None else None,
+            "drained": self.drained,
         }
         if previous is None:
             body["components"] = {name: c.to_json() for name, c in sorted(self.components.items())}
@@ -323,6 +352,7 @@ class Manifest:
                 components=components,
                 committed_at=body["committed_at"],
                 binding=QueryBinding.from_json(binding) if binding is not None else None,
+                drained=body["drained"],
             )
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             raise CorruptBlobError(f"{where} has a checksum but not the fields of a manifest: {exc!r}") from exc
@@ -380,29 +410,32 @@ def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
 
 
 def next_component(
-    previous: ComponentManifest | None,
-    spec: ComponentSpec,
-    checkpoint_id: int,
-    new_blobs: Sequence[BlobRef],
-    instance_items: Mapping[int, ItemsRef] | None = None,
+    previous: ComponentManifest | None, checkpoint_id: int, update: ComponentUpdate
 ) -> ComponentManifest:
-    """Derive a component's manifest for ``checkpoint_id`` from the previous one and the new blobs.
+    """Derive a component's manifest for ``checkpoint_id`` from the previous one and what was written.
 
     Each new blob must have been written for ``checkpoint_id`` by an instance
     that, at ``spec.parallelism``, owns exactly the blob's key-group range;
-    at most one blob per instance. For every entry: ``full`` replaces the key
-    group's chain (a ``full`` entry with zero rows clears it), ``delta``
-    appends to it. Unreferenced blobs drop out of the manifest.
+    at most one blob per instance. The chains follow from the new blobs'
+    entries (``advance_chains``); unreferenced blobs drop out. With event time
+    (``spec.delay_ms``) the largest event time and the next batch's watermark
+    advance (``eventtime.next_watermark``), never backwards.
     """
+    spec = update.spec
     if previous is not None:
         check_compatible(previous, spec)
     chains: dict[int, tuple[str, ...]] = dict(previous.chains) if previous else {}
     blobs: dict[str, BlobRef] = dict(previous.blobs) if previous else {}
     seen_instances: set[int] = set()
-    for blob in new_blobs:
+    for blob in update.blobs:
         _check_blob(blob, spec, checkpoint_id, seen_instances)
-    advance_chains(chains, blobs, new_blobs)
+    advance_chains(chains, blobs, update.blobs)
     referenced = {path for chain in chains.values() for path in chain}
+    watermark = max_event_time = None
+    if spec.delay_ms is not None:
+        seen = [t for t in (previous.max_event_time_ms if previous else None, update.max_event_time_ms) if t is not None]
+        max_event_time = max(seen) if seen else None
+        watermark = next_watermark(previous.watermark_ms if previous else None, max_event_time, spec.delay_ms)
     return ComponentManifest(
         name=spec.name,
         max_parallelism=spec.max_parallelism,
@@ -411,7 +444,9 @@ def next_component(
         schema=spec.schema.serialize(),
         blobs={p: b for p, b in blobs.items() if p in referenced},
         chains=chains,
-        instance_items=_next_instance_items(previous, spec, instance_items or {}),
+        instance_items=_next_instance_items(previous, spec, update.items),
+        watermark_ms=watermark,
+        max_event_time_ms=max_event_time,
     )
 
 
@@ -485,25 +520,25 @@ def _check_blob(blob: BlobRef, spec: ComponentSpec, checkpoint_id: int, seen: se
 def next_manifest(
     previous: Manifest | None,
     checkpoint_id: int,
-    written: Mapping[str, tuple[ComponentSpec, Sequence[BlobRef], Mapping[int, ItemsRef]]],
+    updates: Mapping[str, ComponentUpdate],
     sources: Mapping[str, Any],
     *,
     binding: QueryBinding | None = None,
     committed_at: float = 0.0,
+    drained: bool = False,
 ) -> Manifest:
     """Manifest ``checkpoint_id`` derived from ``previous`` (the base) and what was written for it.
 
-    ``written`` maps each component to its spec, the blobs and the instance
-    items written for this checkpoint (``next_component``); components of
-    ``previous`` not named carry over unchanged. ``sources`` are the batch's
-    end offsets. ``consistent_checkpoints`` is set when it is committed
-    (``with_retention``).
+    ``updates`` maps each component written to its ``ComponentUpdate``
+    (``next_component``); components of ``previous`` not named carry over
+    unchanged. ``sources`` are the batch's end offsets. ``consistent_checkpoints``
+    is set when it is committed (``with_retention``).
     """
     components = dict(previous.components) if previous is not None else {}
-    for name, (spec, blobs, items) in written.items():
+    for name, update in updates.items():
         check_component_name(name)
-        components[name] = next_component(components.get(name), spec, checkpoint_id, blobs, items)
-    return Manifest(checkpoint_id, (), dict(sources), components, committed_at, binding)
+        components[name] = next_component(components.get(name), checkpoint_id, update)
+    return Manifest(checkpoint_id, (), dict(sources), components, committed_at, binding, drained)
 
 
 def with_retention(manifest: Manifest, previous: Manifest | None, retained: int) -> Manifest:

@@ -28,6 +28,7 @@ or overwrites what step 4 had written. A crash after step 5 is step 2's case.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -35,8 +36,9 @@ import pyarrow as pa
 
 from spark_state.conf import STORE, StateConf
 from spark_state.coordinator import Coordinator, SparkBatch, check_reports
+from spark_state.drain import finish_request, pending_requests
 from spark_state.errors import CheckpointError, ConfigError
-from spark_state.functions import KEY_GROUP_COLUMN
+from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.manifest import ComponentSpec
 from spark_state.manifestlog import open_manifest_log
 from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
@@ -85,8 +87,12 @@ class MicroBatch:
     parallelism_override: int | None = None
     fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
     history: list[dict] = field(default_factory=list)
+    drain_requested: bool = False
+    drained_batch: int | None = None
+    query: Any = None  # the StreamingQuery, once started (to stop it after a drain)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
+    _stopper: threading.Thread | None = None
 
     def coordinator(self, conf: StateConf) -> Coordinator:
         """One per setting, kept for the query's life, so parsed manifests are reused across batches."""
@@ -108,12 +114,13 @@ class MicroBatch:
         context = batch_df.sparkSession.sparkContext
         checkpoint = self.spark_checkpoint
         query_id = context.getLocalProperty(QUERY_ID_PROPERTY) or checkpoint.query_id()
-        end = checkpoint.offsets(batch_id)
-        if end is None:
+        entry = checkpoint.offsets_entry(batch_id)
+        if entry is None:
             raise CheckpointError(
                 f"Spark's offsets log has no entry {checkpoint.uri}/offsets/{batch_id} for the micro-batch it "
                 "runs; the checkpoint location was changed while the query ran"
             )
+        end, timestamp_ms = entry
         return SparkBatch(
             query_id=query_id,
             run_id=context.getLocalProperty(RUN_ID_PROPERTY),
@@ -121,6 +128,7 @@ class MicroBatch:
             checkpoint_location=self.checkpoint_location,
             end=end,
             start=batch_start_offsets(self.session, query_id, batch_id, checkpoint),
+            timestamp_ms=timestamp_ms,
         )
 
     def run(self, batch_df, batch_id: int) -> None:
@@ -132,8 +140,12 @@ class MicroBatch:
         coordinator = self.coordinator(conf)
         spark_batch = self.spark_batch(batch_df, batch_id)
         stream = self.stream
-        spec = ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema)
+        event_time = stream.keyed.event_time
+        spec = ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema,
+                             event_time.delay_ms if event_time is not None else None)
         plan = coordinator.begin(spark_batch, spec)
+        base = plan.base.components.get(spec.name) if plan.base is not None else None
+        drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)
         task = TaskSpec(
             store_uri=coordinator.manifests.storage.uri,
             component=stream.keyed.name,
@@ -148,6 +160,10 @@ class MicroBatch:
             max_parallelism=conf.max_parallelism,
             max_chain_length=conf.max_chain_length,
             compression=conf.compression,
+            event_time=event_time,
+            watermark_ms=base.watermark_ms if base is not None else None,
+            processing_ms=spark_batch.timestamp_ms,
+            drain=drain,
         )
         result = self._run_tasks(batch_df, task)
         try:
@@ -159,10 +175,12 @@ class MicroBatch:
             self._fault("tasks_done", batch_id)
             self.sink.write(result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN), batch_id)
             self._fault("output_written", batch_id)
-            manifest = coordinator.commit(plan, spark_batch, spec, reports)
+            manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
             if manifest is not None:
                 self._fault("committed", batch_id)
                 coordinator.cleanup(manifest)
+            if drain:
+                self._drained(coordinator, spark_batch)
         finally:
             result.unpersist()
         self.history.append(
@@ -171,9 +189,44 @@ class MicroBatch:
                 "checkpoint_id": plan.checkpoint_id,
                 "replayed": plan.replayed,
                 "parallelism": conf.parallelism,
+                "watermark_ms": task.watermark_ms,
+                "processing_ms": task.processing_ms,
+                "late_rows": sum(r.info.get("late_rows", 0) for r in reports),
+                "timers_fired": sum(r.info.get("timers_fired", 0) for r in reports),
+                "expired": sum(r.info.get("expired", 0) for r in reports),
+                "drained": drain,
+                "drain_requests_ignored": ignored,
                 "instances": sorted((r.to_json() for r in reports), key=lambda m: m["instance"]),
             }
         )
+
+    def _drain_wanted(self, coordinator: Coordinator, batch: SparkBatch, plan) -> tuple[bool, list[str]]:
+        """Whether this batch drains, and the drain requests that name another run (ignored)."""
+        requests = pending_requests(coordinator.manifests.storage)
+        ignored = [run for run in requests if run != batch.run_id]
+        if plan.replayed:  # a replay does what its committed attempt did
+            return coordinator.manifests.load(plan.checkpoint_id).drained, ignored
+        wanted = self.drain_requested or self.drained_batch is not None or batch.run_id in requests
+        return wanted, ignored
+
+    def _drained(self, coordinator: Coordinator, batch: SparkBatch) -> None:
+        """The drained checkpoint is committed: stop the query once Spark has committed the batch too."""
+        self.drained_batch = batch.batch_id
+        if batch.run_id in pending_requests(coordinator.manifests.storage):
+            finish_request(coordinator.manifests.storage, batch.run_id)
+        if self._stopper is None and self.query is not None:
+            self._stopper = threading.Thread(target=self._stop_after, args=(batch.batch_id,), daemon=True)
+            self._stopper.start()
+
+    def _stop_after(self, batch_id: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.query.isActive:
+            committed = self.spark_checkpoint.last_committed_batch()
+            if committed is not None and committed >= batch_id:
+                break
+            time.sleep(0.05)
+        if self.query.isActive:
+            self.query.stop()
 
     def _run_tasks(self, batch_df, task: TaskSpec):
         """Step 3: route every row to its instance's task and run the tasks; the persisted result."""
@@ -185,7 +238,9 @@ class MicroBatch:
         stream = self.stream
         key_columns = list(task.schema.key_columns)
         key_group = key_group_column(batch_df, key_columns, task.max_parallelism)
-        needed = list(dict.fromkeys(key_columns + list(stream.input_columns)))
+        event_column = [task.event_time.column] if task.event_time is not None else []
+        inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
+        needed = list(dict.fromkeys(key_columns + inputs + event_column))
         routed = batch_df.select(*needed, key_group.alias(KEY_GROUP_COLUMN)).withColumn(
             INSTANCE_COLUMN, instance_column(F.col(KEY_GROUP_COLUMN), task.parallelism, task.max_parallelism)
         )

@@ -6,8 +6,12 @@
 1. take this process's resident state of the instance (``resident.take``)
    and catch it up to the committed base checkpoint;
 2. check that every row's key group (computed by the JVM) equals the one
-   ``key_groups_for_columns`` computes, and that this instance owns it;
-3. apply the keyed function (``functions``): output rows and state changes;
+   ``key_groups_for_columns`` computes, and that this instance owns it; with
+   event time, set aside the rows older than the batch's watermark (late:
+   dropped and counted, or passed marked late);
+3. apply the keyed function (``functions``) to the rows, then fire the due
+   timers and expire values past their time to live: output rows and state
+   changes;
 4. write the changed key groups and instance items (step 1 of the commit
    protocol in ``manifestlog``), keep the state for the next batch, and emit
    a last row carrying the instance's ``InstanceReport`` for the driver.
@@ -32,7 +36,15 @@ import pyarrow as pa
 from spark_state.blobstore import BlobStore
 from spark_state.coordinator import InstanceReport
 from spark_state.errors import KeyGroupOwnershipError
-from spark_state.functions import KEY_GROUP_COLUMN, Aggregate, PythonFunction
+from spark_state.eventtime import EventTime, to_millis
+from spark_state.functions import (
+    EVENT_MS_COLUMN,
+    KEY_GROUP_COLUMN,
+    LATE_COLUMN,
+    Aggregate,
+    BatchTime,
+    PythonFunction,
+)
 from spark_state.keygroups import KeyGroupRange, key_groups_for_columns
 from spark_state.manifest import ComponentManifest
 from spark_state.manifestlog import ManifestReader
@@ -60,6 +72,14 @@ class TaskSpec:
     max_parallelism: int
     max_chain_length: int
     compression: str | None
+    event_time: EventTime | None = None
+    watermark_ms: int | None = None
+    processing_ms: int = 0
+    drain: bool = False
+
+    @property
+    def time(self) -> BatchTime:
+        return BatchTime(self.watermark_ms, self.processing_ms, self.drain)
 
 
 _LOCK = threading.Lock()
@@ -131,16 +151,38 @@ def _check_key_groups(table: pa.Table, key_columns: tuple[str, ...], max_paralle
         )
 
 
-def _apply(task: TaskSpec, state: ResidentState, table: pa.Table) -> pa.Table:
-    """Step 3."""
-    function = task.function
-    key_columns = task.schema.key_columns
+def _event_times(task: TaskSpec, table: pa.Table) -> tuple[pa.Table, dict]:
+    """Step 2 with event time: each row's event time, and the late rows dropped or marked; what that found."""
+    event_time = task.event_time
+    milliseconds = to_millis(table.column(event_time.column))
+    late = milliseconds < task.watermark_ms if task.watermark_ms is not None else np.zeros(len(milliseconds), bool)
+    on_time = milliseconds[~late]
+    info = {"late_rows": int(late.sum()), "max_event_time_ms": int(on_time.max()) if on_time.size else None}
+    table = table.append_column(EVENT_MS_COLUMN, pa.array(milliseconds, pa.int64()))
+    if event_time.late == "drop":
+        return (table.filter(pa.array(~late)) if late.any() else table), info
+    return table.append_column(LATE_COLUMN, pa.array(late)), info
+
+
+def _apply(task: TaskSpec, state: ResidentState, table: pa.Table | None) -> tuple[list[pa.Table], dict]:
+    """Step 3: the function on the rows, then the due timers, then the expiries; the outputs and counts."""
+    function, schema, time = task.function, task.schema, task.time
+    key_columns, outputs, info = schema.key_columns, [], {}
+    event_time = task.event_time is not None
     if isinstance(function, Aggregate):
-        result = function.apply(state.table, table, key_columns)
-    else:
-        result = function.apply(state.table, state.items, table, key_columns, task.schema.value.columns,
-                                task.input_columns, task.output_schema)
-    return result.select(task.output_schema.names).cast(task.output_schema)
+        if table is not None and table.num_rows:
+            outputs.append(function.apply(state.table, table, key_columns))
+        return outputs, info
+    if table is not None and table.num_rows:
+        columns = list(task.input_columns) + ([LATE_COLUMN] if LATE_COLUMN in table.column_names else [])
+        outputs.append(function.apply(state, table, key_columns, schema.value.columns, columns, task.output_schema,
+                                      time, event_time))
+    fired, info["timers_fired"] = function.fire(state, schema.value.columns, task.output_schema, time, event_time)
+    outputs.append(fired)
+    info["expired"] = function.expire(state, time)
+    if state.timers is not None:
+        info["timers_indexed"] = state.timers.pending()
+    return outputs, info
 
 
 class _Phases:
@@ -167,15 +209,21 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     table = pa.Table.from_batches(input_batches) if input_batches else None
     phases.end("input")
     out_with_meta = task.output_schema.append(pa.field(META_COLUMN, pa.string()))
+    time_info: dict = {}
     if table is not None and table.num_rows:
         _check_key_groups(table, task.schema.key_columns, task.max_parallelism, state.key_group_range)
-        result = _apply(task, state, table)
-        phases.end("apply")
-        for batch in result.combine_chunks().to_batches():
+        if task.event_time is not None:
+            table, time_info = _event_times(task, table)
+    outputs, apply_info = _apply(task, state, table)
+    time_info.update(apply_info)
+    phases.end("apply")
+    for output in outputs:
+        output = output.select(task.output_schema.names).cast(task.output_schema)
+        for batch in output.combine_chunks().to_batches():
             yield pa.RecordBatch.from_arrays(
                 list(batch.columns) + [pa.nulls(batch.num_rows, pa.string())], schema=out_with_meta
             )
-        phases.end("output")
+    phases.end("output")
     blob, items = state.checkpoint(
         blobs, task.component, task.checkpoint_id, instance,
         max_chain_length=task.max_chain_length, compression=task.compression,
@@ -183,6 +231,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     phases.end("checkpoint")
     keep(task.store_uri, task.component, instance, state)
     report = InstanceReport(instance, blob, items, {
+        **time_info,
         "rows_in": 0 if table is None else table.num_rows,
         "keys": len(state),
         "restore": restore_info,

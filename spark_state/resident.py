@@ -1,8 +1,9 @@
 """The state of one instance kept in a Python worker between micro-batches, and how it meets the store.
 
 ``ResidentState`` is one instance's keyed state (``KeyGroupTable``), the
-chains it reflects (``ChainTracker``) and its instance items
-(``InstanceItems``). A task uses it in three steps:
+chains it reflects (``ChainTracker``), its instance items (``InstanceItems``)
+and, when its component has timers, the index of its due timers
+(``timers.TimerIndex``). A task uses it in three steps:
 
 1. ``catch_up(blobs, component, ...)`` brings it to exactly a committed
    checkpoint, reading only what differs (``restore.plan_instance_restore``
@@ -40,6 +41,7 @@ from spark_state.keyed_table import FetchedChain, KeyGroupTable
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
 from spark_state.restore import InstanceRestorePlan, plan_instance_restore
 from spark_state.schema import KeyedSchema
+from spark_state.timers import TIMERS, TimerIndex, minima
 
 CATCH_UP_MAX_GAP_BYTES = 8192
 """Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
@@ -64,6 +66,9 @@ class ResidentState:
         self.chains = ChainTracker()
         self.items = InstanceItems()
         self._items_ref: ItemsRef | None = None  # the committed items file ``items`` reflects
+        names = [v.name for v in schema.variables]
+        self.timers_variable = names.index(TIMERS.name) if TIMERS.name in names else None
+        self.timers = TimerIndex() if self.timers_variable is not None else None
 
     def __len__(self) -> int:
         return len(self.table)
@@ -89,12 +94,17 @@ class ResidentState:
         for key_group in plan.clear:
             self.table.clear(key_group)
             self.chains.set(key_group, ())
+            if self.timers is not None:
+                self.timers.set_earliest(key_group, None)
         for key_group, batches in entries.items():
             if key_group in plan.appends:
                 self.table.apply(key_group, batches)
             else:
                 self.table.install(key_group, FetchedChain(key_group, batches, self.schema))
-            self.chains.set(key_group, component.chains[key_group])
+            chain = component.chains[key_group]
+            self.chains.set(key_group, chain)
+            if self.timers is not None:
+                self.timers.set_earliest(key_group, component.blobs[chain[-1]].index.entry_for(key_group).earliest)
         return CatchUp(plan, stats, self._catch_up_items(blobs, component, instance, parallelism))
 
     def _catch_up_items(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> int:
@@ -121,8 +131,11 @@ class ResidentState:
         The rows of all entries become one array per column, then each entry
         gets compact copies of its slices (a zero-copy slice would be padded
         differently in the blob); the cost is per row, not per key group.
+        With timers, ``earliest`` then holds each written key group's earliest
+        timers, for its index entry.
         """
         changes = self.table.take_changes()
+        self.earliest: dict[int, tuple] = {}
         planned = self.chains.plan(
             {g: len(keys) for g, keys in changes.items()}, self.table.key_count, max_chain_length
         )
@@ -139,6 +152,8 @@ class ResidentState:
                 column.extend(part)
             deleted.extend(all(part[row] is None for part in per_variable) for row in range(len(chosen)))
             bounds.append((entry, start, len(chosen)))
+            if self.timers_variable is not None:
+                self.earliest[entry.key_group] = minima(self.table.values(entry.key_group, self.timers_variable).values())
             self.table.drop_if_empty(entry.key_group)
         for key_group in changes:
             self.table.drop_if_empty(key_group)
@@ -168,7 +183,7 @@ class ResidentState:
         if entries:
             blob = blobs.write_blob(
                 component, checkpoint_id, instance, self.key_group_range, self.schema.blob_schema, entries,
-                compression=compression,
+                compression=compression, earliest=self.earliest or None,
             )
             self.chains.record(blob.path)
         items = None

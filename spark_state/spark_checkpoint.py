@@ -60,6 +60,14 @@ def parse_offsets_entry(text: str) -> dict[str, Any]:
     return result
 
 
+def batch_timestamp_ms(text: str) -> int:
+    """The batch's processing time from the metadata line of ``offsets/N`` (``batchTimestampMs``)."""
+    try:
+        return int(json.loads(text.splitlines()[1])["batchTimestampMs"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise CheckpointLocationError(f"Spark's offsets entry has no readable batchTimestampMs: {exc!r}") from exc
+
+
 def interrupted_first_batch(offsets: Iterable[str], commits: Iterable[str], where: str) -> list[str]:
     """Names in ``offsets/`` to delete so that Spark can start batch 0; ``[]`` when nothing needs doing.
 
@@ -139,8 +147,13 @@ class SparkCheckpoint:
 
     def offsets(self, batch_id: int) -> dict[str, Any] | None:
         """Micro-batch ``batch_id``'s end offsets per source (``parse_offsets_entry``), None if no entry."""
+        entry = self.offsets_entry(batch_id)
+        return None if entry is None else entry[0]
+
+    def offsets_entry(self, batch_id: int) -> tuple[dict[str, Any], int] | None:
+        """Micro-batch ``batch_id``'s end offsets and processing time (``batchTimestampMs``), None if no entry."""
         text = self._read("offsets", str(batch_id))
-        return None if text is None else parse_offsets_entry(text)
+        return None if text is None else (parse_offsets_entry(text), batch_timestamp_ms(text))
 
     def last_committed_batch(self) -> int | None:
         """The highest micro-batch id in ``commits/``, or None."""
@@ -197,6 +210,7 @@ def batch_start_offsets(session, query_id: str, batch_id: int, checkpoint: Spark
 
 __all__ = [
     "SparkCheckpoint",
+    "batch_timestamp_ms",
     "batch_start_offsets",
     "interrupted_first_batch",
     "parse_offsets_entry",

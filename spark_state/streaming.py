@@ -21,7 +21,7 @@ Structured Streaming query whose ``foreachBatch`` is ``MicroBatch.run``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -29,12 +29,15 @@ import pyarrow as pa
 from spark_state.conf import PARALLELISM, StateConf
 from spark_state.coordinator import check_query_start
 from spark_state.errors import ConfigError
-from spark_state.functions import AGGREGATES, Aggregate, PythonFunction
+from spark_state.eventtime import EventTime, check_event_time_type, parse_duration
+from spark_state.functions import AGGREGATES, EVENT_MS_COLUMN, Aggregate, PythonFunction, TimeToLive
 from spark_state.manifest import check_component_name
 from spark_state.microbatch import MicroBatch, location_name
-from spark_state.schema import KeyedSchema
+from spark_state.schema import VALUE, KeyedSchema, StateVariable
+from spark_state.timers import EVENT, PROCESSING, TIMERS
 from spark_state.sinks import open_sink
 from spark_state.spark_checkpoint import SparkCheckpoint
+from spark_state.timed import deduplicate_function, session_fields, session_function
 
 
 def keyed(df, *key_columns: str, name: str) -> "KeyedStream":
@@ -70,6 +73,21 @@ class KeyedStream:
     df: Any
     key_columns: tuple[str, ...]
     name: str
+    event_time: EventTime | None = None
+
+    def withWatermark(self, column: str, delay, *, late: str = "drop") -> "KeyedStream":
+        """Give the stream event time: ``column`` (a timestamp, or a long of milliseconds) and an allowed delay.
+
+        Like Spark's ``withWatermark``: each batch runs with watermark
+        ``max(previous, largest event time so far - delay)``. Rows older
+        than it are late: dropped and counted in ``query.batches``
+        (``late="drop"``), or handed to the function with ``_late = true``
+        (``late="pass"``). ``delay`` is a duration such as ``"10 minutes"``.
+        """
+        if column not in self.df.columns:
+            raise ConfigError(f"withWatermark({column!r}): no such column; the DataFrame has {self.df.columns}")
+        check_event_time_type(column, _to_arrow_schema(self.df.schema).field(column).type)
+        return replace(self, event_time=EventTime(column, parse_duration(delay, "withWatermark delay"), late))
 
     def _key_fields(self) -> list[pa.Field]:
         schema = _to_arrow_schema(self.df.schema)
@@ -114,20 +132,74 @@ class KeyedStream:
         state_schema,
         output_schema,
         style: str = "pandas",
+        on_timer: Callable | None = None,
+        ttl=None,
+        ttl_kind: str = PROCESSING,
     ) -> "StatefulStream":
         """Call ``fn(key, rows, state)`` once per key and batch; see ``functions.PythonFunction``.
 
         ``state_schema`` holds the value columns of the per-key state (DDL
         string, StructType or pyarrow schema; the key columns are not
         repeated); ``output_schema`` the columns ``fn`` returns.
+        ``on_timer(key, timer, state)`` is called for each due timer a key
+        registered with ``state.timers.register(time, kind)``; ``ttl`` (a
+        duration) expires a value that was not updated for that long, in
+        processing time or, with ``ttl_kind="event"``, against the watermark.
         """
         values = _to_arrow_schema(state_schema)
         clash = [f.name for f in values if f.name in self.key_columns]
         if clash:
             raise ConfigError(f"state_schema repeats key column(s) {clash}; list only the value columns")
-        schema = KeyedSchema.of_values(self._key_fields(), list(values))
-        outputs = _to_arrow_schema(output_schema)
-        return StatefulStream(self, PythonFunction(fn, style), schema, outputs, tuple(self.df.columns))
+        time_to_live = TimeToLive(parse_duration(ttl, "ttl"), ttl_kind) if ttl is not None else None
+        if time_to_live is not None and ttl_kind == EVENT and self.event_time is None:
+            raise ConfigError("ttl_kind='event' needs event time: key the stream with .withWatermark(column, delay)")
+        function = PythonFunction(fn, style, on_timer, time_to_live)
+        return StatefulStream(self, function, self._schema(list(values), function.uses_timers),
+                              _to_arrow_schema(output_schema), tuple(self.df.columns))
+
+    def _require_event_time(self, what: str) -> EventTime:
+        if self.event_time is None:
+            raise ConfigError(f"{what} needs event time: key the stream with .withWatermark(column, delay) first")
+        return self.event_time
+
+    def deduplicate(self, horizon) -> "StatefulStream":
+        """Emit the first row of each key; drop repeats until the watermark passes its event time + ``horizon``.
+
+        The output has the input's columns. A key's state expires after the
+        horizon (event time), so the state of quiet keys goes away.
+        """
+        self._require_event_time("deduplicate()")
+        function = deduplicate_function(parse_duration(horizon, "deduplicate horizon"))
+        schema = self._schema([pa.field("first_event_ms", pa.int64())], True)
+        outputs = _to_arrow_schema(self.df.schema)
+        return StatefulStream(self, function, schema, outputs, tuple(self.df.columns) + (EVENT_MS_COLUMN,))
+
+    def session_window(self, gap, column: str | None = None) -> "StatefulStream":
+        """Per key, sessions of rows less than ``gap`` apart in event time; one row per session when it closes.
+
+        A session ``[first event, last event + gap)`` closes when the
+        watermark reaches its end. The output has the key columns,
+        ``session_start``, ``session_end``, ``count`` and, with ``column``,
+        ``sum_<column>``, ``min_<column>`` and ``max_<column>``.
+        """
+        self._require_event_time("session_window()")
+        gap_ms = parse_duration(gap, "session_window gap")
+        if gap_ms <= 0:
+            raise ConfigError(f"session_window gap {gap!r} must be longer than zero")
+        value_type = None
+        if column is not None:
+            if column not in self.df.columns:
+                raise ConfigError(f"session_window column {column!r}: no such column; the DataFrame has {self.df.columns}")
+            value_type = _to_arrow_schema(self.df.schema).field(column).type
+        state_fields, output_fields = session_fields(column, value_type)
+        function = session_function(gap_ms, column, self.key_columns)
+        outputs = pa.schema(self._key_fields() + output_fields)
+        inputs = (EVENT_MS_COLUMN,) + ((column,) if column is not None else ())
+        return StatefulStream(self, function, self._schema(state_fields, True), outputs, inputs)
+
+    def _schema(self, value_fields: list[pa.Field], timers: bool) -> KeyedSchema:
+        value = StateVariable(VALUE, tuple(value_fields))
+        return KeyedSchema(tuple(self._key_fields()), (value, TIMERS) if timers else (value,))
 
 
 assert set(AGGREGATES) <= set(dir(KeyedStream)), "every built-in aggregate has a KeyedStream method"
@@ -227,7 +299,9 @@ class StatefulStreamWriter:
             writer = writer.trigger(**self._trigger)
         if self._query_name:
             writer = writer.queryName(self._query_name)
-        return StatefulQuery(writer.start(), batch)
+        query = writer.start()
+        batch.query = query
+        return StatefulQuery(query, batch)
 
 
 class StatefulQuery:
@@ -247,6 +321,26 @@ class StatefulQuery:
         conf = self._batch.conf()
         StateConf(conf.store, parallelism, conf.max_parallelism, conf.checkpoints_retained)
         self._batch.parallelism_override = parallelism
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Drain the query at its next micro-batch and stop it (see ``spark_state.drain``).
+
+        Waits until the query stopped, at most ``timeout`` seconds (None:
+        as long as it takes); returns whether it drained. A drain needs a
+        micro-batch: Spark runs one only when a source has new data.
+        """
+        self.request_drain()
+        self.query.awaitTermination(timeout)
+        return self._batch.drained_batch is not None and not self.query.isActive
+
+    def request_drain(self) -> None:
+        """Drain at the next micro-batch and stop, without waiting (``drain`` waits)."""
+        self._batch.drain_requested = True
+
+    @property
+    def run_id(self) -> str:
+        """The id of this run of the query (Spark's ``runId``): what an external drain request names."""
+        return str(self.query.runId)
 
     @property
     def batches(self) -> list[dict]:

@@ -11,7 +11,15 @@ import time
 from typing import Any, Mapping, Sequence
 
 from spark_state.blobstore import BlobStore
-from spark_state.manifest import BlobRef, ComponentSpec, ItemsRef, Manifest, QueryBinding, next_manifest
+from spark_state.manifest import (
+    BlobRef,
+    ComponentSpec,
+    ComponentUpdate,
+    ItemsRef,
+    Manifest,
+    QueryBinding,
+    next_manifest,
+)
 from spark_state.manifestlog import DEFAULT_RETAINED, ManifestLog
 from spark_state.storage.base import Storage
 
@@ -33,7 +41,9 @@ class Store:
         items: Mapping[str, Mapping[int, ItemsRef]] | None = None,
         binding: QueryBinding | None = None,
     ) -> Manifest:
-        written = {name: (spec, refs, (items or {}).get(name, {})) for name, (spec, refs) in components.items()}
+        written = {
+            name: ComponentUpdate(spec, refs, (items or {}).get(name, {})) for name, (spec, refs) in components.items()
+        }
         manifest = next_manifest(
             self.manifests.latest(), checkpoint_id, written, sources, binding=binding, committed_at=time.time()
         )

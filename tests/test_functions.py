@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_state.errors import ConfigError
-from spark_state.functions import AGGREGATES, KEY_GROUP_COLUMN, Aggregate, PythonFunction
-from spark_state.instance_items import InstanceItems
+from spark_state.functions import AGGREGATES, KEY_GROUP_COLUMN, Aggregate, BatchTime, PythonFunction
+from spark_state.resident import ResidentState
 from spark_state.keygroups import KeyGroupRange, key_group_for
 from spark_state.keyed_table import KeyGroupTable
 from spark_state.schema import KeyedSchema
 
 M = 8
 KEY = pa.field("key", pa.string())
+TIME = BatchTime(None, 1_700_000_000_000)
 
 
 def _rows(pairs: list[tuple[str, object]], kind: pa.DataType) -> pa.Table:
@@ -107,8 +108,8 @@ def test_bad_aggregates_are_refused_naming_the_column(kind, column, input_type, 
 
 def test_a_user_function_sees_each_keys_rows_and_state_once_per_batch():
     schema = KeyedSchema.of_values([KEY], [pa.field("total", pa.int64())])
-    table = KeyGroupTable(schema, KeyGroupRange(0, M - 1))
-    items = InstanceItems()
+    state = ResidentState(schema, KeyGroupRange(0, M - 1))
+    table, items = state.table, state.items
     calls = []
 
     def fn(key, rows, state):
@@ -124,10 +125,10 @@ def test_a_user_function_sees_each_keys_rows_and_state_once_per_batch():
     function = PythonFunction(fn)
     out = pa.schema([KEY, pa.field("total", pa.int64())])
     rows = _rows([("a", 1), ("b", 7), ("a", 2)], pa.int64())
-    first = function.apply(table, items, rows, ("key",), ("total",), ["key", "x"], out)
+    first = function.apply(state, rows, ("key",), ("total",), ["key", "x"], out, TIME, False)
     assert sorted(first.to_pylist(), key=lambda r: r["key"]) == [{"key": "a", "total": 3}, {"key": "b", "total": 7}]
     assert sorted(calls) == [(("a",), [1, 2]), (("b",), [7])]
-    function.apply(table, items, _rows([("b", 5)], pa.int64()), ("key",), ("total",), ["key", "x"], out)
+    function.apply(state, _rows([("b", 5)], pa.int64()), ("key",), ("total",), ["key", "x"], out, TIME, False)
     assert table.get(key_group_for("b", M), ("b",)) is None  # removed when it passed 10
     assert table.get(key_group_for("a", M), ("a",)) == (3,)
     assert sorted(items) == ["a", "b", "b"]

@@ -878,3 +878,21 @@ def test_a_reader_keeps_a_bounded_number_of_parsed_manifests(monkeypatch):
     for checkpoint_id in range(12):
         assert reader.load(checkpoint_id).sources == {"src": checkpoint_id}
     assert len(reader._manifests) == 4
+
+
+def test_a_delta_record_clears_key_groups_whose_only_new_blob_is_unreferenced():
+    """A checkpoint that only empties key groups writes a blob of empty full entries, which no chain keeps."""
+    storage = MemoryStorage()
+    store = Store(storage)
+    state = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    spec = ComponentSpec(COMPONENT, M, 1, SCHEMA)
+    for key in KEYS[2][:3]:
+        state.table.put(2, (key,), (1,))
+    state.table.put(5, (KEYS[5][0],), (1,))
+    store.commit(1, {COMPONENT: (spec, [state.checkpoint(store.blobs, COMPONENT, 1, 0)[0]])}, {})
+    for key in KEYS[2][:3]:
+        state.table.delete(2, (key,))
+    emptied = store.commit(2, {COMPONENT: (spec, [state.checkpoint(store.blobs, COMPONENT, 2, 0)[0]])}, {})
+    assert decode_record(storage.read(manifest_path(2)), "m")["kind"] == "delta"
+    assert sorted(emptied.components[COMPONENT].chains) == [5]
+    assert Store(storage).load(2) == emptied

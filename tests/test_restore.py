@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from spark_state.blob import BlobEntry, BlobIndex, decode_entry, encode_blob
 from spark_state.errors import CheckpointError, CorruptBlobError, InvalidParallelismError
 from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_range
-from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, next_component
+from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ComponentUpdate, next_component
 from spark_state.resident import ResidentState
 from spark_state.restore import InstanceRestorePlan, apply_entries, fold_chain, plan_instance_restore, plan_restore
 from spark_state.schema import KeyedSchema, StateVariable
@@ -59,7 +59,7 @@ def _single_snapshot(max_parallelism: int, parallelism: int, with_state: set[int
         mine = [g for g in owned if g in with_state]
         if mine:  # an instance without state writes no blob
             blobs.append(_synthetic_blob(1, i, owned, mine))
-    return next_component(None, spec, 1, blobs)
+    return next_component(None, 1, ComponentUpdate(spec, blobs))
 
 
 def _state_pattern(max_parallelism: int, parallelism: int) -> set[int]:
@@ -171,7 +171,7 @@ def test_max_gap_merges_reads_and_costs_exactly_the_gaps(gaps, max_gap):
     m = len(gaps)
     owned = KeyGroupRange(0, m - 1)
     blob = _synthetic_blob(1, 0, owned, range(m), gaps=dict(enumerate(gaps)))
-    component = next_component(None, ComponentSpec("c", m, 1, SCHEMA), 1, [blob])
+    component = next_component(None, 1, ComponentUpdate(ComponentSpec("c", m, 1, SCHEMA), [blob]))
     plan = plan_instance_restore(component, 0, 1, max_gap_bytes=max_gap)
     inner = gaps[1:]  # the gap before the first entry is never read
     assert plan.bytes_owned == sum(_entry_length(g) for g in range(m))
@@ -189,7 +189,7 @@ def test_gap_from_a_superseded_entry_is_bridged_only_when_allowed():
     spec = ComponentSpec("c", m, 1, SCHEMA)
     first = _synthetic_blob(1, 0, KeyGroupRange(0, 3), [1, 2, 3])
     second = _synthetic_blob(2, 0, KeyGroupRange(0, 3), [2])
-    component = next_component(next_component(None, spec, 1, [first]), spec, 2, [second])
+    component = next_component(next_component(None, 1, ComponentUpdate(spec, [first])), 2, ComponentUpdate(spec, [second]))
     assert component.chains == {1: (first.path,), 2: (second.path,), 3: (first.path,)}
     hole = _entry_length(2)
     tight = plan_instance_restore(component, 0, 1)
@@ -261,7 +261,8 @@ class _Job:
             blobs.append(BlobRef(path, checkpoint_id, i, state.key_group_range, len(data), zlib.crc32(data), index))
             for g, kind, _ in entries:
                 written[g] = kind
-        self.component = next_component(self.component, ComponentSpec("c", self.m, self.p, SCHEMA), checkpoint_id, blobs)
+        spec = ComponentSpec("c", self.m, self.p, SCHEMA)
+        self.component = next_component(self.component, checkpoint_id, ComponentUpdate(spec, blobs))
         self.history.append((checkpoint_id, self.component, {g: dict(kv) for g, kv in self.model.items()}))
         return written
 
@@ -382,10 +383,10 @@ def test_delta_without_base_state_is_rejected_but_an_empty_one_is_ignored():
         data, index = encode_blob(schema, entries, key_group_range=KeyGroupRange(0, 3), metadata={})
         return BlobRef(f"b{checkpoint_id}", checkpoint_id, 0, KeyGroupRange(0, 3), len(data), zlib.crc32(data), index)
 
-    base = next_component(None, spec, 1, [ref(1, [(1, "full", one)])])
+    base = next_component(None, 1, ComponentUpdate(spec, [ref(1, [(1, "full", one)])]))
     with pytest.raises(CheckpointError, match="delta for key group 2, which has no base state"):
-        next_component(base, spec, 2, [ref(2, [(2, "delta", one)])])
-    after = next_component(base, spec, 2, [ref(2, [(1, "delta", one), (2, "delta", empty)])])
+        next_component(base, 2, ComponentUpdate(spec, [ref(2, [(2, "delta", one)])]))
+    after = next_component(base, 2, ComponentUpdate(spec, [ref(2, [(1, "delta", one), (2, "delta", empty)])]))
     assert after.chains == {1: ("b1", "b2")}
     for plan in plan_restore(after, 2):
         for links in plan.chains.values():
