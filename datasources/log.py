@@ -12,6 +12,13 @@ Layout under the log's root::
     _index/<20-digit id>.json  index snapshot after that commit (a cache)
     data/<writer dir>/<split>-<seq>.arrow
 
+``_log.json``, commits and snapshots are records framed with a CRC-32
+(``spark_state.commitlog.encode_record``); commits and snapshots are written
+and read through ``spark_state.commitlog.CommitLog``. Reading one that fails
+its checksum, is truncated or does not parse raises ``CorruptLogError`` naming
+the file. Files written before framing (plain JSON objects) are still read,
+unchecked.
+
 Append protocol (``ReplayableLog.append``), in this order:
 
 1. Writers write segments to unique names under ``data/``. They are invisible:
@@ -21,10 +28,11 @@ Append protocol (``ReplayableLog.append``), in this order:
    holds a batch ``>= batch`` for that sink, stop: the batch is in the log.
 4. Assign offsets: each split's new segments continue at that split's end, in
    the order the writer gave them.
-5. Create ``_commits/<last + 1>.json`` with ``overwrite=False``. This single
-   atomic create is the commit point. If another writer created that id
-   first, go back to step 2 (the offsets are re-assigned; segments need no
-   rewrite because they do not store offsets).
+5. Create commit ``last + 1`` (``CommitLog.create``: one atomic create of
+   ``_commits/<last + 1>.json`` without overwrite). This single create is the
+   commit point. If another writer created that id first, go back to step 2
+   (the offsets are re-assigned; segments need no rewrite because they do not
+   store offsets).
 6. Every ``INDEX_SNAPSHOT_INTERVAL`` commits, write an index snapshot. A
    snapshot only caches what commits say; losing one loses nothing.
 
@@ -43,6 +51,7 @@ import logging
 import uuid
 import zlib
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -70,7 +79,8 @@ from datasources.logindex import (
     plan_trim,
     position_schema,
 )
-from spark_state.errors import BlobExistsError, BlobNotFoundError, StorageError
+from spark_state.commitlog import CommitLog, decode_record, encode_record
+from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError, StorageError
 from spark_state.storage.base import Storage, join
 
 META_PATH = "_log.json"
@@ -162,27 +172,39 @@ class SegmentCache:
 # ---------------------------------------------------------------------------
 
 
-def commit_path(commit_id: int) -> str:
-    return join(COMMITS_DIR, f"{commit_id:020d}.json")
-
-
-def snapshot_path(commit_id: int) -> str:
-    return join(INDEX_DIR, f"{commit_id:020d}.json")
+@contextmanager
+def _as_corrupt_log():
+    """Re-raise a record's ``CorruptBlobError`` (bad checksum, truncated, not JSON) as ``CorruptLogError``."""
+    try:
+        yield
+    except CorruptLogError:
+        raise
+    except CorruptBlobError as exc:
+        raise CorruptLogError(f"{exc}; restore the file from a copy, or rewrite the log") from exc
 
 
 class ReplayableLog:
-    """A log at the root of ``storage``; see the module docstring for the protocols."""
+    """A log at the root of ``storage``; see the module docstring for the protocols.
+
+    ``commits`` and ``snapshots`` are the numbered records under ``_commits/``
+    and ``_index/``.
+    """
 
     def __init__(self, storage: Storage, meta: LogMeta, cache: SegmentCache | None = None) -> None:
         self.storage = storage
         self.meta = meta
         self.cache = cache
+        self.commits = CommitLog(storage, COMMITS_DIR, what="log commit", accept_unframed=True)
+        self.snapshots = CommitLog(storage, INDEX_DIR, what="index snapshot", accept_unframed=True)
         self._index = LogIndex.empty(meta.num_splits)
         self._index_loaded = False
 
     @classmethod
     def open(cls, storage: Storage, cache: SegmentCache | None = None) -> "ReplayableLog":
-        """Open an existing log; ``LogNotFoundError`` if there is none at the storage root."""
+        """Open an existing log; ``LogNotFoundError`` if there is none at the storage root.
+
+        ``CorruptLogError`` if its ``_log.json`` is damaged.
+        """
         try:
             data = storage.read(META_PATH)
         except BlobNotFoundError as exc:
@@ -190,7 +212,10 @@ class ReplayableLog:
                 f"no replayable log at {storage.uri} ({META_PATH} is missing): check the path option, "
                 "or create the log by writing to it first"
             ) from exc
-        return cls(storage, LogMeta.from_json(data, f"{storage.uri}/{META_PATH}"), cache)
+        where = f"{storage.uri}/{META_PATH}"
+        with _as_corrupt_log():
+            body = decode_record(data, where, accept_unframed=True)
+        return cls(storage, LogMeta.from_json(body, where), cache)
 
     @classmethod
     def create(cls, storage: Storage, meta: LogMeta, cache: SegmentCache | None = None,
@@ -201,7 +226,7 @@ class ReplayableLog:
         ``exact_splits`` is False (the caller did not ask for a count).
         """
         try:
-            storage.create(META_PATH, meta.to_json())
+            storage.create(META_PATH, encode_record(meta.to_json()))
         except BlobExistsError:
             log = cls.open(storage, cache)
             log.check_compatible(meta.schema, meta.num_splits if exact_splits else None)
@@ -234,25 +259,31 @@ class ReplayableLog:
         return self._index
 
     def _load_snapshot(self) -> LogIndex:
-        ids = [int(name[:-5]) for name in self.storage.list(INDEX_DIR)
-               if name.endswith(".json") and name[:-5].isdigit()]
-        if not ids:
+        """The index of the latest snapshot (the empty index if there is none)."""
+        latest = self.snapshots.latest_id()
+        if latest is None:
             return LogIndex.empty(self.meta.num_splits)
-        path = snapshot_path(max(ids))
-        index = LogIndex.from_json(self.storage.read(path), f"{self.storage.uri}/{path}")
+        where = self.snapshots.where(latest)
+        with _as_corrupt_log():
+            body = self.snapshots.load(latest)
+        index = LogIndex.from_json(body, where)
         if index.num_splits != self.meta.num_splits:
-            raise CorruptLogError(f"index snapshot {path} has {index.num_splits} splits, the log {self.meta.num_splits}")
+            raise CorruptLogError(
+                f"index snapshot {where} has {index.num_splits} splits, the log {self.meta.num_splits}; "
+                "delete the snapshot (commits hold the same information) or restore it from a copy"
+            )
         return index
 
     def _read_commits_after(self, index: LogIndex) -> LogIndex:
+        """Fold every commit after ``index.commit_id`` into ``index``, up to the first id that does not exist."""
         while True:
-            path = commit_path(index.commit_id + 1)
-            try:
-                data = self.storage.read(path)
-            except BlobNotFoundError:
+            n = index.commit_id + 1
+            with _as_corrupt_log():
+                body = self.commits.load_if_exists(n)
+            if body is None:
                 return index
-            where = f"{self.storage.uri}/{path}"
-            index = apply_commit(index, Commit.from_json(data, where), where)
+            where = self.commits.where(n)
+            index = apply_commit(index, Commit.from_json(body, where), where)
 
     def _commit(self, build) -> tuple[Commit | None, LogIndex]:
         """Steps 2-6 of the append protocol; ``build(index)`` returns the commit to try, or None to stop."""
@@ -262,7 +293,7 @@ class ReplayableLog:
             if commit is None:
                 return None, index
             try:
-                self.storage.create(commit_path(commit.commit_id), commit.to_json())
+                self.commits.create(commit.commit_id, commit.to_json())
             except BlobExistsError:
                 continue
             self._index = apply_commit(index, commit)
@@ -277,7 +308,7 @@ class ReplayableLog:
     def _write_snapshot(self, index: LogIndex) -> None:
         """Step 6. Runs after the commit point, so it must not fail the append: a failure is logged."""
         try:
-            self.storage.create(snapshot_path(index.commit_id), index.to_json())
+            self.snapshots.create(index.commit_id, index.to_json())
         except BlobExistsError:
             pass  # another process wrote the snapshot of the same commit: same content.
         except StorageError as exc:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import bisect
-import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -52,23 +51,21 @@ class LogMeta:
                 "itself when read; rename them before writing"
             )
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT_VERSION,
-                "name": self.name,
-                "numSplits": self.num_splits,
-                "schema": base64.b64encode(self.schema.serialize().to_pybytes()).decode("ascii"),
-                "schemaText": self.schema.to_string(show_schema_metadata=False),
-            },
-            indent=1,
-        ).encode("utf-8")
+    def to_json(self) -> dict:
+        """The body of ``_log.json`` (``datasources.log`` frames it with a CRC-32)."""
+        return {
+            "format": FORMAT_VERSION,
+            "name": self.name,
+            "numSplits": self.num_splits,
+            "schema": base64.b64encode(self.schema.serialize().to_pybytes()).decode("ascii"),
+            "schemaText": self.schema.to_string(show_schema_metadata=False),
+        }
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "LogMeta":
+    def from_json(cls, raw, where: str) -> "LogMeta":
+        """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
+        _check_format(raw, where)
         try:
-            raw = json.loads(data)
-            _check_format(raw, where)
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(raw["schema"])))
             return cls(name=raw["name"], num_splits=int(raw["numSplits"]), schema=schema)
         except (ValueError, KeyError, TypeError, pa.ArrowException) as exc:
@@ -134,22 +131,21 @@ class Commit:
     trims: Mapping[int, int] = field(default_factory=dict)
     sink: SinkMark | None = None
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT_VERSION,
-                "commit": self.commit_id,
-                "segments": [segment.to_dict() for segment in self.segments],
-                "trims": {str(split): floor for split, floor in sorted(self.trims.items())},
-                "sink": None if self.sink is None else {"id": self.sink.sink_id, "batch": self.sink.batch},
-            }
-        ).encode("utf-8")
+    def to_json(self) -> dict:
+        """The body of a commit record (``datasources.log`` writes it through ``spark_state.commitlog``)."""
+        return {
+            "format": FORMAT_VERSION,
+            "commit": self.commit_id,
+            "segments": [segment.to_dict() for segment in self.segments],
+            "trims": {str(split): floor for split, floor in sorted(self.trims.items())},
+            "sink": None if self.sink is None else {"id": self.sink.sink_id, "batch": self.sink.batch},
+        }
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "Commit":
+    def from_json(cls, raw, where: str) -> "Commit":
+        """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
+        _check_format(raw, where)
         try:
-            raw = json.loads(data)
-            _check_format(raw, where)
             sink = raw.get("sink")
             return cls(
                 commit_id=int(raw["commit"]),
@@ -210,23 +206,22 @@ class LogIndex:
     def earliest_offsets(self) -> Offsets:
         return {split: s.earliest for split, s in enumerate(self.splits)}
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT_VERSION,
-                "commit": self.commit_id,
-                "earliest": [s.earliest for s in self.splits],
-                "end": [s.end for s in self.splits],
-                "segments": [seg.to_dict() for s in self.splits for seg in s.segments],
-                "sinks": dict(sorted(self.sinks.items())),
-            }
-        ).encode("utf-8")
+    def to_json(self) -> dict:
+        """The body of an index snapshot (``datasources.log`` writes it through ``spark_state.commitlog``)."""
+        return {
+            "format": FORMAT_VERSION,
+            "commit": self.commit_id,
+            "earliest": [s.earliest for s in self.splits],
+            "end": [s.end for s in self.splits],
+            "segments": [seg.to_dict() for s in self.splits for seg in s.segments],
+            "sinks": dict(sorted(self.sinks.items())),
+        }
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "LogIndex":
+    def from_json(cls, raw, where: str) -> "LogIndex":
+        """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
+        _check_format(raw, where)
         try:
-            raw = json.loads(data)
-            _check_format(raw, where)
             by_split: list[list[SegmentRef]] = [[] for _ in raw["end"]]
             for seg in raw["segments"]:
                 ref = SegmentRef.from_dict(seg)
@@ -256,8 +251,14 @@ def position_schema(payload: pa.Schema) -> pa.Schema:
         pa.field("offset", pa.int64(), nullable=False))
 
 
-def _check_format(raw: Mapping, where: str) -> None:
-    version = raw.get("format") if isinstance(raw, Mapping) else None
+def _check_format(raw, where: str) -> None:
+    """Raise ``CorruptLogError`` naming ``where`` unless ``raw`` is a JSON object of ``FORMAT_VERSION``."""
+    if not isinstance(raw, Mapping) or "format" not in raw:
+        raise CorruptLogError(
+            f"{where} is not a replayable log file (no format field): it was damaged or written by "
+            "something else; restore it from a copy, or rewrite the log"
+        )
+    version = raw["format"]
     if version != FORMAT_VERSION:
         raise CorruptLogError(
             f"{where} has format {version!r}, this code reads format {FORMAT_VERSION}: "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 import sys
 import threading
 import types
@@ -24,7 +27,7 @@ from datasources.errors import (
     UnknownOptionError,
 )
 from datasources.generator import GeneratorSpec, generate, ranks
-from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog, commit_path
+from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog
 from datasources.logindex import (
     Commit,
     LogIndex,
@@ -52,6 +55,7 @@ from datasources.options import (
     parse_write_options,
 )
 from datasources.sources import LogSource, retention_floors
+from spark_state.commitlog import decode_record
 from spark_state.errors import ConfigError, CorruptBlobError, StorageError
 from spark_state.storage.base import CountingStorage, Storage
 from spark_state.storage.memory import MemoryStorage
@@ -211,7 +215,7 @@ def test_index_snapshots_bound_what_a_new_reader_reads():
     assert fresh.index() == log.index()
     commits_read = [p for p in counting.reads if p.startswith("_commits/")]
     # snapshot after commit 31, then commits 32..34 and one probe for the missing 35
-    assert commits_read == [commit_path(i) for i in range(INDEX_SNAPSHOT_INTERVAL, INDEX_SNAPSHOT_INTERVAL + 4)]
+    assert commits_read == [fresh.commits.path(i) for i in range(INDEX_SNAPSHOT_INTERVAL, INDEX_SNAPSHOT_INTERVAL + 4)]
 
 
 def test_ranged_read_touches_only_the_segments_holding_the_range():
@@ -262,9 +266,96 @@ def test_missing_segment_and_corrupt_commit_raise():
     storage.delete(ref.path)
     with pytest.raises(SegmentMissingError, match=ref.path):
         rows(ReplayableLog.open(storage))
-    storage.create(commit_path(1), b"{not json")
-    with pytest.raises(CorruptLogError, match=commit_path(1)):
+    storage.create(log.commits.path(1), b"{not json")
+    with pytest.raises(CorruptLogError, match=log.commits.path(1)):
         ReplayableLog.open(storage).index()
+
+
+def test_log_files_are_checksummed_records():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    for i in range(INDEX_SNAPSHOT_INTERVAL):
+        append(log, 0, i, 1)
+    last = INDEX_SNAPSHOT_INTERVAL - 1
+    for path in ("_log.json", log.commits.path(0), log.commits.path(last), log.snapshots.path(last)):
+        decode_record(storage.read(path), path)  # accept_unframed=False: raises unless framed
+
+
+def legacy_log(storage: Storage) -> list[int]:
+    """A log as written before its files were framed: plain JSON ``_log.json``, commits 0 and 1, snapshot 0.
+
+    Commit 0 appends values 0..2 to split 1, commit 1 values 3..4 to split 0;
+    returns the values in read order (split 0 first).
+    """
+    meta = LogMeta("old", 2, SCHEMA)
+    schema_b64 = base64.b64encode(SCHEMA.serialize().to_pybytes()).decode("ascii")
+    storage.create("_log.json", json.dumps({"format": 1, "name": "old", "numSplits": 2, "schema": schema_b64,
+                                            "schemaText": SCHEMA.to_string()}, indent=1).encode())
+    writer = ReplayableLog(storage, meta).segment_writer(order=0)
+    writer.add(1, batch(0, 3))
+    writer.add(0, batch(3, 2))
+    first, second = sorted(writer.finish(), key=lambda seg: -seg.split)
+
+    def ref(seg, split: int, n: int) -> str:
+        return (f'{{"split": {split}, "start": 0, "end": {n}, "path": "{seg.path}", "size": {seg.size}, '
+                f'"crc32": {seg.crc32}}}')
+
+    storage.create("_commits/00000000000000000000.json",
+                   f'{{"format": 1, "commit": 0, "segments": [{ref(first, 1, 3)}], "trims": {{}}, '
+                   f'"sink": null}}'.encode())
+    storage.create("_commits/00000000000000000001.json",
+                   f'{{"format": 1, "commit": 1, "segments": [{ref(second, 0, 2)}], "trims": {{}}, '
+                   f'"sink": {{"id": "q", "batch": 4}}}}'.encode())
+    storage.create("_index/00000000000000000000.json",
+                   f'{{"format": 1, "commit": 0, "earliest": [0, 0], "end": [0, 3], '
+                   f'"segments": [{ref(first, 1, 3)}], "sinks": {{}}}}'.encode())
+    return [3, 4, 0, 1, 2]
+
+
+def test_a_log_written_before_framing_opens_reads_and_takes_new_commits():
+    storage = MemoryStorage()
+    old_values = legacy_log(storage)
+    log = ReplayableLog.open(storage)
+    assert log.meta == LogMeta("old", 2, SCHEMA)
+    assert [r[2] for r in rows(log)] == old_values
+    assert log.index().sinks == {"q": 4}
+    append(log, 1, 10, 2)
+    counting = CountingStorage(storage)
+    again = ReplayableLog.open(counting)
+    assert [r[2] for r in rows(again)] == [3, 4, 0, 1, 2, 10, 11]
+    assert again.index().end_offsets() == {0: 2, 1: 5}
+    assert again.commits.path(0) not in counting.reads  # the legacy snapshot stood in for commit 0
+    decode_record(storage.read(log.commits.path(2)), "commit 2")  # the new commit is framed
+    storage.delete("_index")
+    assert ReplayableLog.open(storage).index() == again.index()  # every legacy commit replayed
+
+
+def damaged_copies(data: bytes):
+    """Every single-byte flip of ``data``, then every strict prefix."""
+    for i in range(len(data)):
+        yield data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+    for n in range(len(data)):
+        yield data[:n]
+
+
+@pytest.mark.parametrize("target", ["_log.json", "commit", "snapshot"])
+def test_every_flipped_byte_or_truncation_of_a_log_file_raises_naming_it(target):
+    storage = MemoryStorage()
+    log = new_log(2, storage)
+    commits = INDEX_SNAPSHOT_INTERVAL if target == "snapshot" else 2
+    for i in range(commits):
+        append(log, i % 2, 10 * i, 3)
+    path = {"_log.json": "_log.json", "commit": log.commits.path(1),
+            "snapshot": log.snapshots.path(INDEX_SNAPSHOT_INTERVAL - 1)}[target]
+    expected = rows(log)
+    original = storage.read(path)
+    for damaged in damaged_copies(original):
+        storage.create(path, damaged, overwrite=True)
+        with pytest.raises(CorruptLogError, match=re.escape(f"{storage.uri}/{path}")) as info:
+            rows(ReplayableLog.open(storage))
+        assert isinstance(info.value, CorruptBlobError)
+    storage.create(path, original, overwrite=True)
+    assert rows(ReplayableLog.open(storage)) == expected
 
 
 def test_trim_drops_whole_segments_and_later_reads_below_it_fail():
