@@ -28,6 +28,8 @@ from datasources.errors import CorruptLogError, IncompatibleLogError, OffsetOutO
 
 FORMAT_VERSION = 1
 RESERVED_COLUMNS = ("split", "offset")
+MAX_SPLITS = 2**31 - 1
+"""Largest split count (inclusive): rows read carry their split as an int32."""
 
 Offsets = dict[int, int]
 """Split -> next offset to read (exclusive end of what was read)."""
@@ -35,15 +37,17 @@ Offsets = dict[int, int]
 
 @dataclass(frozen=True)
 class LogMeta:
-    """What is fixed for the life of a log: its name, split count and payload schema."""
+    """What is fixed for the life of a log: its name, split count (``1 <= num_splits <= MAX_SPLITS``) and payload schema."""
 
     name: str
     num_splits: int
     schema: pa.Schema
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_splits, int) or self.num_splits < 1:
-            raise IncompatibleLogError(f"numSplits must be an integer >= 1, got {self.num_splits!r}")
+        if not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= MAX_SPLITS:
+            raise IncompatibleLogError(
+                f"numSplits must be an integer between 1 and {MAX_SPLITS}, got {self.num_splits!r}"
+            )
         clash = [name for name in self.schema.names if name in RESERVED_COLUMNS]
         if clash:
             raise IncompatibleLogError(

@@ -10,6 +10,7 @@ import threading
 import types
 import uuid
 
+import mmh3
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from datasources.errors import (
     CorruptLogError,
+    UnsupportedKeyColumnError,
     CorruptSegmentError,
     IncompatibleLogError,
     InvalidOffsetsError,
@@ -31,6 +33,7 @@ from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog
 from datasources.logindex import (
     Commit,
     LogIndex,
+    MAX_SPLITS,
     LogMeta,
     SegmentRef,
     SinkMark,
@@ -41,7 +44,7 @@ from datasources.logindex import (
     plan_reads,
     position_schema,
 )
-from datasources.routing import route_batch, split_of_key, splits_of_keys
+from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.options import (
     ANY_READ,
     READ,
@@ -118,9 +121,13 @@ def test_create_rejects_a_different_split_count_or_schema():
         ReplayableLog.create(storage, LogMeta("t", 2, other))
 
 
-def test_reserved_columns_are_rejected():
+def test_reserved_columns_and_split_counts_outside_int32_are_rejected():
     with pytest.raises(IncompatibleLogError, match="reserved"):
         LogMeta("t", 1, SCHEMA.append(pa.field("offset", pa.int64())))
+    assert LogMeta("t", MAX_SPLITS, SCHEMA).num_splits == 2**31 - 1
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(IncompatibleLogError, match="between 1 and 2147483647"):
+            LogMeta("t", bad, SCHEMA)
 
 
 def test_open_missing_log_names_the_location():
@@ -431,15 +438,51 @@ def test_admit_shares_the_budget_without_exceeding_pending(ranges, max_rows):
 # --- routing -------------------------------------------------------------------
 
 
-def test_key_routing_is_the_same_for_scalars_and_columns_and_pinned():
-    keys = ["user-000001", "é", "", None, "zz"]
-    column = splits_of_keys(pa.array(keys), 7)
-    assert column.tolist() == [split_of_key(k, 7) for k in keys]
-    ints = [0, -1, 2**40, None]
-    assert splits_of_keys(pa.array(ints, pa.int64()), 5).tolist() == [split_of_key(k, 5) for k in ints]
+def reference_split(key, num_splits: int) -> int:
+    """The on-disk routing, spelled out with ``mmh3``: murmur3_32(seed 0, unsigned) of the key's bytes."""
+    if key is None:
+        return 0
+    if isinstance(key, str):
+        data = key.encode("utf-8")
+    elif isinstance(key, bytes):
+        data = key
+    else:
+        data = key.to_bytes(8, "little", signed=True)
+    return mmh3.hash(data, 0, signed=False) % num_splits
+
+
+TEXT_KEYS = st.one_of(st.text(max_size=100), st.text(alphabet="\x00aé日😀", max_size=100))
+KEY_COLUMNS = st.one_of(
+    st.tuples(st.sampled_from([pa.string(), pa.large_string()]), st.lists(st.none() | TEXT_KEYS, max_size=40)),
+    st.tuples(st.sampled_from([pa.binary(), pa.large_binary()]),
+              st.lists(st.none() | st.binary(max_size=100), max_size=40)),
+    st.tuples(st.just(pa.int64()), st.lists(st.none() | st.integers(-(2**63), 2**63 - 1), max_size=40)),
+    st.tuples(st.just(pa.int32()), st.lists(st.none() | st.integers(-(2**31), 2**31 - 1), max_size=40)),
+    st.tuples(st.just(pa.uint8()), st.lists(st.none() | st.integers(0, 255), max_size=40)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(KEY_COLUMNS, st.one_of(st.integers(1, 64), st.integers(1, MAX_SPLITS)), st.integers(0, 3), st.data())
+def test_split_routing_is_murmur3_seed_0_of_the_key_bytes(column, num_splits, cut, data):
+    arrow_type, keys = column
+    array = pa.array(keys, type=arrow_type)
+    assert splits_of_keys(array, num_splits).tolist() == [reference_split(k, num_splits) for k in keys]
+    start = data.draw(st.integers(0, len(keys)))
+    sliced = array.slice(start, len(keys) - start - min(cut, len(keys) - start))
+    assert splits_of_keys(sliced, num_splits).tolist() == [reference_split(k, num_splits) for k in sliced.to_pylist()]
+
+
+def test_split_routing_known_answers_and_refusals():
     # murmur3_32(seed 0) of UTF-8 / 8-byte little-endian bytes, mod n: pinned so the routing never drifts
-    assert [split_of_key(k, 1024) for k in ("user-000001", "a", 7, -1)] == [180, 434, 67, 232]
-    assert split_of_key(None, 9) == 0
+    assert splits_of_keys(pa.array(["user-000001", "a", None]), 1024).tolist() == [180, 434, 0]
+    assert splits_of_keys(pa.array([7, -1, None], pa.int64()), 1024).tolist() == [67, 232, 0]
+    # the largest split count, and a tail that Spark's padded variant would hash like "ab"
+    assert splits_of_keys(pa.array(["ab\x00", "ab"]), MAX_SPLITS).tolist() == [940022599, 465557344]
+    for refused in (pa.array([1], pa.uint64()), pa.array([1.5]), pa.array([True])):
+        assert not is_key_type(refused.type)
+        with pytest.raises(UnsupportedKeyColumnError, match=str(refused.type)):
+            splits_of_keys(refused, 4)
 
 
 def test_route_batch_groups_rows_by_split_preserving_order():
