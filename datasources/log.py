@@ -63,6 +63,7 @@ from datasources.errors import (
     CorruptSegmentError,
     IncompatibleLogError,
     LogNotFoundError,
+    ReplayableOptionError,
     SegmentMissingError,
 )
 from datasources.logindex import (
@@ -80,6 +81,7 @@ from datasources.logindex import (
     position_schema,
 )
 from spark_state.commitlog import CommitLog, decode_record, encode_record
+from spark_state.conf import COMPRESSIONS
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError, StorageError
 from spark_state.storage.base import Storage, join
 
@@ -91,7 +93,6 @@ INDEX_SNAPSHOT_INTERVAL = 32
 MAX_COMMIT_ATTEMPTS = 1000
 SEGMENT_MAX_BYTES = 64 << 20
 IPC_CHUNK_ROWS = 65536
-COMPRESSIONS = ("none", "lz4", "zstd")
 _LOG = logging.getLogger(__name__)
 
 
@@ -100,9 +101,14 @@ _LOG = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------
 
 def encode_segment(batches: Sequence[pa.RecordBatch], schema: pa.Schema, compression: str = "none") -> bytes:
-    """Serialize batches as one Arrow IPC file, re-chunked to at most ``IPC_CHUNK_ROWS`` rows per batch."""
+    """Serialize batches as one Arrow IPC file, re-chunked to at most ``IPC_CHUNK_ROWS`` rows per batch.
+
+    ``compression`` is one of ``spark_state.conf.COMPRESSIONS``, else ``ReplayableOptionError``.
+    """
     if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        raise ReplayableOptionError(
+            f"option compression={compression!r} is not one of {', '.join(COMPRESSIONS)}; pick one of those"
+        )
     options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
     sink = pa.BufferOutputStream()
     table = pa.Table.from_batches(batches, schema=schema)
@@ -431,7 +437,11 @@ class SegmentWriter:
     def __init__(self, storage: Storage, schema: pa.Schema, directory: str, order: int,
                  max_records: int, compression: str) -> None:
         if max_records < 1:
-            raise ValueError(f"max_records must be >= 1, got {max_records}")
+            raise ReplayableOptionError(f"option maxRecordsPerSegment={max_records} must be >= 1")
+        if compression not in COMPRESSIONS:
+            raise ReplayableOptionError(
+                f"option compression={compression!r} is not one of {', '.join(COMPRESSIONS)}; pick one of those"
+            )
         self.storage = storage
         self.schema = schema
         self.directory = directory

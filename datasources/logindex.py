@@ -24,7 +24,7 @@ from typing import Iterable, Mapping
 
 import pyarrow as pa
 
-from datasources.errors import CorruptLogError, IncompatibleLogError, OffsetOutOfRangeError
+from datasources.errors import CorruptLogError, IncompatibleLogError, OffsetOutOfRangeError, ReplayableOptionError
 
 FORMAT_VERSION = 1
 RESERVED_COLUMNS = ("split", "offset")
@@ -73,7 +73,7 @@ class LogMeta:
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(raw["schema"])))
             return cls(name=raw["name"], num_splits=int(raw["numSplits"]), schema=schema)
         except (ValueError, KeyError, TypeError, pa.ArrowException) as exc:
-            raise CorruptLogError(f"cannot parse log metadata {where}: {exc}") from exc
+            raise _unparsable("log metadata", where, exc) from exc
 
 
 @dataclass(frozen=True, order=True)
@@ -158,7 +158,7 @@ class Commit:
                 sink=None if sink is None else SinkMark(str(sink["id"]), int(sink["batch"])),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptLogError(f"cannot parse commit {where}: {exc}") from exc
+            raise _unparsable("commit", where, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -226,17 +226,24 @@ class LogIndex:
         """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
         _check_format(raw, where)
         try:
-            by_split: list[list[SegmentRef]] = [[] for _ in raw["end"]]
+            earliest, end = [int(e) for e in raw["earliest"]], [int(e) for e in raw["end"]]
+            if len(earliest) != len(end):
+                raise CorruptLogError(
+                    f"index snapshot {where} has {len(earliest)} earliest offsets for {len(end)} splits"
+                )
+            by_split: list[list[SegmentRef]] = [[] for _ in end]
             for seg in raw["segments"]:
                 ref = SegmentRef.from_dict(seg)
+                if not 0 <= ref.split < len(end):
+                    raise CorruptLogError(
+                        f"index snapshot {where} puts segment {ref.path} in split {ref.split}, "
+                        f"it has splits 0..{len(end) - 1}"
+                    )
                 by_split[ref.split].append(ref)
-            splits = tuple(
-                SplitIndex(int(earliest), int(end), tuple(segs))
-                for earliest, end, segs in zip(raw["earliest"], raw["end"], by_split)
-            )
+            splits = tuple(SplitIndex(e, n, tuple(segs)) for e, n, segs in zip(earliest, end, by_split))
             return cls(int(raw["commit"]), splits, {str(k): int(v) for k, v in raw["sinks"].items()})
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise CorruptLogError(f"cannot parse index snapshot {where}: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _unparsable("index snapshot", where, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,14 @@ def position_schema(payload: pa.Schema) -> pa.Schema:
     """The schema of rows read from a log: the payload, then ``split`` (int32) and ``offset`` (int64)."""
     return payload.append(pa.field("split", pa.int32(), nullable=False)).append(
         pa.field("offset", pa.int64(), nullable=False))
+
+
+def _unparsable(what: str, where: str, exc: Exception) -> CorruptLogError:
+    """The error for a ``what`` file at ``where`` whose JSON lacks a field or has one of the wrong type."""
+    return CorruptLogError(
+        f"cannot parse {what} {where} ({type(exc).__name__}: {exc}): it is damaged or was written by "
+        "something else; restore it from a copy, or rewrite the log"
+    )
 
 
 def _check_format(raw, where: str) -> None:
@@ -306,6 +321,10 @@ def plan_trim(index: LogIndex, floors: Mapping[int, int]) -> tuple[dict[int, int
     trims: dict[int, int] = {}
     dropped: list[SegmentRef] = []
     for split, floor in sorted(floors.items()):
+        if not 0 <= split < index.num_splits:
+            raise OffsetOutOfRangeError(
+                f"cannot trim split {split}: the log has splits 0..{index.num_splits - 1}"
+            )
         current = index.splits[split]
         gone = [seg for seg in current.segments if seg.end <= floor]
         if gone:
@@ -335,6 +354,12 @@ def apply_commit(index: LogIndex, commit: Commit, where: str = "commit") -> LogI
         current = splits[split]
         splits[split] = SplitIndex(current.earliest, ends[split], current.segments + tuple(segments))
     for split, floor in commit.trims.items():
+        if not 0 <= split < len(splits):
+            raise CorruptLogError(f"{where} trims split {split}, the log has {len(splits)} splits")
+        if not 0 <= floor <= splits[split].end:
+            raise CorruptLogError(
+                f"{where} trims split {split} to offset {floor}, outside [0, {splits[split].end}] (its end)"
+            )
         current = splits[split]
         kept = tuple(seg for seg in current.segments if seg.end > floor)
         splits[split] = SplitIndex(max(current.earliest, floor), current.end, kept)
@@ -376,7 +401,7 @@ def plan_reads(index: LogIndex, start: Mapping[int, int], end: Mapping[int, int]
     is cut inside. Tasks come split by split, in offset order.
     """
     if max_records < 1:
-        raise ValueError(f"max_records must be >= 1, got {max_records}")
+        raise ReplayableOptionError(f"option maxRecordsPerPartition={max_records} must be >= 1")
     check_offsets(index, start, "start offsets")
     check_offsets(index, end, "end offsets")
     tasks = []

@@ -24,8 +24,8 @@ from urllib.parse import urlparse
 
 from datasources.errors import InvalidOffsetsError, ReplayableOptionError, UnknownOptionError
 from datasources.generator import KEY_TYPES, KINDS, GeneratorSpec
-from datasources.log import COMPRESSIONS
 from datasources.logindex import Offsets
+from spark_state.conf import COMPRESSIONS
 
 READ, STREAM_READ, WRITE, STREAM_WRITE = "read", "readStream", "write", "writeStream"
 ANY_READ = "read or readStream"
@@ -113,7 +113,10 @@ class OffsetsSpec:
         if self.kind == "latest":
             return dict(latest)
         if self.kind != "explicit":
-            raise ValueError(f"{self.option}={self.kind} must be resolved by the caller")
+            raise ReplayableOptionError(
+                f"option {self.option}={self.kind} names the offsets of a state checkpoint, which this "
+                "source cannot resolve; use earliest, latest or explicit offsets here"
+            )
         given = dict(self.offsets)
         missing = sorted(set(earliest) - set(given))
         extra = sorted(set(given) - set(earliest))
@@ -199,7 +202,7 @@ def admit(start: Mapping[int, int], end: Mapping[int, int], max_rows: int) -> Of
     when ``max_rows >= 1`` and any is pending.
     """
     if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        raise ReplayableOptionError(f"option maxRecordsPerBatch={max_rows} must be >= 1")
     pending = {split: max(0, end[split] - start[split]) for split in start}
     grant = {split: 0 for split in start}
     budget = max_rows

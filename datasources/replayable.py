@@ -70,8 +70,17 @@ ARROW_TIMEZONE = "UTC"
 
 
 def spark_schema(payload: pa.Schema) -> StructType:
-    """The Spark schema of rows read: payload columns, then ``split`` int and ``offset`` long (not null)."""
-    fields = list(from_arrow_schema(payload).fields)
+    """The Spark schema of rows read: payload columns, then ``split`` int and ``offset`` long (not null).
+
+    ``IncompatibleLogError`` if a payload column has an Arrow type Spark cannot read.
+    """
+    try:
+        fields = list(from_arrow_schema(payload).fields)
+    except (TypeError, ValueError) as exc:
+        raise IncompatibleLogError(
+            f"the log's schema\n{payload}\nhas a column Spark cannot read ({exc}); the log was not written "
+            "through Spark: rewrite it with Spark-compatible types"
+        ) from exc
     return StructType(fields + [StructField("split", IntegerType(), False), StructField("offset", LongType(), False)])
 
 

@@ -9,6 +9,7 @@ import sys
 import threading
 import types
 import uuid
+import zlib
 
 import mmh3
 import pyarrow as pa
@@ -29,7 +30,7 @@ from datasources.errors import (
     UnknownOptionError,
 )
 from datasources.generator import GeneratorSpec, generate, ranks
-from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog
+from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog, decode_segment, encode_segment
 from datasources.logindex import (
     Commit,
     LogIndex,
@@ -58,7 +59,8 @@ from datasources.options import (
     parse_write_options,
 )
 from datasources.sources import LogSource, retention_floors
-from spark_state.commitlog import decode_record
+import spark_state.conf as spark_state_conf
+from spark_state.commitlog import decode_record, encode_record
 from spark_state.errors import ConfigError, CorruptBlobError, StorageError
 from spark_state.storage.base import CountingStorage, Storage
 from spark_state.storage.memory import MemoryStorage
@@ -363,6 +365,122 @@ def test_every_flipped_byte_or_truncation_of_a_log_file_raises_naming_it(target)
         assert isinstance(info.value, CorruptBlobError)
     storage.create(path, original, overwrite=True)
     assert rows(ReplayableLog.open(storage)) == expected
+
+
+def framed_log(num_splits: int = 2) -> tuple[MemoryStorage, ReplayableLog]:
+    storage = MemoryStorage()
+    log = new_log(num_splits, storage)
+    append(log, 0, 0, 3)
+    return storage, log
+
+
+GOOD_SEGMENT = {"split": 1, "start": 0, "end": 2, "path": "data/x/1-000000.arrow", "size": 10, "crc32": 0}
+
+
+@pytest.mark.parametrize("body", [
+    [1, 2],
+    {"commit": 1, "segments": [], "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "segments": ["data/x.arrow"], "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "size": "big"}], "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {"7": 0}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {"-1": 0}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {"0": 99}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": [], "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {}, "sink": ["q", 1]},
+    {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "split": -1}], "trims": {}, "sink": None},
+])
+def test_a_malformed_commit_raises_a_typed_error_naming_it(body):
+    storage, log = framed_log()
+    storage.create(log.commits.path(1), encode_record(body))
+    with pytest.raises(CorruptLogError, match=re.escape(log.commits.where(1))):
+        ReplayableLog.open(storage).index()
+
+
+@pytest.mark.parametrize("change", [
+    {"segments": [{**GOOD_SEGMENT, "split": -1}]},
+    {"segments": [{**GOOD_SEGMENT, "split": 2}]},
+    {"earliest": [0]},
+    {"end": [3, "x"]},
+    {"sinks": [["q", 1]]},
+    {"segments": None},
+])
+def test_a_malformed_snapshot_raises_a_typed_error_naming_it(change):
+    storage, log = framed_log()
+    body = {**log.index().to_json(), **change}
+    storage.create(log.snapshots.path(0), encode_record(body))
+    with pytest.raises(CorruptLogError, match=re.escape(log.snapshots.where(0))):
+        ReplayableLog.open(storage).index()
+
+
+@pytest.mark.parametrize("change", [{"schema": None}, {"schema": "not base64!"}, {"numSplits": "many"},
+                                    {"numSplits": 0}, {"name": None, "schema": "AAAA"}])
+def test_a_malformed_log_meta_raises_a_typed_error_naming_it(change):
+    storage, log = framed_log()
+    storage.create("_log.json", encode_record({**log.meta.to_json(), **change}), overwrite=True)
+    with pytest.raises(CorruptLogError, match=re.escape(f"{storage.uri}/_log.json")):
+        ReplayableLog.open(storage)
+
+
+def test_arguments_out_of_range_raise_typed_errors_naming_the_option():
+    log = new_log(2)
+    with pytest.raises(ReplayableOptionError, match="compression='gzip'"):
+        encode_segment([batch(0, 1)], SCHEMA, "gzip")
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerSegment=0"):
+        log.segment_writer(max_records=0)
+    with pytest.raises(ReplayableOptionError, match="compression='snappy'"):
+        log.segment_writer(compression="snappy")
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerPartition=0"):
+        plan_reads(log.index(), {0: 0, 1: 0}, {0: 0, 1: 0}, 0)
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerBatch=0"):
+        admit({0: 0}, {0: 5}, 0)
+    checkpoint = parse_read_options({"path": "/x", "startingOffsets": "checkpoint", "stateStore": "/s"}, READ)
+    with pytest.raises(ReplayableOptionError, match="startingOffsets=checkpoint"):
+        checkpoint.starting.resolve({0: 0}, {0: 0})
+    with pytest.raises(OffsetOutOfRangeError, match="cannot trim split 2"):
+        log.trim({2: 0})
+    assert all(isinstance(e, ConfigError) for e in (ReplayableOptionError("x"), OffsetOutOfRangeError("x")))
+    for compression in spark_state_conf.COMPRESSIONS:  # one list of codecs for state blobs and log segments
+        assert parse_write_options({"path": "/x", "compression": compression}, WRITE).compression == compression
+        data = encode_segment([batch(0, 2)], SCHEMA, compression)
+        ref = SegmentRef(0, 0, 2, "s", len(data), zlib.crc32(data))
+        assert decode_segment(data, ref, SCHEMA).column("value").to_pylist() == [0, 1]
+
+
+def test_a_log_schema_spark_cannot_read_is_a_typed_error():
+    from datasources.replayable import spark_schema
+
+    with pytest.raises(IncompatibleLogError, match="uint64"):
+        spark_schema(pa.schema([pa.field("n", pa.uint64())]))
+
+
+def test_datasources_raises_only_its_own_typed_errors():
+    """Every ``raise X(...)`` in the package names a class of ``datasources.errors`` (bare re-raises aside)."""
+    import ast
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    import datasources
+    import datasources.errors as errors
+    from spark_state.errors import SparkStateError
+
+    typed = {name for name, value in vars(errors).items()
+             if inspect.isclass(value) and issubclass(value, SparkStateError) and value.__module__ == errors.__name__}
+    untyped = []
+    for path in sorted(Path(datasources.__file__).parent.glob("*.py")):
+        module = importlib.import_module(f"datasources.{path.stem}")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                name = target.id if isinstance(target, ast.Name) else ast.unparse(target)
+                helper = getattr(module, name, None) if name.startswith("_") else None
+                if helper is not None and inspect.isfunction(helper):  # a function that builds the error
+                    name = inspect.signature(helper).return_annotation
+                if name not in typed:
+                    untyped.append(f"{path.name}:{node.lineno} raises {name}")
+    assert untyped == []
+    assert len(typed) >= 10
 
 
 def test_trim_drops_whole_segments_and_later_reads_below_it_fail():
