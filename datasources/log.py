@@ -12,6 +12,12 @@ Layout under the log's root::
     _index/<20-digit id>.json  index snapshot after that commit (a cache)
     data/<writer dir>/<split>-<seq>.arrow
 
+A writer directory belongs to one writer (one attempt of one task) and is
+named ``<kind>-<unix millis>-...-<random hex>`` (``writer_directory``): the
+time its writer started, which is how the garbage collector tells its age.
+Logs written before may hold names without a time (``data/job-<hex>/<task>/``,
+``data/stream-<hex>-<task>-<attempt>/``); they count as old.
+
 ``_log.json``, commits and snapshots are records framed with a CRC-32
 (``spark_state.commitlog.encode_record``); commits and snapshots are written
 and read through ``spark_state.commitlog.CommitLog``. Reading one that fails
@@ -40,6 +46,14 @@ Trim protocol (``ReplayableLog.trim``): commit a trim record (same race as
 step 5), then delete the segments it dropped. A crash between the two leaves
 unreferenced files, never a reference to a missing one.
 
+Garbage collection (``ReplayableLog.collect_garbage``): delete what under
+``data/`` no commit references and whose writer started at least a grace
+period ago. Failed, retried, speculative and killed write attempts leave such
+files behind; a writer that is still running may be writing next to them, so
+nothing deletes another writer's files at commit time. The collector runs
+after each batch write's commit and after each trim, once they passed their
+commit point, so its failure is logged and fails nothing.
+
 Every commit records the size and CRC-32 of each segment it adds; a read
 checks both, so a corrupt or truncated segment raises ``CorruptSegmentError``
 naming the file instead of returning rows.
@@ -48,6 +62,8 @@ naming the file instead of returning rows.
 from __future__ import annotations
 
 import logging
+import re
+import time
 import uuid
 import zlib
 from collections import OrderedDict
@@ -91,9 +107,31 @@ INDEX_DIR = "_index"
 DATA_DIR = "data"
 INDEX_SNAPSHOT_INTERVAL = 32
 MAX_COMMIT_ATTEMPTS = 1000
+DEFAULT_ORPHAN_GRACE_SECONDS = 3600
+"""Default age at which unreferenced files under ``data/`` are collected: longer than any write should take."""
+SEGMENT_SUFFIX = ".arrow"
 SEGMENT_MAX_BYTES = 64 << 20
 IPC_CHUNK_ROWS = 65536
 _LOG = logging.getLogger(__name__)
+_TIMED_NAME = re.compile(r"[a-z]+-(\d{13})-")
+
+
+def writer_directory(kind: str, tag: str = "", now_ms: int | None = None) -> str:
+    """A fresh writer directory name: ``<kind>-<unix millis, 13 digits>-[<tag>-]<12 random hex digits>``.
+
+    ``kind`` is lower-case letters (``task``, ``stream``, ``writer``); ``tag``
+    (digits, letters and '-') says which task wrote it. ``now_ms`` defaults to
+    the clock now: the time the writer starts, which the garbage collector
+    reads back with ``directory_time_ms``.
+    """
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return "-".join([kind, f"{now_ms:013d}"] + ([tag] if tag else []) + [uuid.uuid4().hex[:12]])
+
+
+def directory_time_ms(name: str) -> int | None:
+    """The unix millis a ``writer_directory`` name carries; None for a name without one."""
+    match = _TIMED_NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 # ---------------------------------------------------------------------------
@@ -371,10 +409,82 @@ class ReplayableLog:
                 self.storage.delete(seg.path)
         return commit
 
+    def collect_garbage(self, grace_seconds: float, now_ms: int | None = None) -> list[str]:
+        """Delete what under ``data/`` no commit references and is at least ``grace_seconds`` old; the paths deleted.
+
+        Ages come from names, never from the storage (object stores give no
+        reliable modification time): an entry is as old as the time in its own
+        ``writer_directory`` name, else in its parent's; a name without a time
+        (written before names carried one) is old. ``now_ms`` (unix millis)
+        defaults to the clock now.
+
+        An entry of ``data/`` that holds no referenced segment and is old is
+        deleted whole: a failed, retried, speculative or killed attempt's
+        directory, temporary files of interrupted creates included. A
+        referenced segment is never deleted, whatever its age, and a young
+        entry is never touched. A directory that holds referenced segments is
+        kept and not listed: one writer's segments are committed together, so
+        it holds no garbage, except segments a crashed trim dropped without
+        deleting, which go with the directory once the rest of it is trimmed.
+        Only directories whose referenced segments lie in subdirectories (the
+        ``data/job-<hex>/`` of older logs) are descended into.
+
+        Safe only if every write attempt commits within ``grace_seconds`` of
+        starting (clock skew between hosts included): an older unreferenced
+        directory is presumed abandoned.
+        """
+        if not grace_seconds >= 0:
+            raise ReplayableOptionError(f"option orphanGraceSeconds={grace_seconds} must be >= 0")
+        cutoff = (int(time.time() * 1000) if now_ms is None else now_ms) - int(grace_seconds * 1000)
+        names = self.storage.list(DATA_DIR)
+        referenced = self.referenced_paths()  # after the listing: a directory listed is seen committed if it is
+        holders: set[str] = set()  # directories holding a referenced segment, at any depth
+        containers: set[str] = set()  # directories holding one in a subdirectory
+        for path in referenced:
+            parts = path.split("/")
+            holders.update("/".join(parts[:depth]) for depth in range(2, len(parts)))
+            containers.update("/".join(parts[:depth]) for depth in range(2, len(parts) - 1))
+        deleted: list[str] = []
+
+        def sweep(directory: str, names: list[str], inherited_ms: int | None) -> None:
+            for name in names:
+                path = join(directory, name)
+                own_ms = directory_time_ms(name)
+                time_ms = inherited_ms if own_ms is None else own_ms
+                if path in referenced:
+                    continue
+                if path in holders:
+                    if path in containers:
+                        sweep(path, self.storage.list(path), time_ms)
+                    continue
+                if time_ms is None or time_ms <= cutoff:
+                    self.storage.delete(path)
+                    deleted.append(path)
+
+        sweep(DATA_DIR, names, None)
+        return deleted
+
+    def collect_garbage_after_commit(self, grace_seconds: float) -> list[str]:
+        """``collect_garbage`` after a commit point: a ``StorageError`` is logged, not raised; the next run retries.
+
+        Returns the paths deleted (none when it failed).
+        """
+        try:
+            return self.collect_garbage(grace_seconds)
+        except StorageError as exc:
+            _LOG.warning("garbage collection of %s/%s failed; unreferenced files stay until the next run: %s",
+                         self.storage.uri, DATA_DIR, exc)
+            return []
+
     def segment_writer(self, directory: str | None = None, order: int = 0, max_records: int = 1_000_000,
                        compression: str = "none") -> "SegmentWriter":
-        """A writer for one task's segments under ``data/<directory>/`` (a fresh unique dir by default)."""
-        directory = join(DATA_DIR, directory or uuid.uuid4().hex)
+        """A writer for one task's segments under ``data/<directory>/``.
+
+        ``directory`` defaults to a fresh ``writer_directory("writer")``; give
+        another only as a fresh ``writer_directory`` name, or the garbage
+        collector takes the writer's files for old ones.
+        """
+        directory = join(DATA_DIR, directory or writer_directory("writer"))
         return SegmentWriter(self.storage, self.meta.schema, directory, order, max_records, compression)
 
     # -- reads ---------------------------------------------------------------

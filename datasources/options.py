@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 from datasources.errors import InvalidOffsetsError, ReplayableOptionError, UnknownOptionError
 from datasources.generator import KEY_TYPES, KINDS, GeneratorSpec
+from datasources.log import DEFAULT_ORPHAN_GRACE_SECONDS
 from datasources.logindex import Offsets
 from spark_state.conf import COMPRESSIONS
 
@@ -48,7 +49,7 @@ ALLOWED = {
     (STREAM_READ, "generator"): _GENERATOR + ("maxRecordsPerBatch",),
     (ANY_READ, "log"): _LOG_READ + ("endingOffsets", "maxRecordsPerBatch", "retention"),
     (ANY_READ, "generator"): _GENERATOR + ("endingOffsets", "maxRecordsPerBatch"),
-    (WRITE, "log"): _WRITE + ("sinkId", "batchId"),
+    (WRITE, "log"): _WRITE + ("sinkId", "batchId", "orphanGraceSeconds"),
     (STREAM_WRITE, "log"): _WRITE + ("sinkId", "checkpointLocation", "queryName"),
 }
 """Option names each mode accepts (documented spelling; matched case-insensitively)."""
@@ -256,6 +257,8 @@ class WriteOptions:
     """Streaming sink, or a batch write that is one batch of an idempotent job: who appends."""
     batch_id: int | None
     """A batch write's batch id under ``sink_id``: appended once, skipped when the log already holds it."""
+    orphan_grace_seconds: int = DEFAULT_ORPHAN_GRACE_SECONDS
+    """After a batch write's commit, unreferenced files under ``data/`` at least this old are deleted."""
 
 
 class _Options:
@@ -389,6 +392,7 @@ def parse_write_options(options: Mapping[str, str], mode: str) -> WriteOptions:
         compression=opts.choice("compression", "none", COMPRESSIONS),
         sink_id=sink_id,
         batch_id=batch_id,
+        orphan_grace_seconds=opts.integer("orphanGraceSeconds", DEFAULT_ORPHAN_GRACE_SECONDS, 0),
     )
 
 
