@@ -37,7 +37,10 @@ Offsets = dict[int, int]
 
 @dataclass(frozen=True)
 class LogMeta:
-    """What is fixed for the life of a log: its name, split count (``1 <= num_splits <= MAX_SPLITS``) and payload schema."""
+    """What is fixed for the life of a log: its name, split count and payload schema.
+
+    ``1 <= num_splits <= MAX_SPLITS``.
+    """
 
     name: str
     num_splits: int

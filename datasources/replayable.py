@@ -302,7 +302,7 @@ def _staged(messages) -> list[StagedSegment]:
 
 
 class _BatchWriter(DataSourceArrowWriter):
-    """``df.write``: each task attempt writes segments to its own writer directory; ``commit`` publishes them in one log commit.
+    """``df.write``: each task attempt writes to its own writer directory; ``commit`` publishes them in one log commit.
 
     Neither ``commit`` nor ``abort`` touches the files of attempts that did not
     report back: a retried, speculative or killed attempt may still be writing

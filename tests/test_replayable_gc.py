@@ -136,7 +136,8 @@ def test_grace_must_not_be_negative():
 def test_orphan_grace_option_is_parsed_and_validated_for_batch_writes():
     assert parse_write_options({"path": "/x"}, WRITE).orphan_grace_seconds == 3600 == DEFAULT_ORPHAN_GRACE_SECONDS
     assert parse_write_options({"path": "/x", "orphanGraceSeconds": " 0 "}, WRITE).orphan_grace_seconds == 0
-    for bad, match in (("-5", "orphanGraceSeconds=-5 must be >= 0"), ("1h", "orphanGraceSeconds='1h' is not an integer")):
+    for bad, match in (("-5", "orphanGraceSeconds=-5 must be >= 0"),
+                       ("1h", "orphanGraceSeconds='1h' is not an integer")):
         with pytest.raises(ReplayableOptionError, match=match):
             parse_write_options({"path": "/x", "orphanGraceSeconds": bad}, WRITE)
     with pytest.raises(UnknownOptionError, match="orphangraceseconds"):
