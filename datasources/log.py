@@ -12,6 +12,19 @@ Layout under the log's root::
     _index/<20-digit id>.json  index snapshot after that commit (a cache)
     data/<writer dir>/<split>-<seq>.arrow
 
+A writer directory belongs to one writer (one attempt of one task) and is
+named ``<kind>-<unix millis>-...-<random hex>`` (``writer_directory``): the
+time its writer started, which is how the garbage collector tells its age.
+Logs written before may hold names without a time (``data/job-<hex>/<task>/``,
+``data/stream-<hex>-<task>-<attempt>/``); they count as old.
+
+``_log.json``, commits and snapshots are records framed with a CRC-32
+(``spark_state.commitlog.encode_record``); commits and snapshots are written
+and read through ``spark_state.commitlog.CommitLog``. Reading one that fails
+its checksum, is truncated or does not parse raises ``CorruptLogError`` naming
+the file. Files written before framing (plain JSON objects) are still read,
+unchecked.
+
 Append protocol (``ReplayableLog.append``), in this order:
 
 1. Writers write segments to unique names under ``data/``. They are invisible:
@@ -21,16 +34,25 @@ Append protocol (``ReplayableLog.append``), in this order:
    holds a batch ``>= batch`` for that sink, stop: the batch is in the log.
 4. Assign offsets: each split's new segments continue at that split's end, in
    the order the writer gave them.
-5. Create ``_commits/<last + 1>.json`` with ``overwrite=False``. This single
-   atomic create is the commit point. If another writer created that id
-   first, go back to step 2 (the offsets are re-assigned; segments need no
-   rewrite because they do not store offsets).
+5. Create commit ``last + 1`` (``CommitLog.create``: one atomic create of
+   ``_commits/<last + 1>.json`` without overwrite). This single create is the
+   commit point. If another writer created that id first, go back to step 2
+   (the offsets are re-assigned; segments need no rewrite because they do not
+   store offsets).
 6. Every ``INDEX_SNAPSHOT_INTERVAL`` commits, write an index snapshot. A
    snapshot only caches what commits say; losing one loses nothing.
 
 Trim protocol (``ReplayableLog.trim``): commit a trim record (same race as
 step 5), then delete the segments it dropped. A crash between the two leaves
 unreferenced files, never a reference to a missing one.
+
+Garbage collection (``ReplayableLog.collect_garbage``): delete what under
+``data/`` no commit references and whose writer started at least a grace
+period ago. Failed, retried, speculative and killed write attempts leave such
+files behind; a writer that is still running may be writing next to them, so
+nothing deletes another writer's files at commit time. The collector runs
+after each batch write's commit and after each trim, once they passed their
+commit point, so its failure is logged and fails nothing.
 
 Every commit records the size and CRC-32 of each segment it adds; a read
 checks both, so a corrupt or truncated segment raises ``CorruptSegmentError``
@@ -40,9 +62,12 @@ naming the file instead of returning rows.
 from __future__ import annotations
 
 import logging
+import re
+import time
 import uuid
 import zlib
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -54,6 +79,7 @@ from datasources.errors import (
     CorruptSegmentError,
     IncompatibleLogError,
     LogNotFoundError,
+    ReplayableOptionError,
     SegmentMissingError,
 )
 from datasources.logindex import (
@@ -70,7 +96,9 @@ from datasources.logindex import (
     plan_trim,
     position_schema,
 )
-from spark_state.errors import BlobExistsError, BlobNotFoundError, StorageError
+from spark_state.commitlog import CommitLog, decode_record, encode_record
+from spark_state.conf import COMPRESSIONS
+from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError, StorageError
 from spark_state.storage.base import Storage, join
 
 META_PATH = "_log.json"
@@ -79,10 +107,31 @@ INDEX_DIR = "_index"
 DATA_DIR = "data"
 INDEX_SNAPSHOT_INTERVAL = 32
 MAX_COMMIT_ATTEMPTS = 1000
+DEFAULT_ORPHAN_GRACE_SECONDS = 3600
+"""Default age at which unreferenced files under ``data/`` are collected: longer than any write should take."""
+SEGMENT_SUFFIX = ".arrow"
 SEGMENT_MAX_BYTES = 64 << 20
 IPC_CHUNK_ROWS = 65536
-COMPRESSIONS = ("none", "lz4", "zstd")
 _LOG = logging.getLogger(__name__)
+_TIMED_NAME = re.compile(r"[a-z]+-(\d{13})-")
+
+
+def writer_directory(kind: str, tag: str = "", now_ms: int | None = None) -> str:
+    """A fresh writer directory name: ``<kind>-<unix millis, 13 digits>-[<tag>-]<12 random hex digits>``.
+
+    ``kind`` is lower-case letters (``task``, ``stream``, ``writer``); ``tag``
+    (digits, letters and '-') says which task wrote it. ``now_ms`` defaults to
+    the clock now: the time the writer starts, which the garbage collector
+    reads back with ``directory_time_ms``.
+    """
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return "-".join([kind, f"{now_ms:013d}"] + ([tag] if tag else []) + [uuid.uuid4().hex[:12]])
+
+
+def directory_time_ms(name: str) -> int | None:
+    """The unix millis a ``writer_directory`` name carries; None for a name without one."""
+    match = _TIMED_NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 # ---------------------------------------------------------------------------
@@ -90,9 +139,14 @@ _LOG = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------
 
 def encode_segment(batches: Sequence[pa.RecordBatch], schema: pa.Schema, compression: str = "none") -> bytes:
-    """Serialize batches as one Arrow IPC file, re-chunked to at most ``IPC_CHUNK_ROWS`` rows per batch."""
+    """Serialize batches as one Arrow IPC file, re-chunked to at most ``IPC_CHUNK_ROWS`` rows per batch.
+
+    ``compression`` is one of ``spark_state.conf.COMPRESSIONS``, else ``ReplayableOptionError``.
+    """
     if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        raise ReplayableOptionError(
+            f"option compression={compression!r} is not one of {', '.join(COMPRESSIONS)}; pick one of those"
+        )
     options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
     sink = pa.BufferOutputStream()
     table = pa.Table.from_batches(batches, schema=schema)
@@ -162,27 +216,39 @@ class SegmentCache:
 # ---------------------------------------------------------------------------
 
 
-def commit_path(commit_id: int) -> str:
-    return join(COMMITS_DIR, f"{commit_id:020d}.json")
-
-
-def snapshot_path(commit_id: int) -> str:
-    return join(INDEX_DIR, f"{commit_id:020d}.json")
+@contextmanager
+def _as_corrupt_log():
+    """Re-raise a record's ``CorruptBlobError`` (bad checksum, truncated, not JSON) as ``CorruptLogError``."""
+    try:
+        yield
+    except CorruptLogError:
+        raise
+    except CorruptBlobError as exc:
+        raise CorruptLogError(f"{exc}; restore the file from a copy, or rewrite the log") from exc
 
 
 class ReplayableLog:
-    """A log at the root of ``storage``; see the module docstring for the protocols."""
+    """A log at the root of ``storage``; see the module docstring for the protocols.
+
+    ``commits`` and ``snapshots`` are the numbered records under ``_commits/``
+    and ``_index/``.
+    """
 
     def __init__(self, storage: Storage, meta: LogMeta, cache: SegmentCache | None = None) -> None:
         self.storage = storage
         self.meta = meta
         self.cache = cache
+        self.commits = CommitLog(storage, COMMITS_DIR, what="log commit", accept_unframed=True)
+        self.snapshots = CommitLog(storage, INDEX_DIR, what="index snapshot", accept_unframed=True)
         self._index = LogIndex.empty(meta.num_splits)
         self._index_loaded = False
 
     @classmethod
     def open(cls, storage: Storage, cache: SegmentCache | None = None) -> "ReplayableLog":
-        """Open an existing log; ``LogNotFoundError`` if there is none at the storage root."""
+        """Open an existing log; ``LogNotFoundError`` if there is none at the storage root.
+
+        ``CorruptLogError`` if its ``_log.json`` is damaged.
+        """
         try:
             data = storage.read(META_PATH)
         except BlobNotFoundError as exc:
@@ -190,7 +256,10 @@ class ReplayableLog:
                 f"no replayable log at {storage.uri} ({META_PATH} is missing): check the path option, "
                 "or create the log by writing to it first"
             ) from exc
-        return cls(storage, LogMeta.from_json(data, f"{storage.uri}/{META_PATH}"), cache)
+        where = f"{storage.uri}/{META_PATH}"
+        with _as_corrupt_log():
+            body = decode_record(data, where, accept_unframed=True)
+        return cls(storage, LogMeta.from_json(body, where), cache)
 
     @classmethod
     def create(cls, storage: Storage, meta: LogMeta, cache: SegmentCache | None = None,
@@ -201,7 +270,7 @@ class ReplayableLog:
         ``exact_splits`` is False (the caller did not ask for a count).
         """
         try:
-            storage.create(META_PATH, meta.to_json())
+            storage.create(META_PATH, encode_record(meta.to_json()))
         except BlobExistsError:
             log = cls.open(storage, cache)
             log.check_compatible(meta.schema, meta.num_splits if exact_splits else None)
@@ -234,25 +303,31 @@ class ReplayableLog:
         return self._index
 
     def _load_snapshot(self) -> LogIndex:
-        ids = [int(name[:-5]) for name in self.storage.list(INDEX_DIR)
-               if name.endswith(".json") and name[:-5].isdigit()]
-        if not ids:
+        """The index of the latest snapshot (the empty index if there is none)."""
+        latest = self.snapshots.latest_id()
+        if latest is None:
             return LogIndex.empty(self.meta.num_splits)
-        path = snapshot_path(max(ids))
-        index = LogIndex.from_json(self.storage.read(path), f"{self.storage.uri}/{path}")
+        where = self.snapshots.where(latest)
+        with _as_corrupt_log():
+            body = self.snapshots.load(latest)
+        index = LogIndex.from_json(body, where)
         if index.num_splits != self.meta.num_splits:
-            raise CorruptLogError(f"index snapshot {path} has {index.num_splits} splits, the log {self.meta.num_splits}")
+            raise CorruptLogError(
+                f"index snapshot {where} has {index.num_splits} splits, the log {self.meta.num_splits}; "
+                "delete the snapshot (commits hold the same information) or restore it from a copy"
+            )
         return index
 
     def _read_commits_after(self, index: LogIndex) -> LogIndex:
+        """Fold every commit after ``index.commit_id`` into ``index``, up to the first id that does not exist."""
         while True:
-            path = commit_path(index.commit_id + 1)
-            try:
-                data = self.storage.read(path)
-            except BlobNotFoundError:
+            n = index.commit_id + 1
+            with _as_corrupt_log():
+                body = self.commits.load_if_exists(n)
+            if body is None:
                 return index
-            where = f"{self.storage.uri}/{path}"
-            index = apply_commit(index, Commit.from_json(data, where), where)
+            where = self.commits.where(n)
+            index = apply_commit(index, Commit.from_json(body, where), where)
 
     def _commit(self, build) -> tuple[Commit | None, LogIndex]:
         """Steps 2-6 of the append protocol; ``build(index)`` returns the commit to try, or None to stop."""
@@ -262,7 +337,7 @@ class ReplayableLog:
             if commit is None:
                 return None, index
             try:
-                self.storage.create(commit_path(commit.commit_id), commit.to_json())
+                self.commits.create(commit.commit_id, commit.to_json())
             except BlobExistsError:
                 continue
             self._index = apply_commit(index, commit)
@@ -277,7 +352,7 @@ class ReplayableLog:
     def _write_snapshot(self, index: LogIndex) -> None:
         """Step 6. Runs after the commit point, so it must not fail the append: a failure is logged."""
         try:
-            self.storage.create(snapshot_path(index.commit_id), index.to_json())
+            self.snapshots.create(index.commit_id, index.to_json())
         except BlobExistsError:
             pass  # another process wrote the snapshot of the same commit: same content.
         except StorageError as exc:
@@ -334,10 +409,82 @@ class ReplayableLog:
                 self.storage.delete(seg.path)
         return commit
 
+    def collect_garbage(self, grace_seconds: float, now_ms: int | None = None) -> list[str]:
+        """Delete what under ``data/`` no commit references and is at least ``grace_seconds`` old; the paths deleted.
+
+        Ages come from names, never from the storage (object stores give no
+        reliable modification time): an entry is as old as the time in its own
+        ``writer_directory`` name, else in its parent's; a name without a time
+        (written before names carried one) is old. ``now_ms`` (unix millis)
+        defaults to the clock now.
+
+        An entry of ``data/`` that holds no referenced segment and is old is
+        deleted whole: a failed, retried, speculative or killed attempt's
+        directory, temporary files of interrupted creates included. A
+        referenced segment is never deleted, whatever its age, and a young
+        entry is never touched. A directory that holds referenced segments is
+        kept and not listed: one writer's segments are committed together, so
+        it holds no garbage, except segments a crashed trim dropped without
+        deleting, which go with the directory once the rest of it is trimmed.
+        Only directories whose referenced segments lie in subdirectories (the
+        ``data/job-<hex>/`` of older logs) are descended into.
+
+        Safe only if every write attempt commits within ``grace_seconds`` of
+        starting (clock skew between hosts included): an older unreferenced
+        directory is presumed abandoned.
+        """
+        if not grace_seconds >= 0:
+            raise ReplayableOptionError(f"option orphanGraceSeconds={grace_seconds} must be >= 0")
+        cutoff = (int(time.time() * 1000) if now_ms is None else now_ms) - int(grace_seconds * 1000)
+        names = self.storage.list(DATA_DIR)
+        referenced = self.referenced_paths()  # after the listing: a directory listed is seen committed if it is
+        holders: set[str] = set()  # directories holding a referenced segment, at any depth
+        containers: set[str] = set()  # directories holding one in a subdirectory
+        for path in referenced:
+            parts = path.split("/")
+            holders.update("/".join(parts[:depth]) for depth in range(2, len(parts)))
+            containers.update("/".join(parts[:depth]) for depth in range(2, len(parts) - 1))
+        deleted: list[str] = []
+
+        def sweep(directory: str, names: list[str], inherited_ms: int | None) -> None:
+            for name in names:
+                path = join(directory, name)
+                own_ms = directory_time_ms(name)
+                time_ms = inherited_ms if own_ms is None else own_ms
+                if path in referenced:
+                    continue
+                if path in holders:
+                    if path in containers:
+                        sweep(path, self.storage.list(path), time_ms)
+                    continue
+                if time_ms is None or time_ms <= cutoff:
+                    self.storage.delete(path)
+                    deleted.append(path)
+
+        sweep(DATA_DIR, names, None)
+        return deleted
+
+    def collect_garbage_after_commit(self, grace_seconds: float) -> list[str]:
+        """``collect_garbage`` after a commit point: a ``StorageError`` is logged, not raised; the next run retries.
+
+        Returns the paths deleted (none when it failed).
+        """
+        try:
+            return self.collect_garbage(grace_seconds)
+        except StorageError as exc:
+            _LOG.warning("garbage collection of %s/%s failed; unreferenced files stay until the next run: %s",
+                         self.storage.uri, DATA_DIR, exc)
+            return []
+
     def segment_writer(self, directory: str | None = None, order: int = 0, max_records: int = 1_000_000,
                        compression: str = "none") -> "SegmentWriter":
-        """A writer for one task's segments under ``data/<directory>/`` (a fresh unique dir by default)."""
-        directory = join(DATA_DIR, directory or uuid.uuid4().hex)
+        """A writer for one task's segments under ``data/<directory>/``.
+
+        ``directory`` defaults to a fresh ``writer_directory("writer")``; give
+        another only as a fresh ``writer_directory`` name, or the garbage
+        collector takes the writer's files for old ones.
+        """
+        directory = join(DATA_DIR, directory or writer_directory("writer"))
         return SegmentWriter(self.storage, self.meta.schema, directory, order, max_records, compression)
 
     # -- reads ---------------------------------------------------------------
@@ -400,7 +547,11 @@ class SegmentWriter:
     def __init__(self, storage: Storage, schema: pa.Schema, directory: str, order: int,
                  max_records: int, compression: str) -> None:
         if max_records < 1:
-            raise ValueError(f"max_records must be >= 1, got {max_records}")
+            raise ReplayableOptionError(f"option maxRecordsPerSegment={max_records} must be >= 1")
+        if compression not in COMPRESSIONS:
+            raise ReplayableOptionError(
+                f"option compression={compression!r} is not one of {', '.join(COMPRESSIONS)}; pick one of those"
+            )
         self.storage = storage
         self.schema = schema
         self.directory = directory

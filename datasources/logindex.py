@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import base64
 import bisect
-import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import pyarrow as pa
 
-from datasources.errors import CorruptLogError, IncompatibleLogError, OffsetOutOfRangeError
+from datasources.errors import CorruptLogError, IncompatibleLogError, OffsetOutOfRangeError, ReplayableOptionError
 
 FORMAT_VERSION = 1
 RESERVED_COLUMNS = ("split", "offset")
+MAX_SPLITS = 2**31 - 1
+"""Largest split count (inclusive): rows read carry their split as an int32."""
 
 Offsets = dict[int, int]
 """Split -> next offset to read (exclusive end of what was read)."""
@@ -36,15 +37,20 @@ Offsets = dict[int, int]
 
 @dataclass(frozen=True)
 class LogMeta:
-    """What is fixed for the life of a log: its name, split count and payload schema."""
+    """What is fixed for the life of a log: its name, split count and payload schema.
+
+    ``1 <= num_splits <= MAX_SPLITS``.
+    """
 
     name: str
     num_splits: int
     schema: pa.Schema
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_splits, int) or self.num_splits < 1:
-            raise IncompatibleLogError(f"numSplits must be an integer >= 1, got {self.num_splits!r}")
+        if not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= MAX_SPLITS:
+            raise IncompatibleLogError(
+                f"numSplits must be an integer between 1 and {MAX_SPLITS}, got {self.num_splits!r}"
+            )
         clash = [name for name in self.schema.names if name in RESERVED_COLUMNS]
         if clash:
             raise IncompatibleLogError(
@@ -52,27 +58,25 @@ class LogMeta:
                 "itself when read; rename them before writing"
             )
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT_VERSION,
-                "name": self.name,
-                "numSplits": self.num_splits,
-                "schema": base64.b64encode(self.schema.serialize().to_pybytes()).decode("ascii"),
-                "schemaText": self.schema.to_string(show_schema_metadata=False),
-            },
-            indent=1,
-        ).encode("utf-8")
+    def to_json(self) -> dict:
+        """The body of ``_log.json`` (``datasources.log`` frames it with a CRC-32)."""
+        return {
+            "format": FORMAT_VERSION,
+            "name": self.name,
+            "numSplits": self.num_splits,
+            "schema": base64.b64encode(self.schema.serialize().to_pybytes()).decode("ascii"),
+            "schemaText": self.schema.to_string(show_schema_metadata=False),
+        }
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "LogMeta":
+    def from_json(cls, raw, where: str) -> "LogMeta":
+        """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
+        _check_format(raw, where)
         try:
-            raw = json.loads(data)
-            _check_format(raw, where)
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(raw["schema"])))
             return cls(name=raw["name"], num_splits=int(raw["numSplits"]), schema=schema)
         except (ValueError, KeyError, TypeError, pa.ArrowException) as exc:
-            raise CorruptLogError(f"cannot parse log metadata {where}: {exc}") from exc
+            raise _unparsable("log metadata", where, exc) from exc
 
 
 @dataclass(frozen=True, order=True)
@@ -134,22 +138,21 @@ class Commit:
     trims: Mapping[int, int] = field(default_factory=dict)
     sink: SinkMark | None = None
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT_VERSION,
-                "commit": self.commit_id,
-                "segments": [segment.to_dict() for segment in self.segments],
-                "trims": {str(split): floor for split, floor in sorted(self.trims.items())},
-                "sink": None if self.sink is None else {"id": self.sink.sink_id, "batch": self.sink.batch},
-            }
-        ).encode("utf-8")
+    def to_json(self) -> dict:
+        """The body of a commit record (``datasources.log`` writes it through ``spark_state.commitlog``)."""
+        return {
+            "format": FORMAT_VERSION,
+            "commit": self.commit_id,
+            "segments": [segment.to_dict() for segment in self.segments],
+            "trims": {str(split): floor for split, floor in sorted(self.trims.items())},
+            "sink": None if self.sink is None else {"id": self.sink.sink_id, "batch": self.sink.batch},
+        }
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "Commit":
+    def from_json(cls, raw, where: str) -> "Commit":
+        """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
+        _check_format(raw, where)
         try:
-            raw = json.loads(data)
-            _check_format(raw, where)
             sink = raw.get("sink")
             return cls(
                 commit_id=int(raw["commit"]),
@@ -158,7 +161,7 @@ class Commit:
                 sink=None if sink is None else SinkMark(str(sink["id"]), int(sink["batch"])),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptLogError(f"cannot parse commit {where}: {exc}") from exc
+            raise _unparsable("commit", where, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -210,34 +213,40 @@ class LogIndex:
     def earliest_offsets(self) -> Offsets:
         return {split: s.earliest for split, s in enumerate(self.splits)}
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT_VERSION,
-                "commit": self.commit_id,
-                "earliest": [s.earliest for s in self.splits],
-                "end": [s.end for s in self.splits],
-                "segments": [seg.to_dict() for s in self.splits for seg in s.segments],
-                "sinks": dict(sorted(self.sinks.items())),
-            }
-        ).encode("utf-8")
+    def to_json(self) -> dict:
+        """The body of an index snapshot (``datasources.log`` writes it through ``spark_state.commitlog``)."""
+        return {
+            "format": FORMAT_VERSION,
+            "commit": self.commit_id,
+            "earliest": [s.earliest for s in self.splits],
+            "end": [s.end for s in self.splits],
+            "segments": [seg.to_dict() for s in self.splits for seg in s.segments],
+            "sinks": dict(sorted(self.sinks.items())),
+        }
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "LogIndex":
+    def from_json(cls, raw, where: str) -> "LogIndex":
+        """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
+        _check_format(raw, where)
         try:
-            raw = json.loads(data)
-            _check_format(raw, where)
-            by_split: list[list[SegmentRef]] = [[] for _ in raw["end"]]
+            earliest, end = [int(e) for e in raw["earliest"]], [int(e) for e in raw["end"]]
+            if len(earliest) != len(end):
+                raise CorruptLogError(
+                    f"index snapshot {where} has {len(earliest)} earliest offsets for {len(end)} splits"
+                )
+            by_split: list[list[SegmentRef]] = [[] for _ in end]
             for seg in raw["segments"]:
                 ref = SegmentRef.from_dict(seg)
+                if not 0 <= ref.split < len(end):
+                    raise CorruptLogError(
+                        f"index snapshot {where} puts segment {ref.path} in split {ref.split}, "
+                        f"it has splits 0..{len(end) - 1}"
+                    )
                 by_split[ref.split].append(ref)
-            splits = tuple(
-                SplitIndex(int(earliest), int(end), tuple(segs))
-                for earliest, end, segs in zip(raw["earliest"], raw["end"], by_split)
-            )
+            splits = tuple(SplitIndex(e, n, tuple(segs)) for e, n, segs in zip(earliest, end, by_split))
             return cls(int(raw["commit"]), splits, {str(k): int(v) for k, v in raw["sinks"].items()})
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise CorruptLogError(f"cannot parse index snapshot {where}: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _unparsable("index snapshot", where, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -256,8 +265,22 @@ def position_schema(payload: pa.Schema) -> pa.Schema:
         pa.field("offset", pa.int64(), nullable=False))
 
 
-def _check_format(raw: Mapping, where: str) -> None:
-    version = raw.get("format") if isinstance(raw, Mapping) else None
+def _unparsable(what: str, where: str, exc: Exception) -> CorruptLogError:
+    """The error for a ``what`` file at ``where`` whose JSON lacks a field or has one of the wrong type."""
+    return CorruptLogError(
+        f"cannot parse {what} {where} ({type(exc).__name__}: {exc}): it is damaged or was written by "
+        "something else; restore it from a copy, or rewrite the log"
+    )
+
+
+def _check_format(raw, where: str) -> None:
+    """Raise ``CorruptLogError`` naming ``where`` unless ``raw`` is a JSON object of ``FORMAT_VERSION``."""
+    if not isinstance(raw, Mapping) or "format" not in raw:
+        raise CorruptLogError(
+            f"{where} is not a replayable log file (no format field): it was damaged or written by "
+            "something else; restore it from a copy, or rewrite the log"
+        )
+    version = raw["format"]
     if version != FORMAT_VERSION:
         raise CorruptLogError(
             f"{where} has format {version!r}, this code reads format {FORMAT_VERSION}: "
@@ -301,6 +324,10 @@ def plan_trim(index: LogIndex, floors: Mapping[int, int]) -> tuple[dict[int, int
     trims: dict[int, int] = {}
     dropped: list[SegmentRef] = []
     for split, floor in sorted(floors.items()):
+        if not 0 <= split < index.num_splits:
+            raise OffsetOutOfRangeError(
+                f"cannot trim split {split}: the log has splits 0..{index.num_splits - 1}"
+            )
         current = index.splits[split]
         gone = [seg for seg in current.segments if seg.end <= floor]
         if gone:
@@ -330,6 +357,12 @@ def apply_commit(index: LogIndex, commit: Commit, where: str = "commit") -> LogI
         current = splits[split]
         splits[split] = SplitIndex(current.earliest, ends[split], current.segments + tuple(segments))
     for split, floor in commit.trims.items():
+        if not 0 <= split < len(splits):
+            raise CorruptLogError(f"{where} trims split {split}, the log has {len(splits)} splits")
+        if not 0 <= floor <= splits[split].end:
+            raise CorruptLogError(
+                f"{where} trims split {split} to offset {floor}, outside [0, {splits[split].end}] (its end)"
+            )
         current = splits[split]
         kept = tuple(seg for seg in current.segments if seg.end > floor)
         splits[split] = SplitIndex(max(current.earliest, floor), current.end, kept)
@@ -371,7 +404,7 @@ def plan_reads(index: LogIndex, start: Mapping[int, int], end: Mapping[int, int]
     is cut inside. Tasks come split by split, in offset order.
     """
     if max_records < 1:
-        raise ValueError(f"max_records must be >= 1, got {max_records}")
+        raise ReplayableOptionError(f"option maxRecordsPerPartition={max_records} must be >= 1")
     check_offsets(index, start, "start offsets")
     check_offsets(index, end, "end offsets")
     tasks = []

@@ -24,8 +24,9 @@ from urllib.parse import urlparse
 
 from datasources.errors import InvalidOffsetsError, ReplayableOptionError, UnknownOptionError
 from datasources.generator import KEY_TYPES, KINDS, GeneratorSpec
-from datasources.log import COMPRESSIONS
+from datasources.log import DEFAULT_ORPHAN_GRACE_SECONDS
 from datasources.logindex import Offsets
+from spark_state.conf import COMPRESSIONS
 
 READ, STREAM_READ, WRITE, STREAM_WRITE = "read", "readStream", "write", "writeStream"
 ANY_READ = "read or readStream"
@@ -48,7 +49,7 @@ ALLOWED = {
     (STREAM_READ, "generator"): _GENERATOR + ("maxRecordsPerBatch",),
     (ANY_READ, "log"): _LOG_READ + ("endingOffsets", "maxRecordsPerBatch", "retention"),
     (ANY_READ, "generator"): _GENERATOR + ("endingOffsets", "maxRecordsPerBatch"),
-    (WRITE, "log"): _WRITE + ("sinkId", "batchId"),
+    (WRITE, "log"): _WRITE + ("sinkId", "batchId", "orphanGraceSeconds"),
     (STREAM_WRITE, "log"): _WRITE + ("sinkId", "checkpointLocation", "queryName"),
 }
 """Option names each mode accepts (documented spelling; matched case-insensitively)."""
@@ -113,7 +114,10 @@ class OffsetsSpec:
         if self.kind == "latest":
             return dict(latest)
         if self.kind != "explicit":
-            raise ValueError(f"{self.option}={self.kind} must be resolved by the caller")
+            raise ReplayableOptionError(
+                f"option {self.option}={self.kind} names the offsets of a state checkpoint, which this "
+                "source cannot resolve; use earliest, latest or explicit offsets here"
+            )
         given = dict(self.offsets)
         missing = sorted(set(earliest) - set(given))
         extra = sorted(set(given) - set(earliest))
@@ -199,7 +203,7 @@ def admit(start: Mapping[int, int], end: Mapping[int, int], max_rows: int) -> Of
     when ``max_rows >= 1`` and any is pending.
     """
     if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        raise ReplayableOptionError(f"option maxRecordsPerBatch={max_rows} must be >= 1")
     pending = {split: max(0, end[split] - start[split]) for split in start}
     grant = {split: 0 for split in start}
     budget = max_rows
@@ -253,6 +257,8 @@ class WriteOptions:
     """Streaming sink, or a batch write that is one batch of an idempotent job: who appends."""
     batch_id: int | None
     """A batch write's batch id under ``sink_id``: appended once, skipped when the log already holds it."""
+    orphan_grace_seconds: int = DEFAULT_ORPHAN_GRACE_SECONDS
+    """After a batch write's commit, unreferenced files under ``data/`` at least this old are deleted."""
 
 
 class _Options:
@@ -386,6 +392,7 @@ def parse_write_options(options: Mapping[str, str], mode: str) -> WriteOptions:
         compression=opts.choice("compression", "none", COMPRESSIONS),
         sink_id=sink_id,
         batch_id=batch_id,
+        orphan_grace_seconds=opts.integer("orphanGraceSeconds", DEFAULT_ORPHAN_GRACE_SECONDS, 0),
     )
 
 

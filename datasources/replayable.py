@@ -43,7 +43,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, Supp
 from pyspark.sql.types import IntegerType, LongType, StructField, StructType
 
 from datasources.errors import IncompatibleLogError, ReplayableOptionError, UnsupportedKeyColumnError
-from datasources.log import DATA_DIR, ReplayableLog
+from datasources.log import ReplayableLog, writer_directory
 from datasources.logindex import LogMeta, SinkMark, StagedSegment
 from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.options import (
@@ -70,8 +70,17 @@ ARROW_TIMEZONE = "UTC"
 
 
 def spark_schema(payload: pa.Schema) -> StructType:
-    """The Spark schema of rows read: payload columns, then ``split`` int and ``offset`` long (not null)."""
-    fields = list(from_arrow_schema(payload).fields)
+    """The Spark schema of rows read: payload columns, then ``split`` int and ``offset`` long (not null).
+
+    ``IncompatibleLogError`` if a payload column has an Arrow type Spark cannot read.
+    """
+    try:
+        fields = list(from_arrow_schema(payload).fields)
+    except (TypeError, ValueError) as exc:
+        raise IncompatibleLogError(
+            f"the log's schema\n{payload}\nhas a column Spark cannot read ({exc}); the log was not written "
+            "through Spark: rewrite it with Spark-compatible types"
+        ) from exc
     return StructType(fields + [StructField("split", IntegerType(), False), StructField("offset", LongType(), False)])
 
 
@@ -237,9 +246,8 @@ def _open_for_write(options: WriteOptions, schema: StructType, overwrite: bool) 
 
 @dataclass
 class _Staged(WriterCommitMessage):
-    """What one write task produced: its segment directory and the segments in it."""
+    """What one write task produced: the segments it wrote, all in its own writer directory."""
 
-    directory: str
     segments: List[StagedSegment]
 
 
@@ -262,7 +270,10 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 
 
 def _write_task(options: WriteOptions, meta: LogMeta, directory: str, batches: Iterator[pa.RecordBatch]) -> _Staged:
-    """One write task: route rows to splits, write segments; deletes its files if it fails."""
+    """One write task: route rows to splits, write segments under ``data/<directory>/``.
+
+    Deletes its files if it fails; if it is killed, they stay for the garbage collector.
+    """
     partition, _ = _task_order()
     log = ReplayableLog(open_log_storage(options.uri), meta)
     writer = log.segment_writer(directory, order=partition, max_records=options.max_records_per_segment,
@@ -279,23 +290,24 @@ def _write_task(options: WriteOptions, meta: LogMeta, directory: str, batches: I
                 splits = splits_of_keys(batch.column(options.key_column), n)
                 for split, rows in route_batch(batch, splits, n):
                     writer.add(split, rows)
-        return _Staged(f"{DATA_DIR}/{directory}", writer.finish())
+        return _Staged(writer.finish())
     except BaseException:
         writer.discard()
         raise
 
 
-def _staged(messages) -> tuple[list[StagedSegment], set[str]]:
-    segments, directories = [], set()
-    for message in messages:
-        if isinstance(message, _Staged):
-            segments.extend(message.segments)
-            directories.add(message.directory)
-    return segments, directories
+def _staged(messages) -> list[StagedSegment]:
+    """The segments of the tasks that reported back (Spark passes None for the others)."""
+    return [seg for message in messages if isinstance(message, _Staged) for seg in message.segments]
 
 
 class _BatchWriter(DataSourceArrowWriter):
-    """``df.write``: tasks write segments under ``data/<job>/``; ``commit`` publishes them in one log commit.
+    """``df.write``: each task attempt writes to its own writer directory; ``commit`` publishes them in one log commit.
+
+    Neither ``commit`` nor ``abort`` touches the files of attempts that did not
+    report back: a retried, speculative or killed attempt may still be writing
+    them. They are garbage once no commit references them, and the collector
+    run after each commit deletes them when older than ``orphanGraceSeconds``.
 
     With options ``sinkId`` and ``batchId`` the commit carries that sink mark,
     so a job that writes each of its batches this way (a ``foreachBatch``)
@@ -305,28 +317,25 @@ class _BatchWriter(DataSourceArrowWriter):
     def __init__(self, options: WriteOptions, meta: LogMeta) -> None:
         self.options = options
         self.meta = meta
-        self.job = "job-" + uuid.uuid4().hex
+        self.job = uuid.uuid4().hex[:12]
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> _Staged:
         partition, attempt = _task_order()
-        return _write_task(self.options, self.meta, f"{self.job}/{partition}-{attempt}-{uuid.uuid4().hex[:8]}", iterator)
+        directory = writer_directory("task", f"{self.job}-{partition}-{attempt}")
+        return _write_task(self.options, self.meta, directory, iterator)
 
     def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
-        segments, directories = _staged(messages)
+        segments = _staged(messages)
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
         if any(seg.rows for seg in segments):
             mark = None if self.options.batch_id is None else SinkMark(self.options.sink_id, self.options.batch_id)
             log.append(segments, mark)
-        job_dir = f"{DATA_DIR}/{self.job}"
-        for name in log.storage.list(job_dir):
-            if f"{job_dir}/{name}" not in directories:
-                log.storage.delete(f"{job_dir}/{name}")  # a failed or speculative attempt's leftovers
+        log.collect_garbage_after_commit(self.options.orphan_grace_seconds)
 
     def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+        """Delete the segments of the attempts that reported back, unless ``commit`` got past its commit point."""
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
-        job_dir = f"{DATA_DIR}/{self.job}/"
-        if not any(path.startswith(job_dir) for path in log.referenced_paths()):
-            log.storage.delete(job_dir.rstrip("/"))  # else commit() got past its commit point: keep
+        log.discard(seg.path for seg in _staged(messages))
 
 
 class _StreamWriter(DataSourceStreamArrowWriter):
@@ -345,13 +354,11 @@ class _StreamWriter(DataSourceStreamArrowWriter):
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> _Staged:
         partition, attempt = _task_order()
-        return _write_task(self.options, self.meta, f"stream-{uuid.uuid4().hex}-{partition}-{attempt}", iterator)
+        return _write_task(self.options, self.meta, writer_directory("stream", f"{partition}-{attempt}"), iterator)
 
     def commit(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
-        segments, _ = _staged(messages)
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
-        log.append(segments, SinkMark(self.options.sink_id, batchId))
+        log.append(_staged(messages), SinkMark(self.options.sink_id, batchId))
 
     def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
-        segments, _ = _staged(messages)
-        ReplayableLog(open_log_storage(self.options.uri), self.meta).discard(seg.path for seg in segments)
+        ReplayableLog(open_log_storage(self.options.uri), self.meta).discard(seg.path for seg in _staged(messages))

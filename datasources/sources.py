@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from datasources.errors import InvalidOffsetsError, OffsetOutOfRangeError, ReplayableOptionError
 from datasources.generator import GeneratorSpec, generate
-from datasources.log import ReplayableLog, SegmentCache
+from datasources.log import DEFAULT_ORPHAN_GRACE_SECONDS, ReplayableLog, SegmentCache
 from datasources.logindex import LogMeta, Offsets, ReadTask, check_offsets, plan_reads
 from datasources.options import ReadOptions, log_source_id, offsets_from_json
 
@@ -155,15 +155,18 @@ class LogSource:
         return self.log.read(task, schema)
 
     def commit(self, end: Mapping[int, int]) -> None:
-        """Trim what the retention option allows once a batch ending at ``end`` is committed."""
+        """Trim what the retention option allows once a batch ending at ``end`` is committed.
+
+        After a trim, collect garbage under ``data/`` with the default grace period.
+        """
         if self.options.retention is None:
             return
         retained = None
         if self.options.state_store:
             retained = retained_checkpoint_offsets(self.options.state_store, self.source_id)
         floors = retention_floors(end, self.options.retention, retained)
-        if floors:
-            self.log.trim(floors)
+        if floors and self.log.trim(floors) is not None:
+            self.log.collect_garbage_after_commit(DEFAULT_ORPHAN_GRACE_SECONDS)
 
 
 class GeneratorSource:

@@ -32,6 +32,11 @@ Anything else (``float``, ``Decimal``, ``datetime``, nested tuples, ...) raises
 ``UnsupportedKeyError``: cast it to one of the supported types first, the same
 way on the Spark side and in Python. Python's built-in ``hash()`` is never
 used: it is randomised per process.
+
+``murmur3_32(column, seed)`` is the same vectorized hash without Spark's
+padding: standard Murmur3 x86_32 of each value's unpadded bytes, for hashes
+that must equal ``mmh3.hash(data, seed, signed=False)`` (the ``replayable``
+log routes keys to its splits with it).
 """
 
 from __future__ import annotations
@@ -365,15 +370,19 @@ def _rotl(x: np.ndarray, r: int) -> np.ndarray:
     return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
 
 
+def _scramble(k: np.ndarray) -> np.ndarray:
+    """Murmur3 x86_32's mixing of one 4-byte little-endian word, before it meets the hash."""
+    return _rotl(k * _C1, 15) * _C2
+
+
 def _mix_block(h: np.ndarray, k: np.ndarray) -> np.ndarray:
     """One Murmur3 x86_32 body step: mix the 4-byte little-endian block ``k`` into ``h``."""
-    k = _rotl(k * _C1, 15) * _C2
-    h = _rotl(h ^ k, 13)
+    h = _rotl(h ^ _scramble(k), 13)
     return h * np.uint32(5) + np.uint32(0xE6546B64)
 
 
 def _finalize(h: np.ndarray, n_bytes: np.ndarray | int) -> np.ndarray:
-    """Murmur3 x86_32 finalization; ``n_bytes`` is the hashed (padded) length."""
+    """Murmur3 x86_32 finalization; ``n_bytes`` is the hashed length (the padded one when padding)."""
     h = h ^ np.asarray(n_bytes, dtype=np.uint32)
     h ^= h >> np.uint32(16)
     h *= np.uint32(0x85EBCA6B)
@@ -391,14 +400,20 @@ def _hash_int64(values: np.ndarray, seeds: np.ndarray) -> np.ndarray:
     return _finalize(h, 8)
 
 
-def _hash_var_bytes(array: Any, seeds: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Hash each value of a (large_)string/(large_)binary Arrow array, zero-padded to 4 bytes.
+def _hash_var_bytes(array: Any, seeds: np.ndarray, valid: np.ndarray, pad: bool) -> np.ndarray:
+    """Hash each value of a (large_)string/(large_)binary Arrow array, seeded per row.
+
+    ``pad=True`` (key groups, Spark's variant): each value is zero-padded to a
+    multiple of 4 bytes, so every byte is in a body block and finalization
+    uses the padded length. ``pad=False`` (standard Murmur3): ``length // 4``
+    body blocks, then the 1-3 byte tail scrambled into the hash without the
+    body's rotate-multiply-add, and finalization with the true length.
 
     Reads the Arrow offsets and data buffers directly. Rows are bucketed by
-    their number of 4-byte blocks ``b``; a bucket with ``b <= 16`` (values up
-    to 64 bytes) is hashed in numpy as a ``(b, rows)`` matrix of words gathered
-    from the data buffer, the last word masked so the bytes of the next value
-    never leak in. Longer valid values fall back to ``mmh3`` one row at a time.
+    their number of body blocks ``b``; a bucket with ``b <= 16`` is hashed in
+    numpy as a ``(b, rows)`` matrix of words gathered from the data buffer,
+    with the bytes of the next value masked off wherever a word reaches past
+    its value. Longer valid values fall back to ``mmh3`` one row at a time.
     Null rows are hashed too (from whatever bytes their offsets span); the
     caller discards them.
     """
@@ -417,27 +432,45 @@ def _hash_var_bytes(array: Any, seeds: np.ndarray, valid: np.ndarray) -> np.ndar
 
     starts = offsets[:-1] - base
     lengths = offsets[1:] - offsets[:-1]
-    n_blocks = (lengths + 3) // 4
+    if pad:
+        n_blocks = (lengths + 3) // 4
+        hashed_lengths = 4 * n_blocks
+    else:
+        n_blocks = lengths // 4
+        hashed_lengths = lengths
     h = seeds.copy()
     counts = np.bincount(np.minimum(n_blocks, _MAX_VECTOR_BLOCKS + 1), minlength=_MAX_VECTOR_BLOCKS + 2)
     for blocks in np.flatnonzero(counts[: _MAX_VECTOR_BLOCKS + 1]):
+        if not blocks:
+            continue
         rows = slice(None) if counts[blocks] == n else np.flatnonzero(n_blocks == blocks)
-        acc = h[rows]
-        if blocks:
-            block_words = words[np.add.outer(np.arange(0, 4 * blocks, 4), starts[rows])]
+        block_words = words[np.add.outer(np.arange(0, 4 * blocks, 4), starts[rows])]
+        if pad:
             block_words[-1] &= _TAIL_MASKS[lengths[rows] - 4 * (blocks - 1)]
-            for block in block_words:
-                acc = _mix_block(acc, block)
-        h[rows] = _finalize(acc, 4 * blocks)
-    for row in np.flatnonzero((n_blocks > _MAX_VECTOR_BLOCKS) & valid):
+        acc = h[rows]
+        for block in block_words:
+            acc = _mix_block(acc, block)
+        h[rows] = acc
+    vectorized = n_blocks <= _MAX_VECTOR_BLOCKS
+    if not pad:
+        tails = lengths - 4 * n_blocks
+        rows = np.flatnonzero(vectorized & (tails > 0))
+        h[rows] ^= _scramble(words[starts[rows] + 4 * n_blocks[rows]] & _TAIL_MASKS[tails[rows]])
+    h[vectorized] = _finalize(h[vectorized], hashed_lengths[vectorized])
+    for row in np.flatnonzero(~vectorized & valid):
         start, length = int(starts[row]), int(lengths[row])
-        data = padded[start : start + length].tobytes() + b"\0" * (-length % 4)
+        data = padded[start : start + length].tobytes()
+        if pad:
+            data += b"\0" * (-length % 4)
         h[row] = mmh3.hash(data, int(h[row]), signed=False)
     return h
 
 
-def _hash_arrow_chunk(array: Any, seeds: np.ndarray, column_index: int) -> np.ndarray:
-    """Fold one key column (a non-chunked Arrow array) into the running hashes ``seeds``."""
+def _hash_arrow_chunk(array: Any, seeds: np.ndarray, column_index: int, pad: bool = True) -> np.ndarray:
+    """Fold one key column (a non-chunked Arrow array) into the running hashes ``seeds``.
+
+    ``pad`` as for ``_hash_var_bytes``; integers (8 bytes) hash the same either way.
+    """
     import pyarrow as pa
 
     kind = array.type
@@ -455,7 +488,7 @@ def _hash_arrow_chunk(array: Any, seeds: np.ndarray, column_index: int) -> np.nd
         values = np.frombuffer(array.buffers()[1], dtype=np.int64)[array.offset : array.offset + len(array)]
         hashed = _hash_int64(values, seeds)
     elif kind in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
-        hashed = _hash_var_bytes(array, seeds, valid)
+        hashed = _hash_var_bytes(array, seeds, valid, pad)
     else:
         raise UnsupportedKeyError(
             f"key column {column_index} has Arrow type {kind}, which has no canonical encoding; "
@@ -555,3 +588,41 @@ def key_groups_for_columns(columns: Sequence[Any], max_parallelism: int) -> np.n
     """
     m = check_max_parallelism(max_parallelism)
     return np.mod(key_hashes_for_columns(columns), np.int32(m))
+
+
+def murmur3_32(column: Any, seed: int = 0) -> np.ndarray:
+    """Standard Murmur3 x86_32 of every value of one column: ``mmh3.hash(data, seed, signed=False)``.
+
+    ``data`` is the value's canonical encoding without padding: UTF-8 for
+    strings, the bytes of binaries, 8 little-endian bytes (two's complement)
+    for integers and for bools (0 or 1). Unlike ``key_hashes_for_columns``
+    (Spark's variant: zero-padded bytes, seed ``HASH_SEED``), a 1-3 byte tail
+    is mixed the standard way and finalization uses the true length, so
+    ``"ab"`` and ``"ab\\0"`` hash differently.
+
+    Args:
+        column: a ``pyarrow.Array``, ``pyarrow.ChunkedArray`` or 1-dimensional
+            ``numpy.ndarray`` of a type ``key_groups_for_columns`` supports.
+        seed: ``0 <= seed < 2**32``.
+
+    Returns:
+        ``uint32`` array, one hash per row. A null row holds ``seed``: tell
+        nulls apart with the column's validity, not by the value.
+
+    Raises:
+        UnsupportedKeyError: a column of an unsupported type.
+        ConfigError: ``seed`` out of range, or a column that is not 1-dimensional.
+    """
+    import pyarrow as pa
+
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= _U32:
+        raise ConfigError(f"murmur3 seed must be an int with 0 <= seed < 2**32, got {seed!r}")
+    array = _as_arrow(column, 0)
+    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    hashes = np.empty(len(array), dtype=np.uint32)
+    start = 0
+    for chunk in chunks:
+        stop = start + len(chunk)
+        hashes[start:stop] = _hash_arrow_chunk(chunk, np.full(len(chunk), seed, dtype=np.uint32), 0, pad=False)
+        start = stop
+    return hashes

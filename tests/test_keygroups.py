@@ -29,6 +29,7 @@ from spark_state.keygroups import (
     key_groups_for_columns,
     key_hash,
     key_hashes_for_columns,
+    murmur3_32,
 )
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -431,3 +432,59 @@ def test_vectorized_rejections(columns, error, match):
 def test_vectorized_groups_use_python_modulo():
     groups = key_groups_for_columns([pa.array([1, -1, INT64_MIN])], 4096)
     assert groups.tolist() == [(-1712319331) % 4096, (-939490007) % 4096, (-853646085) % 4096]
+
+
+# --------------------------------------------------------------------------- standard murmur3_32
+
+
+def _standard_bytes(value) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bytes):
+        return value
+    return int(value).to_bytes(8, "little", signed=True)
+
+
+_VAR_TYPES = [pa.string(), pa.large_string(), pa.string_view(), pa.binary(), pa.large_binary(), pa.binary_view()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    arrow_type=st.sampled_from(_VAR_TYPES + [pa.int64(), pa.int16(), pa.bool_()]),
+    data=st.data(),
+    seed=st.one_of(st.sampled_from([0, HASH_SEED, 2**32 - 1]), st.integers(0, 2**32 - 1)),
+    cuts=st.lists(st.integers(0, 50), max_size=3),
+)
+def test_murmur3_32_is_standard_murmur3_with_any_seed(arrow_type, data, seed, cuts):
+    if pa.types.is_integer(arrow_type):
+        bits = arrow_type.bit_width
+        values = st.integers(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    elif pa.types.is_boolean(arrow_type):
+        values = st.booleans()
+    elif arrow_type in (pa.string(), pa.large_string(), pa.string_view()):
+        values = st.one_of(st.text(max_size=100), st.text(alphabet="\x00aé日😀", max_size=100))
+    else:
+        values = st.binary(max_size=100)
+    keys = data.draw(st.lists(st.none() | values, max_size=40))
+    expected = [seed if k is None else mmh3.hash(_standard_bytes(k), seed, signed=False) for k in keys]
+    array = pa.array(keys, type=arrow_type)
+    hashes = murmur3_32(array, seed)
+    assert hashes.dtype == np.uint32
+    assert hashes.tolist() == expected
+    bounds = sorted({0, len(keys), *(min(c, len(keys)) for c in cuts)})
+    chunked = pa.chunked_array([array.slice(a, b - a) for a, b in zip(bounds, bounds[1:])], type=arrow_type)
+    assert murmur3_32(chunked, seed).tolist() == expected
+
+
+def test_murmur3_32_differs_from_the_padded_key_hash_only_where_a_tail_exists():
+    values = ["", "abcd", "ab", "ab\x00\x00", "abcde"]
+    standard = murmur3_32(pa.array(values), HASH_SEED).view(np.int32).tolist()
+    padded = key_hashes_for_columns([pa.array(values)]).tolist()
+    assert [s == p for s, p in zip(standard, padded)] == [True, True, False, True, False]
+    assert padded[2] == padded[3] and standard[2] != standard[3]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 1.0, True, "0"])
+def test_murmur3_32_rejects_seeds_outside_32_bits(seed):
+    with pytest.raises(ConfigError, match="seed"):
+        murmur3_32(pa.array(["a"]), seed)

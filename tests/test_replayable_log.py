@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 import threading
 import uuid
+import zlib
 
+import mmh3
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -12,6 +17,7 @@ from hypothesis import strategies as st
 
 from datasources.errors import (
     CorruptLogError,
+    UnsupportedKeyColumnError,
     CorruptSegmentError,
     IncompatibleLogError,
     InvalidOffsetsError,
@@ -22,10 +28,11 @@ from datasources.errors import (
     UnknownOptionError,
 )
 from datasources.generator import GeneratorSpec, generate, ranks
-from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog, commit_path
+from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog, decode_segment, encode_segment
 from datasources.logindex import (
     Commit,
     LogIndex,
+    MAX_SPLITS,
     LogMeta,
     SegmentRef,
     SinkMark,
@@ -36,7 +43,7 @@ from datasources.logindex import (
     plan_reads,
     position_schema,
 )
-from datasources.routing import route_batch, split_of_key, splits_of_keys
+from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.options import (
     ANY_READ,
     READ,
@@ -50,6 +57,8 @@ from datasources.options import (
     parse_write_options,
 )
 from datasources.sources import LogSource, retention_floors
+import spark_state.conf as spark_state_conf
+from spark_state.commitlog import decode_record, encode_record
 from spark_state.errors import ConfigError, CorruptBlobError, StorageError
 from spark_state.storage.base import CountingStorage, Storage
 from spark_state.storage.memory import MemoryStorage
@@ -112,9 +121,13 @@ def test_create_rejects_a_different_split_count_or_schema():
         ReplayableLog.create(storage, LogMeta("t", 2, other))
 
 
-def test_reserved_columns_are_rejected():
+def test_reserved_columns_and_split_counts_outside_int32_are_rejected():
     with pytest.raises(IncompatibleLogError, match="reserved"):
         LogMeta("t", 1, SCHEMA.append(pa.field("offset", pa.int64())))
+    assert LogMeta("t", MAX_SPLITS, SCHEMA).num_splits == 2**31 - 1
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(IncompatibleLogError, match="between 1 and 2147483647"):
+            LogMeta("t", bad, SCHEMA)
 
 
 def test_open_missing_log_names_the_location():
@@ -209,7 +222,7 @@ def test_index_snapshots_bound_what_a_new_reader_reads():
     assert fresh.index() == log.index()
     commits_read = [p for p in counting.reads if p.startswith("_commits/")]
     # snapshot after commit 31, then commits 32..34 and one probe for the missing 35
-    assert commits_read == [commit_path(i) for i in range(INDEX_SNAPSHOT_INTERVAL, INDEX_SNAPSHOT_INTERVAL + 4)]
+    assert commits_read == [fresh.commits.path(i) for i in range(INDEX_SNAPSHOT_INTERVAL, INDEX_SNAPSHOT_INTERVAL + 4)]
 
 
 def test_ranged_read_touches_only_the_segments_holding_the_range():
@@ -260,9 +273,212 @@ def test_missing_segment_and_corrupt_commit_raise():
     storage.delete(ref.path)
     with pytest.raises(SegmentMissingError, match=ref.path):
         rows(ReplayableLog.open(storage))
-    storage.create(commit_path(1), b"{not json")
-    with pytest.raises(CorruptLogError, match=commit_path(1)):
+    storage.create(log.commits.path(1), b"{not json")
+    with pytest.raises(CorruptLogError, match=log.commits.path(1)):
         ReplayableLog.open(storage).index()
+
+
+def test_log_files_are_checksummed_records():
+    storage = MemoryStorage()
+    log = new_log(1, storage)
+    for i in range(INDEX_SNAPSHOT_INTERVAL):
+        append(log, 0, i, 1)
+    last = INDEX_SNAPSHOT_INTERVAL - 1
+    for path in ("_log.json", log.commits.path(0), log.commits.path(last), log.snapshots.path(last)):
+        decode_record(storage.read(path), path)  # accept_unframed=False: raises unless framed
+
+
+def legacy_log(storage: Storage) -> list[int]:
+    """A log as written before its files were framed: plain JSON ``_log.json``, commits 0 and 1, snapshot 0.
+
+    Commit 0 appends values 0..2 to split 1, commit 1 values 3..4 to split 0;
+    returns the values in read order (split 0 first).
+    """
+    meta = LogMeta("old", 2, SCHEMA)
+    schema_b64 = base64.b64encode(SCHEMA.serialize().to_pybytes()).decode("ascii")
+    storage.create("_log.json", json.dumps({"format": 1, "name": "old", "numSplits": 2, "schema": schema_b64,
+                                            "schemaText": SCHEMA.to_string()}, indent=1).encode())
+    writer = ReplayableLog(storage, meta).segment_writer(order=0)
+    writer.add(1, batch(0, 3))
+    writer.add(0, batch(3, 2))
+    first, second = sorted(writer.finish(), key=lambda seg: -seg.split)
+
+    def ref(seg, split: int, n: int) -> str:
+        return (f'{{"split": {split}, "start": 0, "end": {n}, "path": "{seg.path}", "size": {seg.size}, '
+                f'"crc32": {seg.crc32}}}')
+
+    storage.create("_commits/00000000000000000000.json",
+                   f'{{"format": 1, "commit": 0, "segments": [{ref(first, 1, 3)}], "trims": {{}}, '
+                   f'"sink": null}}'.encode())
+    storage.create("_commits/00000000000000000001.json",
+                   f'{{"format": 1, "commit": 1, "segments": [{ref(second, 0, 2)}], "trims": {{}}, '
+                   f'"sink": {{"id": "q", "batch": 4}}}}'.encode())
+    storage.create("_index/00000000000000000000.json",
+                   f'{{"format": 1, "commit": 0, "earliest": [0, 0], "end": [0, 3], '
+                   f'"segments": [{ref(first, 1, 3)}], "sinks": {{}}}}'.encode())
+    return [3, 4, 0, 1, 2]
+
+
+def test_a_log_written_before_framing_opens_reads_and_takes_new_commits():
+    storage = MemoryStorage()
+    old_values = legacy_log(storage)
+    log = ReplayableLog.open(storage)
+    assert log.meta == LogMeta("old", 2, SCHEMA)
+    assert [r[2] for r in rows(log)] == old_values
+    assert log.index().sinks == {"q": 4}
+    append(log, 1, 10, 2)
+    counting = CountingStorage(storage)
+    again = ReplayableLog.open(counting)
+    assert [r[2] for r in rows(again)] == [3, 4, 0, 1, 2, 10, 11]
+    assert again.index().end_offsets() == {0: 2, 1: 5}
+    assert again.commits.path(0) not in counting.reads  # the legacy snapshot stood in for commit 0
+    decode_record(storage.read(log.commits.path(2)), "commit 2")  # the new commit is framed
+    storage.delete("_index")
+    assert ReplayableLog.open(storage).index() == again.index()  # every legacy commit replayed
+
+
+def damaged_copies(data: bytes):
+    """Every single-byte flip of ``data``, then every strict prefix."""
+    for i in range(len(data)):
+        yield data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+    for n in range(len(data)):
+        yield data[:n]
+
+
+@pytest.mark.parametrize("target", ["_log.json", "commit", "snapshot"])
+def test_every_flipped_byte_or_truncation_of_a_log_file_raises_naming_it(target):
+    storage = MemoryStorage()
+    log = new_log(2, storage)
+    commits = INDEX_SNAPSHOT_INTERVAL if target == "snapshot" else 2
+    for i in range(commits):
+        append(log, i % 2, 10 * i, 3)
+    path = {"_log.json": "_log.json", "commit": log.commits.path(1),
+            "snapshot": log.snapshots.path(INDEX_SNAPSHOT_INTERVAL - 1)}[target]
+    expected = rows(log)
+    original = storage.read(path)
+    for damaged in damaged_copies(original):
+        storage.create(path, damaged, overwrite=True)
+        with pytest.raises(CorruptLogError, match=re.escape(f"{storage.uri}/{path}")) as info:
+            rows(ReplayableLog.open(storage))
+        assert isinstance(info.value, CorruptBlobError)
+    storage.create(path, original, overwrite=True)
+    assert rows(ReplayableLog.open(storage)) == expected
+
+
+def framed_log(num_splits: int = 2) -> tuple[MemoryStorage, ReplayableLog]:
+    storage = MemoryStorage()
+    log = new_log(num_splits, storage)
+    append(log, 0, 0, 3)
+    return storage, log
+
+
+GOOD_SEGMENT = {"split": 1, "start": 0, "end": 2, "path": "data/x/1-000000.arrow", "size": 10, "crc32": 0}
+
+
+@pytest.mark.parametrize("body", [
+    [1, 2],
+    {"commit": 1, "segments": [], "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "segments": ["data/x.arrow"], "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "size": "big"}], "trims": {}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {"7": 0}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {"-1": 0}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {"0": 99}, "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": [], "sink": None},
+    {"format": 1, "commit": 1, "segments": [], "trims": {}, "sink": ["q", 1]},
+    {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "split": -1}], "trims": {}, "sink": None},
+])
+def test_a_malformed_commit_raises_a_typed_error_naming_it(body):
+    storage, log = framed_log()
+    storage.create(log.commits.path(1), encode_record(body))
+    with pytest.raises(CorruptLogError, match=re.escape(log.commits.where(1))):
+        ReplayableLog.open(storage).index()
+
+
+@pytest.mark.parametrize("change", [
+    {"segments": [{**GOOD_SEGMENT, "split": -1}]},
+    {"segments": [{**GOOD_SEGMENT, "split": 2}]},
+    {"earliest": [0]},
+    {"end": [3, "x"]},
+    {"sinks": [["q", 1]]},
+    {"segments": None},
+])
+def test_a_malformed_snapshot_raises_a_typed_error_naming_it(change):
+    storage, log = framed_log()
+    body = {**log.index().to_json(), **change}
+    storage.create(log.snapshots.path(0), encode_record(body))
+    with pytest.raises(CorruptLogError, match=re.escape(log.snapshots.where(0))):
+        ReplayableLog.open(storage).index()
+
+
+@pytest.mark.parametrize("change", [{"schema": None}, {"schema": "not base64!"}, {"numSplits": "many"},
+                                    {"numSplits": 0}, {"name": None, "schema": "AAAA"}])
+def test_a_malformed_log_meta_raises_a_typed_error_naming_it(change):
+    storage, log = framed_log()
+    storage.create("_log.json", encode_record({**log.meta.to_json(), **change}), overwrite=True)
+    with pytest.raises(CorruptLogError, match=re.escape(f"{storage.uri}/_log.json")):
+        ReplayableLog.open(storage)
+
+
+def test_arguments_out_of_range_raise_typed_errors_naming_the_option():
+    log = new_log(2)
+    with pytest.raises(ReplayableOptionError, match="compression='gzip'"):
+        encode_segment([batch(0, 1)], SCHEMA, "gzip")
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerSegment=0"):
+        log.segment_writer(max_records=0)
+    with pytest.raises(ReplayableOptionError, match="compression='snappy'"):
+        log.segment_writer(compression="snappy")
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerPartition=0"):
+        plan_reads(log.index(), {0: 0, 1: 0}, {0: 0, 1: 0}, 0)
+    with pytest.raises(ReplayableOptionError, match="maxRecordsPerBatch=0"):
+        admit({0: 0}, {0: 5}, 0)
+    checkpoint = parse_read_options({"path": "/x", "startingOffsets": "checkpoint", "stateStore": "/s"}, READ)
+    with pytest.raises(ReplayableOptionError, match="startingOffsets=checkpoint"):
+        checkpoint.starting.resolve({0: 0}, {0: 0})
+    with pytest.raises(OffsetOutOfRangeError, match="cannot trim split 2"):
+        log.trim({2: 0})
+    assert all(isinstance(e, ConfigError) for e in (ReplayableOptionError("x"), OffsetOutOfRangeError("x")))
+    for compression in spark_state_conf.COMPRESSIONS:  # one list of codecs for state blobs and log segments
+        assert parse_write_options({"path": "/x", "compression": compression}, WRITE).compression == compression
+        data = encode_segment([batch(0, 2)], SCHEMA, compression)
+        ref = SegmentRef(0, 0, 2, "s", len(data), zlib.crc32(data))
+        assert decode_segment(data, ref, SCHEMA).column("value").to_pylist() == [0, 1]
+
+
+def test_a_log_schema_spark_cannot_read_is_a_typed_error():
+    from datasources.replayable import spark_schema
+
+    with pytest.raises(IncompatibleLogError, match="uint64"):
+        spark_schema(pa.schema([pa.field("n", pa.uint64())]))
+
+
+def test_datasources_raises_only_its_own_typed_errors():
+    """Every ``raise X(...)`` in the package names a class of ``datasources.errors`` (bare re-raises aside)."""
+    import ast
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    import datasources
+    import datasources.errors as errors
+    from spark_state.errors import SparkStateError
+
+    typed = {name for name, value in vars(errors).items()
+             if inspect.isclass(value) and issubclass(value, SparkStateError) and value.__module__ == errors.__name__}
+    untyped = []
+    for path in sorted(Path(datasources.__file__).parent.glob("*.py")):
+        module = importlib.import_module(f"datasources.{path.stem}")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                name = target.id if isinstance(target, ast.Name) else ast.unparse(target)
+                helper = getattr(module, name, None) if name.startswith("_") else None
+                if helper is not None and inspect.isfunction(helper):  # a function that builds the error
+                    name = inspect.signature(helper).return_annotation
+                if name not in typed:
+                    untyped.append(f"{path.name}:{node.lineno} raises {name}")
+    assert untyped == []
+    assert len(typed) >= 10
 
 
 def test_trim_drops_whole_segments_and_later_reads_below_it_fail():
@@ -338,15 +554,51 @@ def test_admit_shares_the_budget_without_exceeding_pending(ranges, max_rows):
 # --- routing -------------------------------------------------------------------
 
 
-def test_key_routing_is_the_same_for_scalars_and_columns_and_pinned():
-    keys = ["user-000001", "é", "", None, "zz"]
-    column = splits_of_keys(pa.array(keys), 7)
-    assert column.tolist() == [split_of_key(k, 7) for k in keys]
-    ints = [0, -1, 2**40, None]
-    assert splits_of_keys(pa.array(ints, pa.int64()), 5).tolist() == [split_of_key(k, 5) for k in ints]
+def reference_split(key, num_splits: int) -> int:
+    """The on-disk routing, spelled out with ``mmh3``: murmur3_32(seed 0, unsigned) of the key's bytes."""
+    if key is None:
+        return 0
+    if isinstance(key, str):
+        data = key.encode("utf-8")
+    elif isinstance(key, bytes):
+        data = key
+    else:
+        data = key.to_bytes(8, "little", signed=True)
+    return mmh3.hash(data, 0, signed=False) % num_splits
+
+
+TEXT_KEYS = st.one_of(st.text(max_size=100), st.text(alphabet="\x00aé日😀", max_size=100))
+KEY_COLUMNS = st.one_of(
+    st.tuples(st.sampled_from([pa.string(), pa.large_string()]), st.lists(st.none() | TEXT_KEYS, max_size=40)),
+    st.tuples(st.sampled_from([pa.binary(), pa.large_binary()]),
+              st.lists(st.none() | st.binary(max_size=100), max_size=40)),
+    st.tuples(st.just(pa.int64()), st.lists(st.none() | st.integers(-(2**63), 2**63 - 1), max_size=40)),
+    st.tuples(st.just(pa.int32()), st.lists(st.none() | st.integers(-(2**31), 2**31 - 1), max_size=40)),
+    st.tuples(st.just(pa.uint8()), st.lists(st.none() | st.integers(0, 255), max_size=40)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(KEY_COLUMNS, st.one_of(st.integers(1, 64), st.integers(1, MAX_SPLITS)), st.integers(0, 3), st.data())
+def test_split_routing_is_murmur3_seed_0_of_the_key_bytes(column, num_splits, cut, data):
+    arrow_type, keys = column
+    array = pa.array(keys, type=arrow_type)
+    assert splits_of_keys(array, num_splits).tolist() == [reference_split(k, num_splits) for k in keys]
+    start = data.draw(st.integers(0, len(keys)))
+    sliced = array.slice(start, len(keys) - start - min(cut, len(keys) - start))
+    assert splits_of_keys(sliced, num_splits).tolist() == [reference_split(k, num_splits) for k in sliced.to_pylist()]
+
+
+def test_split_routing_known_answers_and_refusals():
     # murmur3_32(seed 0) of UTF-8 / 8-byte little-endian bytes, mod n: pinned so the routing never drifts
-    assert [split_of_key(k, 1024) for k in ("user-000001", "a", 7, -1)] == [180, 434, 67, 232]
-    assert split_of_key(None, 9) == 0
+    assert splits_of_keys(pa.array(["user-000001", "a", None]), 1024).tolist() == [180, 434, 0]
+    assert splits_of_keys(pa.array([7, -1, None], pa.int64()), 1024).tolist() == [67, 232, 0]
+    # the largest split count, and a tail that Spark's padded variant would hash like "ab"
+    assert splits_of_keys(pa.array(["ab\x00", "ab"]), MAX_SPLITS).tolist() == [940022599, 465557344]
+    for refused in (pa.array([1], pa.uint64()), pa.array([1.5]), pa.array([True])):
+        assert not is_key_type(refused.type)
+        with pytest.raises(UnsupportedKeyColumnError, match=str(refused.type)):
+            splits_of_keys(refused, 4)
 
 
 def test_route_batch_groups_rows_by_split_preserving_order():

@@ -11,7 +11,7 @@ import pytest
 
 from datasources.log import ReplayableLog
 from datasources.options import log_source_id
-from datasources.routing import split_of_key
+from datasources.routing import splits_of_keys
 from spark_state.storage.local import LocalStorage
 
 pytestmark = pytest.mark.spark
@@ -55,7 +55,8 @@ def test_stream_honours_max_records_per_batch_under_available_now_and_trims(spar
     for row in spark.sql("SELECT key, split FROM replayable_admission").collect():
         by_key.setdefault(row.key, set()).add(row.split)
     assert all(len(s) == 1 for s in by_key.values()) and len(by_key) == 97
-    assert all(splits == {split_of_key(key, 3)} for key, splits in by_key.items())
+    routed = dict(zip(by_key, splits_of_keys(pa.array(list(by_key)), 3).tolist()))
+    assert all(splits == {routed[key]} for key, splits in by_key.items())
     # retention 0: commit(end of batch 1) trimmed whole segments below that batch's end
     # (batch 2's commit only arrives when a batch 3 is planned, which availableNow never does)
     log = ReplayableLog.open(LocalStorage(path))
@@ -170,24 +171,36 @@ def test_batch_write_with_sink_id_appends_each_batch_id_once(spark, tmp_path):
 
 
 def test_failed_batch_write_leaves_nothing_behind(spark, tmp_path):
+    """A job whose only task dies after its writer got rows: nothing is committed, and the collector removes its files.
+
+    One task, so no other attempt of the failed job can still be writing when
+    ``save()`` raises (files of such attempts are the collector's, once they
+    are older than ``orphanGraceSeconds``).
+    """
     path = tmp_path / "log"
     write_source_log(spark, path, 100)
-    before = ReplayableLog.open(LocalStorage(path)).index()
-    data_dirs = sorted(os.listdir(path / "data"))
+    log = ReplayableLog.open(LocalStorage(path))
+    before = log.index()
+    committed = sorted(seg.path for split in before.splits for seg in split.segments)
 
-    def fail_in_one_task(batches):
-        from pyspark import TaskContext
-
+    def fail_after_30000_rows(batches):
+        seen = 0
         for b in batches:
-            if TaskContext.get().partitionId() == 1:
-                raise RuntimeError("task failure")
             yield b
+            seen += b.num_rows
+            if seen >= 30_000:  # three Arrow batches reached the writer: it has written segments
+                raise RuntimeError("task failure")
 
-    df = spark.range(0, 200, numPartitions=2).selectExpr("concat('user-', cast(id as string)) AS key", "id AS value")
+    df = spark.range(0, 50_000, numPartitions=1).selectExpr("concat('user-', cast(id as string)) AS key", "id AS value")
     with pytest.raises(Exception, match="task failure"):
-        df.mapInArrow(fail_in_one_task, df.schema).write.format("replayable").mode("append").save(str(path))
-    assert ReplayableLog.open(LocalStorage(path)).index() == before
-    assert sorted(os.listdir(path / "data")) == data_dirs
+        (df.mapInArrow(fail_after_30000_rows, df.schema).write.format("replayable").mode("append")
+         .option("maxRecordsPerSegment", 4000).save(str(path)))
+    assert ReplayableLog.open(LocalStorage(path)).index() == before  # nothing of the failed job is referenced
+
+    log.collect_garbage(0)
+    on_disk = sorted(str(p.relative_to(path)) for p in (path / "data").rglob("*") if p.is_file())
+    assert on_disk == committed
+    assert sorted(os.listdir(path / "data")) == sorted({p.split("/")[1] for p in committed})
 
 
 @pytest.mark.parametrize("options, match", [
