@@ -79,3 +79,10 @@ def test_names_that_are_not_records_are_ignored(log):
     log.storage.create("commits/notes.txt", b"x")
     log.storage.create("commits/123.json", b"{}")
     assert log.ids() == [5]
+
+
+def test_a_damaged_frame_is_never_read_as_a_legacy_record():
+    framed = json.loads(encode_record({"commit": 1}))
+    damaged = json.dumps({"crc33": framed["crc32"], "body": framed["body"]}).encode()
+    with pytest.raises(CorruptBlobError, match="damaged frame"):
+        decode_record(damaged, "r", accept_unframed=True)
