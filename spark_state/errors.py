@@ -40,6 +40,22 @@ class BlobNotFoundError(StorageError, FileNotFoundError):
     """The path does not exist in the storage backend."""
 
 
+class StorageUnavailableError(StorageError):
+    """A storage backend kept failing transiently (throttling, 5xx, connection refused or reset) for longer
+    than its retry bound; the message names the path, how long it tried and the last cause."""
+
+
+class StorageAccessError(StorageError):
+    """The storage refused the credentials, or found none: the message says which, never the secret."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket (or container) a store URI names does not exist; no object in it can be read or written.
+
+    Not a ``BlobNotFoundError``: a missing bucket is a misconfiguration, never "no checkpoint yet".
+    """
+
+
 class ShortReadError(StorageError):
     """A ranged read asked for bytes past the end of the blob."""
 

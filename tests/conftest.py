@@ -1,11 +1,41 @@
-"""Shared fixtures. One Spark session per test run, created only if a test asks for it."""
+"""Shared fixtures. One Spark session and one S3 server per test run, each created only if a test asks for it.
+
+Every process of the test run (this one, Spark's JVMs and Python workers,
+the cluster test's daemons) finds AWS credentials the standard way, in the
+AWS config and credentials files, which point into a directory of this run:
+set here, before any JVM starts, so that every child inherits them, and
+filled by the ``s3_server`` fixture. Settings of the machine (``AWS_*``
+variables, ``~/.aws``) never leak into the tests.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+import uuid
+from pathlib import Path
 
 import pytest
+
+AWS_DIR = Path(tempfile.mkdtemp(prefix="spark-state-aws-"))
+AWS_CONFIG_FILE = AWS_DIR / "config"
+AWS_CREDENTIALS_FILE = AWS_DIR / "credentials"
+
+
+def pytest_configure(config):
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        del os.environ[name]
+    AWS_CONFIG_FILE.write_text("")
+    AWS_CREDENTIALS_FILE.write_text("")
+    os.environ["AWS_CONFIG_FILE"] = str(AWS_CONFIG_FILE)
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(AWS_CREDENTIALS_FILE)
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-role lookups (1 s timeouts) on a test machine
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(AWS_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +58,30 @@ def spark():
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """SeaweedFS's S3 gateway on loopback (``tests/s3_server.py``), its credentials in the AWS files of the run."""
+    from tests.s3_server import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    server.write_aws_files(AWS_CONFIG_FILE, AWS_CREDENTIALS_FILE)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server) -> str:
+    """One bucket for the run; tests keep apart by prefix (``s3_uri``)."""
+    return s3_server.create_bucket("spark-state-tests")
+
+
+@pytest.fixture
+def s3_uri(s3_server, s3_bucket):
+    """``s3_uri(name)``: a fresh ``s3://`` store URI on the test server (endpoint and path style in the URI)."""
+    unique = uuid.uuid4().hex[:12]
+    return lambda name="store": s3_server.uri(s3_bucket, f"{unique}/{name}")

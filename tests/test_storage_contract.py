@@ -1,10 +1,11 @@
 """The storage contract (``spark_state/storage/base.py``), run against every backend.
 
 Every test taking ``storage`` runs on ``LocalStorage`` (a temp dir),
-``MemoryStorage`` and ``WebHdfsStorage`` (against ``tests/webhdfs_server.py``).
-The tests after them check what only one backend can show: the publish step of
+``MemoryStorage``, ``WebHdfsStorage`` (against ``tests/webhdfs_server.py``) and
+``S3Storage`` (against SeaweedFS's S3 gateway, ``tests/s3_server.py``). The
+tests after them check what only one backend can show: the publish step of
 ``LocalStorage``, the request sequence and error mapping of ``WebHdfsStorage``,
-and ``open_storage``.
+and ``open_storage``; ``tests/test_s3_storage.py`` does the same for S3.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from spark_state.errors import (
     ShortReadError,
     StorageError,
 )
-from spark_state.storage import LocalStorage, MemoryStorage, WebHdfsStorage, open_storage
+from spark_state.storage import LocalStorage, MemoryStorage, S3Storage, WebHdfsStorage, open_storage
 from spark_state.storage.base import TEMP_PREFIX
 from tests.webhdfs_server import WebHdfsServer
 
-BACKENDS = ["local", "memory", "webhdfs"]
+BACKENDS = ["local", "memory", "webhdfs", "s3"]
 
 
 def random_bytes(size: int, seed: int) -> bytes:
@@ -49,6 +50,8 @@ def storage(request, tmp_path):
         yield LocalStorage(str(tmp_path / "root"))
     elif request.param == "memory":
         yield MemoryStorage()
+    elif request.param == "s3":
+        yield open_storage(request.getfixturevalue("s3_uri")("contract"))
     else:
         server = request.getfixturevalue("webhdfs_server")
         yield WebHdfsStorage(server.url, f"/tests/{uuid.uuid4().hex}", user="tester")
@@ -271,6 +274,8 @@ def test_list_of_an_empty_storage_is_empty(storage):
 def test_temp_files_of_a_crashed_create_are_never_listed(storage, request):
     if isinstance(storage, MemoryStorage):
         pytest.skip("MemoryStorage publishes under a lock and has no temporary files")
+    if isinstance(storage, S3Storage):
+        pytest.skip("S3Storage publishes with one PUT and has no temporary files")
     server = request.getfixturevalue("webhdfs_server") if isinstance(storage, WebHdfsStorage) else None
     storage.create("d/blob", b"x")
     with open(os.path.join(backing_dir(storage, server), "d", f"{TEMP_PREFIX}crashed-blob2"), "wb") as file:
@@ -566,8 +571,11 @@ def test_open_storage_webhdfs(uri, url, root, user):
 @pytest.mark.parametrize(
     "uri",
     [
-        "s3://bucket/key",
         "gs://bucket/key",
+        "s3://Bad_Bucket/key",
+        "s3://bucket/key?endpoint=ftp://host",
+        "s3://bucket/key?unknown=1",
+        "s3://bucket/a/../b",
         "mistyped:/x",
         "file://somehost/path",
         "memory://",
@@ -585,26 +593,28 @@ def test_open_storage_webhdfs(uri, url, root, user):
 def test_open_storage_rejects_what_it_cannot_open(uri):
     with pytest.raises(ConfigError) as error:
         open_storage(uri)
-    assert uri in str(error.value) or repr(uri) in str(error.value)
+    assert uri.split("?")[0] in str(error.value) or repr(uri) in str(error.value)
 
 
 def test_open_storage_lists_the_supported_schemes():
     with pytest.raises(ConfigError) as error:
-        open_storage("s3://bucket/key")
+        open_storage("gs://bucket/key")
     message = str(error.value)
-    for scheme in ["file://", "memory://", "webhdfs://", "hdfs://"]:
+    for scheme in ["file://", "memory://", "webhdfs://", "hdfs://", "s3://"]:
         assert scheme in message
 
 
-def test_the_hdfs_client_is_imported_only_for_an_hdfs_store():
+@pytest.mark.parametrize(("client", "uri"), [("hdfs", "webhdfs://localhost:1/x"), ("boto3", "s3://bucket/x")])
+def test_a_remote_client_is_imported_only_for_its_store(client, uri):
     import subprocess
     import sys
 
     code = (
-        "import sys, spark_state.operator, spark_state.microbatch, spark_state.storage as s\n"
-        "assert 'hdfs' not in sys.modules, 'imported eagerly'\n"
-        "s.open_storage('/tmp/x'); assert 'hdfs' not in sys.modules, 'imported for a local store'\n"
-        "s.open_storage('webhdfs://localhost:1/x'); assert 'hdfs' in sys.modules\n"
+        "import sys, spark_state.operator, spark_state.microbatch, spark_state.conf, datasources.sources\n"
+        "import spark_state.storage as s\n"
+        f"assert {client!r} not in sys.modules, 'imported eagerly'\n"
+        f"s.open_storage('/tmp/x'); assert {client!r} not in sys.modules, 'imported for a local store'\n"
+        f"s.open_storage({uri!r}); assert {client!r} in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

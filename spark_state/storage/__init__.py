@@ -14,6 +14,13 @@ Supported URIs (every backend's ``uri`` attribute is one of them, and
   ``?user=NAME``: ``WebHdfsStorage`` against ``http://HOST:PORT`` with root
   ``/path``. The port is the NameNode's *HTTP* (WebHDFS) port in both forms,
   never the RPC port that ``hdfs://`` URIs usually carry in Hadoop configs.
+- ``s3://BUCKET[/PREFIX][?endpoint=...&region=...&path_style=...&profile=...&retry_seconds=...]``
+  (``s3a://`` is the same): ``S3Storage`` through boto3; see ``s3_location`` for
+  the parameters. Credentials come from the AWS environment and config files
+  of the process, never from the URI.
+
+``WebHdfsStorage`` and ``S3Storage`` (with their clients, ``hdfs`` and
+``boto3``) are imported only when such a store is opened.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ from spark_state.storage.memory import MemoryStorage
 
 if TYPE_CHECKING:
     from spark_state.storage.hdfs import WebHdfsStorage
+    from spark_state.storage.s3 import S3Storage
 
 __all__ = [
     "CountingStorage",
     "ForwardingStorage",
     "LocalStorage",
     "MemoryStorage",
+    "S3Storage",
     "Storage",
     "WebHdfsStorage",
     "open_storage",
@@ -45,16 +54,21 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 
 SUPPORTED_URIS = (
     "a plain path or file:///abs/path, memory://NAME, "
-    "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME)"
+    "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME), "
+    "s3://BUCKET/PREFIX (optional ?endpoint=URL&region=R&path_style=true&profile=NAME&retry_seconds=N)"
 )
 
 
 def __getattr__(name: str):
-    """``WebHdfsStorage`` is imported (with the ``hdfs`` client) only when something asks for it."""
+    """``WebHdfsStorage`` and ``S3Storage`` are imported (with their clients) only when something asks for them."""
     if name == "WebHdfsStorage":
         from spark_state.storage.hdfs import WebHdfsStorage
 
         return WebHdfsStorage
+    if name == "S3Storage":
+        from spark_state.storage.s3 import S3Storage
+
+        return S3Storage
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -72,6 +86,11 @@ def open_storage(uri: str) -> Storage:
         return _open_memory(uri, parts)
     if scheme in ("webhdfs", "hdfs"):
         return _open_webhdfs(uri, parts)
+    if scheme in ("s3", "s3a"):
+        from spark_state.storage import s3_location
+        from spark_state.storage.s3 import S3Storage
+
+        return S3Storage(s3_location.parse(uri))
     raise ConfigError(f"unsupported storage URI {uri!r}: scheme {scheme!r} is not one of {SUPPORTED_URIS}")
 
 
