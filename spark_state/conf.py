@@ -14,7 +14,21 @@ key                                    default                     meaning
 ``spark.state.maxChainLength``         8                           compaction: a key group's chain of delta entries is
                                                                    rewritten as one full entry at this length
 ``spark.state.compression``            ``none``                    Arrow IPC codec of state blobs: none, lz4, zstd
+``spark.state.s3.endpoint``            the AWS chain               an ``s3://`` store's endpoint (S3-compatible stores)
+``spark.state.s3.region``              the AWS chain               an ``s3://`` store's signing region
+``spark.state.s3.pathStyle``           the AWS config file         ``true``: path-style addressing
+``spark.state.s3.profile``             the default chain           a profile of the AWS config and credentials files
+``spark.state.s3.retrySeconds``        30                          how long transient S3 failures are retried
 =====================================  ==========================  =====================================================
+
+The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
+added to the store URI as parameters (``storage.s3_location``), because
+executors open the store from its URI alone. Credentials are never settings:
+every process takes them from the standard AWS chain (environment, config
+and credentials files, instance or container role).
+
+The store must be reachable from every executor: a local path (or
+``memory://``) is refused on a non-local master (``check_store_reachable``).
 
 Spark hands options over as strings: ``StateConf.parse`` converts them once
 and raises ``ConfigError`` naming the key, the value and the valid range.
@@ -28,6 +42,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from spark_state.errors import ConfigError
 from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, UPPER_BOUND_MAX_PARALLELISM
+from spark_state.storage import s3_location
 
 PREFIX = "spark.state."
 STORE = PREFIX + "store"
@@ -36,7 +51,10 @@ MAX_PARALLELISM = PREFIX + "maxParallelism"
 RETAINED = PREFIX + "checkpointsRetained"
 MAX_CHAIN_LENGTH = PREFIX + "maxChainLength"
 COMPRESSION = PREFIX + "compression"
-KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION)
+S3_PREFIX = PREFIX + "s3."
+S3_KEYS = {S3_PREFIX + setting: parameter for parameter, setting in s3_location.PARAMETERS.items()}
+"""``spark.state.s3.*`` key -> the store URI parameter it supplies."""
+KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, *S3_KEYS)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -116,8 +134,9 @@ class StateConf:
             if value(MAX_PARALLELISM)
             else DEFAULT_MAX_PARALLELISM
         )
+        store = value(STORE) or (default_store() if callable(default_store) else default_store)
         return cls(
-            store=value(STORE) or (default_store() if callable(default_store) else default_store),
+            store=_with_s3_settings(store, {parameter: value(key) for key, parameter in S3_KEYS.items()}),
             parallelism=_int(PARALLELISM, value(PARALLELISM), 1) if value(PARALLELISM) else default_parallelism,
             max_parallelism=max_parallelism,
             checkpoints_retained=_int(RETAINED, value(RETAINED), 2) if value(RETAINED) else 3,
@@ -144,3 +163,68 @@ class StateConf:
             default_store=default_store,
             default_parallelism=int(conf.get("spark.sql.shuffle.partitions", "200")),
         )
+
+
+def _with_s3_settings(store: str, settings: dict[str, str | None]) -> str:
+    """``store`` with the ``spark.state.s3.*`` settings added as URI parameters (an ``s3://`` store only)."""
+    given = sorted(f"{S3_PREFIX}{s3_location.PARAMETERS[p]}" for p, text in settings.items() if text is not None)
+    if not s3_location.is_s3_uri(store):
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} apply to an s3:// {STORE} only, and the store is {store!r}; unset them, or "
+                "store state on S3 (a replayable log on S3 takes its endpoint in its path URI)"
+            )
+        return store
+    return s3_location.parse(store).with_settings(settings).uri
+
+
+def is_local_store(store: str) -> bool:
+    """Whether ``store`` lives on this machine only: a path, a ``file:`` URI or ``memory://``."""
+    scheme = store.split(":", 1)[0].lower() if ":" in store else ""
+    return scheme in ("", "file", "memory") or len(scheme) == 1  # one letter: a Windows drive
+
+
+def check_store_reachable(store: str, master: str) -> None:
+    """Refuse a store that executors of ``master`` cannot reach: a local one on a non-``local`` master.
+
+    ``local``, ``local[N]`` and ``local-cluster[...]`` run every executor on
+    this machine; any other master (standalone, YARN, Kubernetes) may run
+    them elsewhere, where a local path names another disk.
+    """
+    if is_local_store(store) and not str(master).startswith("local"):
+        raise ConfigError(
+            f"{STORE}={store!r} is on local disk, but the master {master!r} runs executors on other machines, "
+            "which would each write state to their own disk and lose it on a rescale or a restart. Set "
+            f"{STORE} to storage every executor reaches: s3://BUCKET/PREFIX (with {S3_PREFIX}endpoint for an "
+            "S3-compatible store) or webhdfs://NAMENODE:HTTP_PORT/path"
+        )
+
+
+def default_store(checkpoint_location: str) -> str:
+    """``<checkpointLocation>/state`` where spark-state can store state beside Spark's checkpoint.
+
+    ``checkpoint_location`` is the location as Hadoop qualifies it
+    (``/path`` for local disk). Local paths, ``webhdfs://`` and
+    ``s3://``/``s3a://`` (stored through the S3 backend, with the AWS chain's
+    credentials and the ``spark.state.s3.*`` settings, not Hadoop's
+    ``fs.s3a.*``) map to a store; any other scheme is refused with the fix.
+    """
+    location = checkpoint_location.rstrip("/")
+    scheme = location.split(":", 1)[0].lower() if "://" in location else ""
+    if location.startswith("/") or scheme == "file":
+        return location[len("file://"):] + "/state" if scheme == "file" else location + "/state"
+    if scheme == "webhdfs":
+        return location + "/state"
+    if scheme in s3_location.SCHEMES:
+        return "s3" + location[len(scheme):] + "/state"
+    if scheme == "hdfs":
+        raise ConfigError(
+            f"checkpointLocation {checkpoint_location!r} is on HDFS through its RPC port, which spark-state does "
+            f"not speak; set {STORE} to webhdfs://NAMENODE:HTTP_PORT/path (the NameNode's WebHDFS port, 9870 on "
+            "Hadoop 3) or to an s3:// store"
+        )
+    raise ConfigError(
+        f"checkpointLocation {checkpoint_location!r} is on a file system spark-state cannot store state on by "
+        f"default; set {STORE} to a store URI: a local path (local masters only), "
+        "webhdfs://NAMENODE:HTTP_PORT/path or s3://BUCKET/PREFIX"
+    )

@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from spark_state.conf import STORE, StateConf
+from spark_state.conf import StateConf, check_store_reachable, default_store
 from spark_state.coordinator import Coordinator, SparkBatch, check_reports
 from spark_state.drain import finish_request, pending_requests
-from spark_state.errors import CheckpointError, ConfigError
+from spark_state.errors import CheckpointError
 from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.manifest import ComponentSpec
 from spark_state.manifestlog import open_manifest_log
@@ -54,16 +54,6 @@ RUN_ID_PROPERTY = "spark.jobGroup.id"
 def location_name(uri: str) -> str:
     """How a checkpoint location is named in state checkpoints and sink ids: a local path as a path."""
     return uri[len("file:"):] if uri.startswith("file:/") and not uri.startswith("file://") else uri
-
-
-def default_store(checkpoint_location: str) -> str:
-    """``<checkpointLocation>/state`` where the state store can live beside Spark's checkpoint."""
-    if checkpoint_location.startswith("/") or checkpoint_location.startswith("webhdfs://"):
-        return checkpoint_location.rstrip("/") + "/state"
-    raise ConfigError(
-        f"checkpointLocation {checkpoint_location!r} is not on a file system spark-state can also store state "
-        f"on by default; set {STORE} to a state store URI (a local path for local[*], webhdfs://HOST:PORT/path)"
-    )
 
 
 def to_spark_schema(schema: pa.Schema):
@@ -105,6 +95,7 @@ class MicroBatch:
     def conf(self) -> StateConf:
         """Settings for the next batch, from the session that started the query."""
         conf = StateConf.from_session(self.session, default_store=lambda: default_store(self.checkpoint_location))
+        check_store_reachable(conf.store, self.session.sparkContext.master)
         if self.parallelism_override is not None:
             conf = replace(conf, parallelism=self.parallelism_override)
         return conf

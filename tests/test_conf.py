@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spark_state.conf import KNOWN_KEYS, StateConf
+from spark_state.conf import KNOWN_KEYS, StateConf, check_store_reachable, default_store
 from spark_state.errors import ConfigError
 
 DEFAULTS = {"default_store": "/state", "default_parallelism": 2}
@@ -44,3 +44,72 @@ def test_bad_values_name_the_setting(key, value, match):
     with pytest.raises(ConfigError, match=match) as info:
         StateConf.from_mapping({key: value}, **DEFAULTS)
     assert key in str(info.value)
+
+
+def test_s3_settings_become_parameters_of_an_s3_store_uri():
+    conf = StateConf.from_mapping({
+        "spark.state.store": "s3://bucket/jobs/a",
+        "spark.state.s3.endpoint": "http://127.0.0.1:8333",
+        "spark.state.s3.pathStyle": "true",
+        "spark.state.s3.retrySeconds": "5",
+    }, **DEFAULTS)
+    assert conf.store == "s3://bucket/jobs/a?endpoint=http://127.0.0.1:8333&path_style=true&retry_seconds=5"
+    assert {f"spark.state.s3.{k}" for k in ("endpoint", "region", "pathStyle", "profile", "retrySeconds")} <= set(
+        KNOWN_KEYS)
+
+
+def test_s3_settings_for_a_store_elsewhere_are_refused():
+    with pytest.raises(ConfigError, match="spark.state.s3.endpoint apply to an s3:// spark.state.store only"):
+        StateConf.from_mapping({"spark.state.s3.endpoint": "http://h:1"}, **DEFAULTS)
+
+
+def test_a_misspelled_s3_setting_is_refused():
+    with pytest.raises(ConfigError, match="did you mean spark.state.s3.pathStyle"):
+        StateConf.from_mapping({"spark.state.s3.pathstyl": "true"}, **DEFAULTS)
+
+
+@pytest.mark.parametrize("store, master, refused", [
+    ("/data/state", "local[2]", False),
+    ("file:///data/state", "local-cluster[2,1,1024]", False),
+    ("/data/state", "spark://10.0.0.1:7077", True),
+    ("file:///data/state", "yarn", True),
+    ("memory://x", "k8s://https://api:443", True),
+    ("s3://bucket/state", "spark://10.0.0.1:7077", False),
+    ("webhdfs://nn:9870/state", "yarn", False),
+])
+def test_a_local_store_is_refused_on_a_non_local_master(store, master, refused):
+    if refused:
+        with pytest.raises(ConfigError, match="on local disk, but the master") as info:
+            check_store_reachable(store, master)
+        assert "s3://" in str(info.value) and "webhdfs://" in str(info.value)
+    else:
+        check_store_reachable(store, master)
+
+
+@pytest.mark.parametrize("location, store", [
+    ("/chk/q1", "/chk/q1/state"),
+    ("/chk/q1/", "/chk/q1/state"),
+    ("file:///chk/q1", "/chk/q1/state"),
+    ("webhdfs://127.0.0.1:9870/chk/q1", "webhdfs://127.0.0.1:9870/chk/q1/state"),
+    ("s3a://bucket/chk/q1", "s3://bucket/chk/q1/state"),
+    ("s3://bucket/chk/q1", "s3://bucket/chk/q1/state"),
+])
+def test_the_default_store_sits_beside_the_checkpoint(location, store):
+    assert default_store(location) == store
+
+
+@pytest.mark.parametrize("location, match", [
+    ("hdfs://namenode:8020/chk", "RPC port"),
+    ("gs://bucket/chk", "cannot store state on by default"),
+    ("abfs://container@account.dfs.core.windows.net/chk", "cannot store state on by default"),
+])
+def test_a_default_store_that_cannot_work_is_refused_with_the_fix(location, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        default_store(location)
+    assert "spark.state.store" in str(info.value)
+
+
+def test_the_default_store_of_an_s3a_checkpoint_takes_the_s3_settings():
+    conf = StateConf.from_mapping({"spark.state.s3.region": "eu-west-1"}, default_store=default_store("s3a://b-1/c"),
+                                  default_parallelism=2)
+    assert conf.store == "s3://b-1/c/state?region=eu-west-1"
