@@ -109,7 +109,12 @@ def _base_component(task: TaskSpec, manifests: ManifestReader) -> ComponentManif
 
 
 def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: ManifestReader) -> tuple[ResidentState, dict]:
-    """Step 1: the instance's state at the base checkpoint, and what that cost."""
+    """Step 1: the instance's state at the base checkpoint, and what that cost.
+
+    ``bytes_read`` and ``requests`` are the restore plan's; on a backend that
+    counts its traffic (S3), ``storage`` holds what the backend itself sent
+    and received for the catch-up (``Storage.counters``), retries included.
+    """
     state = take(task.store_uri, task.component, instance, task.parallelism, task.max_parallelism, task.schema)
     info = {"resident": len(state) > 0, "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
     component = _base_component(task, manifests)
@@ -117,7 +122,11 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
         if len(state) or state.chains.held():
             state = ResidentState(task.schema, state.key_group_range)
         return state, info
+    wire_before = blobs.storage.counters()
     caught = state.catch_up(blobs, component, instance, task.parallelism)
+    wire_after = blobs.storage.counters()
+    if wire_before is not None and wire_after is not None:
+        info["storage"] = {name: wire_after[name] - wire_before.get(name, 0) for name in wire_after}
     info.update(
         bytes_read=caught.stats.bytes_read + caught.items_bytes,
         requests=caught.stats.requests,

@@ -132,3 +132,33 @@ def test_stop_closes_keep_alive_connections_and_joins_every_thread():
             assert session.get(f"{server.url}/webhdfs/v1/", params={"op": "LISTSTATUS"}, timeout=5).ok
     assert set(threading.enumerate()) == before
     session.close()
+
+
+@pytest.mark.parametrize("options", ["NONE", "OVERWRITE"])
+def test_rename_with_options_refuses_or_replaces_an_existing_destination(server, options):
+    create(server, "/d/src", b"new")
+    create(server, "/d/dst", b"old")
+    answer = call(server, "PUT", "/d/src", op="RENAME", destination="/d/dst", renameoptions=options)
+    if options == "NONE":
+        assert remote_exception(answer)[:2] == (403, "FileAlreadyExistsException")
+        expected = b"old"
+    else:
+        assert answer.status_code == 200
+        expected = b"new"
+    assert call(server, "GET", "/d/dst", op="OPEN", **{DATANODE_MARKER: "x"}).content == expected
+    missing = call(server, "PUT", "/d/nothing", op="RENAME", destination="/d/x", renameoptions="NONE")
+    assert remote_exception(missing)[:2] == (404, "FileNotFoundException")
+
+
+def test_server_defaults_and_link_status_answer_like_a_namenode(server):
+    defaults = call(server, "GET", "/", op="GETSERVERDEFAULTS").json()["FsServerDefaults"]
+    assert defaults["blockSize"] > 0 and defaults["checksumType"] == 2
+    create(server, "/f", b"abc")
+    assert call(server, "GET", "/f", op="GETFILELINKSTATUS").json()["FileStatus"]["length"] == 3
+
+
+def test_unlabelled_json_has_no_content_type():
+    with WebHdfsServer(label_json=False) as bare:
+        answer = call(bare, "GET", "/", op="GETFILESTATUS")
+        assert "Content-Type" not in answer.headers and answer.json()["FileStatus"]["type"] == "DIRECTORY"
+        assert remote_exception(call(bare, "GET", "/missing", op="GETFILESTATUS"))[1] == "FileNotFoundException"

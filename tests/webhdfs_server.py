@@ -17,12 +17,25 @@ behaviour where the spec is silent) for exactly these operations:
   a range past the end is served short. A directory answers 404.
 - RENAME (PUT, ``destination``): ``{"boolean": false}`` when the source is
   missing, the destination exists as a file, or its parent is missing; an
-  existing destination directory receives the source inside it.
+  existing destination directory receives the source inside it. With
+  ``renameoptions`` (``NONE`` or ``OVERWRITE``: Hadoop's ``rename2``, which
+  Spark's checkpoint writes use through ``FileContext``) it answers 200 or
+  raises: an existing destination is refused (403
+  ``FileAlreadyExistsException``) or, with OVERWRITE, replaced.
 - DELETE (``recursive``): ``{"boolean": false}`` for a missing path, 403
   ``PathIsNotEmptyDirectoryException`` for a non-empty directory without
   ``recursive=true``.
 - LISTSTATUS (a file lists as itself with an empty ``pathSuffix``),
-  GETFILESTATUS, MKDIRS, GETHOMEDIRECTORY.
+  GETFILESTATUS, GETFILELINKSTATUS (no symlinks: the same answer), MKDIRS,
+  GETHOMEDIRECTORY, GETSERVERDEFAULTS (asked by Hadoop's ``FileContext``
+  before it creates a file).
+
+``WebHdfsServer(label_json=False)`` sends JSON answers without a
+``Content-Type``. pyspark's bundled Hadoop client (``hadoop-client-runtime``)
+lacks the shaded Jersey ``RuntimeDelegate`` that its ``WebHdfsFileSystem``
+needs to parse a labelled JSON answer (``ClassNotFoundException``, the
+problem of HDFS-14466), so Spark itself can reach a WebHDFS server only if
+that server does not label its JSON; a real NameNode does.
 
 A missing path answers 404 ``FileNotFoundException``; a path below a file
 answers 403 ``ParentNotDirectoryException``. Errors carry the WebHDFS body
@@ -110,7 +123,8 @@ class _HttpServer(ThreadingMixIn, HTTPServer):
 class WebHdfsServer:
     """A WebHDFS endpoint on 127.0.0.1 backed by ``data_dir`` (a fresh temp dir unless given)."""
 
-    def __init__(self, data_dir: str | None = None) -> None:
+    def __init__(self, data_dir: str | None = None, *, label_json: bool = True) -> None:
+        self.label_json = label_json
         self._own_dir = data_dir is None
         self.data_dir = tempfile.mkdtemp(prefix="webhdfs-") if data_dir is None else data_dir
         self.namespace_lock = threading.Lock()
@@ -287,10 +301,11 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _send(self, status: int, body: bytes = b"", content_type: str = "application/octet-stream",
+    def _send(self, status: int, body: bytes = b"", content_type: str | None = "application/octet-stream",
               headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
@@ -298,7 +313,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _send_json(self, status: int, document: object) -> None:
-        self._send(status, json.dumps(document).encode(), "application/json")
+        self._send(status, json.dumps(document).encode(),
+                   "application/json" if self.server.webhdfs.label_json else None)
 
     def _redirect_to_datanode(self, path: str, params: dict[str, str]) -> None:
         host, port = self.server.server_address[:2]
@@ -358,8 +374,15 @@ class _Handler(BaseHTTPRequestHandler):
         if not destination or not destination.startswith("/"):
             raise RemoteError(400, "IllegalArgumentException", f"Invalid value for destination: {destination!r}")
         destination = posixpath.normpath(destination)
+        options = params.get("renameoptions")
         with server.namespace_lock:
-            self._send_json(200, {"boolean": _rename(server, path, destination)})
+            if options is None:
+                self._send_json(200, {"boolean": _rename(server, path, destination)})
+                return
+            if options.upper() not in ("NONE", "OVERWRITE"):
+                raise RemoteError(400, "IllegalArgumentException", f"Invalid value for renameoptions: {options}")
+            _rename2(server, path, destination, overwrite=options.upper() == "OVERWRITE")
+        self._send(200, b"", None)
 
     def _delete(self, server: WebHdfsServer, path: str, params, body: bytes, datanode: bool) -> None:
         recursive = _parse_bool(params, "recursive", False)
@@ -411,6 +434,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _get_home_directory(self, server: WebHdfsServer, path: str, params, body: bytes, datanode: bool) -> None:
         self._send_json(200, {"Path": f"/user/{params.get('user.name', 'dr.who')}"})
 
+    def _get_server_defaults(self, server: WebHdfsServer, path: str, params, body: bytes, datanode: bool) -> None:
+        """What Hadoop's ``WebHdfs`` (FileContext) asks before its first create: a NameNode's defaults."""
+        self._send_json(200, {"FsServerDefaults": {
+            "blockSize": 134217728, "bytesPerChecksum": 512, "writePacketSize": 65536, "replication": 1,
+            "fileBufferSize": 4096, "encryptDataTransfer": False, "trashInterval": 0, "checksumType": 2,
+            "keyProviderUri": "", "defaultStoragePolicyId": 7,
+        }})
+
 
 _OPS = {
     ("PUT", "CREATE"): _Handler._create,
@@ -419,8 +450,10 @@ _OPS = {
     ("DELETE", "DELETE"): _Handler._delete,
     ("GET", "LISTSTATUS"): _Handler._list_status,
     ("GET", "GETFILESTATUS"): _Handler._get_file_status,
+    ("GET", "GETFILELINKSTATUS"): _Handler._get_file_status,  # no symlinks here: a link's status is the file's
     ("PUT", "MKDIRS"): _Handler._mkdirs,
     ("GET", "GETHOMEDIRECTORY"): _Handler._get_home_directory,
+    ("GET", "GETSERVERDEFAULTS"): _Handler._get_server_defaults,
 }
 
 
@@ -463,6 +496,32 @@ def _rename(server: WebHdfsServer, source: str, destination: str) -> bool:
         return False
     os.rename(local_source, local_destination)
     return True
+
+
+def _rename2(server: WebHdfsServer, source: str, destination: str, *, overwrite: bool) -> None:
+    """Hadoop's ``rename2`` (RENAME with ``renameoptions``): errors instead of false; the caller holds the lock.
+
+    The destination is never a parent for the source: an existing destination
+    is replaced (a file, or an empty directory) with OVERWRITE and refused
+    without it.
+    """
+    _check_parents(server, source)
+    _check_parents(server, destination)
+    local_source, local_destination = server.local_path(source), server.local_path(destination)
+    if source == "/" or not os.path.exists(local_source):
+        raise RemoteError(404, "FileNotFoundException", f"rename source {source} is not found.")
+    if destination.startswith(source.rstrip("/") + "/"):
+        raise RemoteError(403, "IOException", f"rename destination {destination} is a directory or file under source")
+    if not os.path.isdir(os.path.dirname(local_destination)):
+        raise RemoteError(404, "FileNotFoundException", f"rename destination parent {destination} not found.")
+    if os.path.lexists(local_destination):
+        if not overwrite:
+            raise RemoteError(403, "FileAlreadyExistsException", f"rename destination {destination} already exists.")
+        if os.path.isdir(local_destination) and os.listdir(local_destination):
+            raise RemoteError(403, "IOException", f"rename destination directory is not empty: {destination}")
+        if os.path.isdir(local_destination) != os.path.isdir(local_source):
+            raise RemoteError(403, "IOException", f"rename {source} and {destination} are not both files or dirs")
+    os.replace(local_source, local_destination)
 
 
 def _file_status(local: str, suffix: str) -> dict[str, object]:

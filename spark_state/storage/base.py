@@ -117,6 +117,16 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove the blob or directory tree at ``path``; a missing path is not an error."""
 
+    def counters(self) -> dict[str, int] | None:
+        """What this storage object sent and received on the wire so far, if the backend counts it.
+
+        A remote backend returns at least ``requests`` (every request made,
+        retries included) and ``bytes_read`` (response bytes received);
+        local ones return None. The difference of two calls is the cost of
+        what ran between them in this process.
+        """
+        return None
+
 
 class ForwardingStorage(Storage):
     """Forwards every call to ``inner``; subclass it to observe or change one operation.
@@ -146,6 +156,9 @@ class ForwardingStorage(Storage):
 
     def delete(self, path: str) -> None:
         self.inner.delete(path)
+
+    def counters(self) -> dict[str, int] | None:
+        return self.inner.counters()
 
 
 class CountingStorage(ForwardingStorage):
