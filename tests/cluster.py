@@ -11,9 +11,12 @@ process they left behind (executors, Python workers).
 
 Only one SparkContext may live in a process and the test session may already
 have a ``local[2]`` one, so the driver is a subprocess (``Driver``): each
-``Driver.run`` is one application, a new SparkSession that runs
-``keyed(df, "user", name=...).count()`` with ``trigger(availableNow=True)``
-and stops again. Its result holds the output of every batch, the per-batch
+``Driver.run`` is one application, a new SparkSession that appends to a
+``replayable`` log, runs ``keyed(events, "user", name=...).count()`` over it
+with ``trigger(availableNow=True)`` and stops again. Every daemon, executor
+and driver has its own scratch directory: the processes of the cluster share
+no local directory, so state and input must live on shared storage (S3).
+Its result holds the output of every batch, the per-batch
 reports of ``StatefulQuery.batches`` and, for every pid that reported, the
 working directory of that process, which Spark sets to the executor's own
 directory ``<worker work dir>/<app id>/<executor id>``.
@@ -100,8 +103,8 @@ class StandaloneCluster:
         self.work_dirs = [self.root / f"worker-{i}" for i in range(workers)]
         self._procs: list[tuple[str, subprocess.Popen]] = []
 
-    def process_env(self) -> dict[str, str]:
-        """Environment of every process of the cluster and of its drivers."""
+    def process_env(self, local_dir: str = "local") -> dict[str, str]:
+        """Environment of every process of the cluster and of its drivers; ``local_dir`` its own scratch space."""
         conf_dir = self.root / "conf"
         conf_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
@@ -110,13 +113,14 @@ class StandaloneCluster:
             SPARK_CONF_DIR=str(conf_dir),  # empty: no site settings leak in
             SPARK_LOCAL_IP=LOOPBACK,
             SPARK_LOG_DIR=str(self.root / "logs"),
-            SPARK_LOCAL_DIRS=str(self.root / "local"),  # scratch of workers, executors and drivers
+            SPARK_LOCAL_DIRS=str(self.root / local_dir),  # scratch: one per process of the cluster, never shared
             SPARK_DAEMON_JAVA_OPTS=JVM_OPTIONS,
             PYSPARK_PYTHON=sys.executable,
         )
         return env
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        """Start daemon ``name``; it and the executors it launches get their own scratch directory."""
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         properties = self.root / "conf" / "daemon.properties"
@@ -126,7 +130,7 @@ class StandaloneCluster:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.process_env(),
+                env=self.process_env(f"local-{name}"),
                 cwd=self.root,
             )
         self._procs.append((name, proc))
@@ -246,7 +250,7 @@ class Driver:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path = self.root / "driver.log"
-        env = cluster.process_env()
+        env = cluster.process_env(f"local-driver-{self.root.name}")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         env["PYSPARK_DRIVER_PYTHON"] = sys.executable
         env.pop("PYSPARK_SUBMIT_ARGS", None)
@@ -304,42 +308,57 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def run_application(spec: dict) -> dict:
-    """Run the keyed count of ``spec`` in a new application until no input is left; stop the application.
+    """Append to a ``replayable`` log, then count per key everything in it, in a new application; stop it.
 
     ``spec``: ``conf`` (Spark settings, master included), ``parallelism``,
-    ``input`` (Parquet directory, one file per batch), ``schema`` (DDL),
-    ``component``, ``store`` (``spark.state.store``), ``checkpoint``
-    (``checkpointLocation``). Returns the output rows per batch id, the
-    query's batch reports and the working directory of each reporting pid.
+    ``log`` (the log's URI), ``append`` (users to append to the log first,
+    written by the executors), ``component``, ``store``
+    (``spark.state.store``), ``checkpoint`` (``checkpointLocation``, used by
+    the driver only) and optionally ``try_local_store`` (a local path: try to
+    start the query with it as the store first, and report the refusal).
+    Returns the output rows per batch id, the query's batch reports, the
+    working directory of each reporting pid and the refusal's message.
     """
     from pyspark.sql import SparkSession
 
     from spark_state import keyed
+    from spark_state.errors import ConfigError
 
     builder = SparkSession.builder.appName(f"spark-state-cluster-p{spec['parallelism']}")
     for key, value in spec["conf"].items():
         builder = builder.config(key, value)
-    session = (
-        builder.config("spark.state.parallelism", str(spec["parallelism"]))
-        .config("spark.state.store", spec["store"])
-        .getOrCreate()
-    )
+    session = builder.config("spark.state.parallelism", str(spec["parallelism"])).getOrCreate()
     try:
         session.sparkContext.setLogLevel("WARN")
+        if spec["append"]:
+            (session.createDataFrame([(user,) for user in spec["append"]], "user string")
+             .write.format("replayable").mode("append").option("numSplits", 2).option("keyColumn", "user")
+             .save(spec["log"]))
         outputs: dict[int, dict[str, int]] = {}
 
         def sink(out, batch_id: int) -> None:
             outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
 
-        stream = session.readStream.schema(spec["schema"]).option("maxFilesPerTrigger", 1).parquet(spec["input"])
-        query = (
-            keyed(stream, "user", name=spec["component"])
-            .count()
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", spec["checkpoint"])
-            .trigger(availableNow=True)
-            .start()
-        )
+        def start():
+            events = session.readStream.format("replayable").option("maxRecordsPerBatch", 300).load(spec["log"])
+            return (
+                keyed(events, "user", name=spec["component"])
+                .count()
+                .writeStream.foreachBatch(sink)
+                .option("checkpointLocation", spec["checkpoint"])
+                .trigger(availableNow=True)
+                .start()
+            )
+
+        refused = None
+        if spec.get("try_local_store"):
+            session.conf.set("spark.state.store", spec["try_local_store"])
+            try:
+                start().stop()
+            except ConfigError as err:
+                refused = str(err)
+        session.conf.set("spark.state.store", spec["store"])
+        query = start()
         try:
             query.awaitTermination()
         finally:
@@ -350,6 +369,7 @@ def run_application(spec: dict) -> dict:
             "outputs": outputs,
             "batches": query.batches,
             "process_dirs": {str(pid): _process_dir(pid) for pid in sorted(pids)},
+            "local_store_refused": refused,
         }
     finally:
         session.stop()
