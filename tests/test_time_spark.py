@@ -276,3 +276,45 @@ def test_a_timer_with_a_value_that_is_not_a_time_is_refused_naming_it():
         handle.register("soon")
     with pytest.raises(ConfigError, match="needs event time"):
         KeyTimersHandle(None, event_time=False).register(5)
+
+
+def test_the_readme_alert_example_alerts_only_for_the_unconfirmed_order(spark, tmp_path):
+    def on_order(key, rows, state):  # as in the README
+        if (rows["kind"] == "confirmed").any():
+            state.remove()
+        elif not state.exists:
+            state.update((int(rows["amount"].sum()),))
+            state.timers.register(rows["event_time"].min() + pd.Timedelta(minutes=15))
+
+    def on_timer(key, timer, state):
+        if state.exists:
+            return [{"order_id": key[0], "alert": "no confirmation within 15 minutes"}]
+
+    (tmp_path / "in").mkdir()
+    minute = 60_000
+
+    def write(index, rows):
+        path = tmp_path / "in" / f"p{index}.parquet"
+        times = [dt.datetime.fromtimestamp((BASE + t) / 1000, dt.timezone.utc) for _, _, t in rows]
+        pq.write_table(pa.table({"order_id": [o for o, _, _ in rows], "kind": [k for _, k, _ in rows],
+                                 "amount": [5] * len(rows),
+                                 "event_time": pa.array(times, pa.timestamp("us", tz="UTC"))}), path)
+        os.utime(path, (1_700_000_000 + index,) * 2)
+
+    write(0, [("o1", "placed", 0), ("o2", "placed", minute)])
+    write(1, [("o1", "confirmed", 10 * minute), ("x", "placed", 20 * minute)])
+    write(2, [("y", "placed", 40 * minute)])  # the watermark passes o2's deadline (16 min) with batch 2
+    write(3, [("z", "placed", 41 * minute)])
+    spark.conf.set("spark.state.store", str(tmp_path / "state"))
+    alerts: list = []
+    events = spark.readStream.schema("order_id string, kind string, amount long, event_time timestamp").option(
+        "maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
+    query = keyed(events, "order_id", name="alerts").withWatermark("event_time", "5 minutes").apply(
+        on_order, on_timer=on_timer, ttl="1 day", ttl_kind="event",
+        state_schema="amount long", output_schema="order_id string, alert string",
+    ).writeStream.foreachBatch(lambda df, b: alerts.extend((b, tuple(r)) for r in df.collect())).option(
+        "checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+    query.awaitTermination()
+    # batch 3 runs with watermark 40 - 5 = 35 minutes: o2's deadline (16) and x's (35) have passed; o1 was confirmed
+    assert sorted(alerts) == [(3, ("o2", "no confirmation within 15 minutes")),
+                              (3, ("x", "no confirmation within 15 minutes"))]
