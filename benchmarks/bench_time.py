@@ -125,7 +125,7 @@ def _tws(spark, stream):
                     merged = [t, t + GAP_MS, 1, v, v, v]
                     keep = []
                     for s in sessions:
-                        if s[0] < merged[1] and merged[0] < s[1]:
+                        if s[0] <= merged[1] and merged[0] <= s[1]:
                             merged = [min(s[0], merged[0]), max(s[1], merged[1]), s[2] + merged[2],
                                       s[3] + merged[3], min(s[4], merged[4]), max(s[5], merged[5])]
                         else:

@@ -38,12 +38,13 @@ def _clean_conf(spark):
 
 
 def _sessions_oracle(events: pd.DataFrame, gap_ms: int) -> list[tuple]:
-    """Sessions of rows less than ``gap_ms`` apart per key: (key, start, end, count, sum, min, max)."""
+    """Sessions of rows at most ``gap_ms`` apart per key (touching sessions merge, as in Spark's
+    ``session_window``): (key, start, end, count, sum, min, max)."""
     out = []
     for key, rows in events.sort_values("t").groupby("key"):
         current = None
         for t, v in zip(rows["t"], rows["value"]):
-            if current is not None and t < current[1]:
+            if current is not None and t <= current[1]:
                 current = [current[0], max(current[1], t + gap_ms), current[2] + 1, current[3] + v,
                            min(current[4], v), max(current[5], v)]
             else:
