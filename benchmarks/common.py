@@ -235,9 +235,10 @@ def run_keyed_interleaved(
     input (None: it idles that step) and processes it before the next query
     gets its file. Each query reads its own directory, into which files are
     released only when their step starts, and keeps its state under its own
-    ``<checkpointLocation>/state``. ``confs[label]`` is set in ``spark.conf``
-    while that query runs its batch (the driver reads ``spark.state.*`` at
-    every batch). Returns the stopped queries by label.
+    ``<checkpointLocation>/state`` unless ``confs`` say otherwise: ``confs[label]``
+    is set in ``spark.conf`` while that query starts and while it runs its
+    batch (the driver reads ``spark.state.*`` at every batch). Returns the
+    stopped queries by label.
     """
     from spark_state import keyed
 
@@ -249,12 +250,16 @@ def run_keyed_interleaved(
         for label, files in inputs.items():
             live[label] = fresh_dir(work / f"{label}-input")
             stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(live[label]))
+            for key, value in confs.get(label, {}).items():
+                spark.conf.set(key, value)
             queries[label] = (
                 keyed(stream, "key", name=KEYED_COMPONENT).count().writeStream.foreachBatch(noop_sink)
                 .option("checkpointLocation", str(work / f"{label}-chk"))
                 .trigger(processingTime="100 milliseconds")
                 .start()
             )
+            for key in confs.get(label, {}):
+                spark.conf.unset(key)
         for step in range(max(len(schedule) for schedule in schedules.values())):
             labels = list(inputs) if step % 2 == 0 else list(reversed(inputs))
             for label in labels:
@@ -287,8 +292,15 @@ def _instance_report(meta: dict) -> dict:
         "key_groups_read": restore["key_groups_read"],
         "key_groups_appended": restore.get("key_groups_appended", 0),
         "restore_seconds": restore["seconds"],
-        "blob_bytes": meta["blob"]["size"] if meta.get("blob") else 0,
+        "blob_bytes": _blob(meta).size if meta.get("blob") else 0,
     }
+
+
+def _blob(meta: dict):
+    """The ``BlobRef`` an instance report names (reports carry it in its compact JSON form)."""
+    from spark_state.manifest import BlobRef
+
+    return BlobRef.from_json(meta["blob"])
 
 
 def batch_reports(query, progress: list[dict]) -> list[dict]:
@@ -297,14 +309,12 @@ def batch_reports(query, progress: list[dict]) -> list[dict]:
     ``checkpoint_seconds`` is the slowest instance's checkpoint phase (serialize
     and write its blob); ``checkpoint_bytes`` the sum of the blobs committed.
     """
-    from spark_state.blob import ENTRY_KINDS
-
     seconds = {b["batch_id"]: b["seconds"] for b in progress}
     reports = []
     for batch in query.batches:
         instances = [_instance_report(m) for m in batch["instances"]]
-        indexes = [m["blob"]["index"] for m in batch["instances"] if m.get("blob")]
-        kinds = [ENTRY_KINDS[k] for index in indexes for k in index["kind"]]
+        entries = [e for m in batch["instances"] if m.get("blob") for e in _blob(m).index.entries]
+        kinds = [e.kind for e in entries]
         reports.append(
             {
                 "batch_id": batch["batch_id"],
@@ -317,7 +327,7 @@ def batch_reports(query, progress: list[dict]) -> list[dict]:
                 "checkpoint_bytes": sum(i["blob_bytes"] for i in instances),
                 "full_entries": kinds.count("full"),
                 "delta_entries": kinds.count("delta"),
-                "rows_written": sum(sum(index["rows"]) for index in indexes),
+                "rows_written": sum(e.rows for e in entries),
                 "instances": instances,
             }
         )

@@ -33,14 +33,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spark_state.keygroups import key_groups_for_columns
+from spark_state.storage import open_storage
 from spark_state.storage.base import CountingStorage
-from spark_state.storage.local import LocalStorage
 
 PARALLELISM_CONF = "bench.naive.parallelism"
 META = "_meta"
 SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64())])
 _RESIDENT: dict[tuple[str, int, int], tuple[int, pa.Table]] = {}  # (root, parallelism, instance) -> (checkpoint, state)
 _LOCK = threading.Lock()
+_STORAGES: dict[str, object] = {}  # root -> Storage: one client per process, as the keyed operator keeps
+
+
+def _storage(root: str):
+    with _LOCK:
+        if root not in _STORAGES:
+            _STORAGES[root] = open_storage(root)
+        return _STORAGES[root]
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ class Manifest:
 
 
 def latest_manifest(root: str) -> Manifest | None:
-    storage = LocalStorage(root)
+    storage = open_storage(root)
     if not storage.exists("manifests"):
         return None
     ids = sorted(int(name.split(".")[0]) for name in storage.list("manifests"))
@@ -99,7 +107,8 @@ def run_instance(
     root: str, base: Manifest | None, checkpoint_id: int, parallelism: int, instance: int, batches
 ) -> Iterator[pa.RecordBatch]:
     started = time.perf_counter()
-    storage = CountingStorage(LocalStorage(root))
+    storage = CountingStorage(_storage(root))
+    wire_before = storage.counters()
     cache_key = (root, parallelism, instance)
     with _LOCK:
         resident = _RESIDENT.pop(cache_key, None)
@@ -109,6 +118,7 @@ def run_instance(
     else:
         state = _read_state(storage, base, parallelism, instance)
     restore_seconds = time.perf_counter() - started
+    wire_after = storage.counters()
     rows = pa.Table.from_batches(list(batches))
     state, updated = _update(state, rows.select(["key"]) if rows.num_rows else SCHEMA.empty_table())
     sink = pa.BufferOutputStream()
@@ -125,7 +135,9 @@ def run_instance(
         "size": len(data),
         "keys": state.num_rows,
         "restore": {"resident": resident is not None and resident[0] == base_id, "bytes_read": storage.bytes_read,
-                    "requests": storage.requests, "seconds": round(restore_seconds, 4)},
+                    "requests": storage.requests, "seconds": round(restore_seconds, 4),
+                    **({"storage": {k: wire_after[k] - wire_before.get(k, 0) for k in wire_after}}
+                       if wire_before is not None else {})},
         "pid": os.getpid(),
         "seconds": round(time.perf_counter() - started, 4),
     }
@@ -184,7 +196,7 @@ class NaiveCount:
             self.sink(result.where(F.col(META).isNull()).drop(META), batch_id)
             metas.sort(key=lambda m: m["instance"])
             manifest = Manifest(checkpoint_id, parallelism, tuple(m["blob"] for m in metas))
-            LocalStorage(root).create(f"manifests/{checkpoint_id}.json", manifest.to_json().encode())
+            open_storage(root).create(f"manifests/{checkpoint_id}.json", manifest.to_json().encode())
         finally:
             result.unpersist()
         self.history.append({"batch_id": batch_id, "checkpoint_id": checkpoint_id, "parallelism": parallelism,

@@ -56,6 +56,12 @@ def location_name(uri: str) -> str:
     return uri[len("file:"):] if uri.startswith("file:/") and not uri.startswith("file://") else uri
 
 
+def _requests_since(storage, before: dict | None) -> int | None:
+    """Requests ``storage`` made since its ``counters()`` were ``before`` (None if it does not count them)."""
+    after = storage.counters()
+    return None if before is None or after is None else after["requests"] - before["requests"]
+
+
 def to_spark_schema(schema: pa.Schema):
     from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -166,10 +172,16 @@ class MicroBatch:
             self._fault("tasks_done", batch_id)
             self.sink.write(result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN), batch_id)
             self._fault("output_written", batch_id)
+            storage = coordinator.manifests.storage
+            committing, wire = time.perf_counter(), storage.counters()
             manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
+            commit_seconds, commit_requests = time.perf_counter() - committing, _requests_since(storage, wire)
+            cleanup_seconds, cleanup_requests = 0.0, _requests_since(storage, storage.counters())
             if manifest is not None:
                 self._fault("committed", batch_id)
+                cleaning, wire = time.perf_counter(), storage.counters()
                 coordinator.cleanup(manifest)
+                cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
             if drain:
                 self._drained(coordinator, spark_batch)
         finally:
@@ -187,6 +199,10 @@ class MicroBatch:
                 "expired": sum(r.info.get("expired", 0) for r in reports),
                 "drained": drain,
                 "drain_requests_ignored": ignored,
+                "commit_seconds": round(commit_seconds, 4),  # the driver's step 5: the manifest record, created
+                "cleanup_seconds": round(cleanup_seconds, 4),  # step 6: what no retained checkpoint needs, deleted
+                "commit_requests": commit_requests,  # storage requests of step 5 (None: the backend does not count)
+                "cleanup_requests": cleanup_requests,
                 "instances": sorted((r.to_json() for r in reports), key=lambda m: m["instance"]),
             }
         )

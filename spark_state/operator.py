@@ -233,11 +233,15 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
                 list(batch.columns) + [pa.nulls(batch.num_rows, pa.string())], schema=out_with_meta
             )
     phases.end("output")
+    wire_before = blobs.storage.counters()
     blob, items = state.checkpoint(
         blobs, task.component, task.checkpoint_id, instance,
         max_chain_length=task.max_chain_length, compression=task.compression,
     )
     phases.end("checkpoint")
+    wire_after = blobs.storage.counters()
+    if wire_before is not None and wire_after is not None:
+        time_info["checkpoint_storage"] = {k: wire_after[k] - wire_before.get(k, 0) for k in wire_after}
     keep(task.store_uri, task.component, instance, state)
     report = InstanceReport(instance, blob, items, {
         **time_info,

@@ -147,6 +147,11 @@ class SeaweedS3:
             for leftover in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-grpc-{port}.sock"):
                 leftover.unlink(missing_ok=True)  # gRPC's unix sockets, which weed puts in the temp dir
 
+    def version(self) -> str:
+        """The version ``weed version`` prints (e.g. ``4.48``)."""
+        words = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, check=True).stdout.split()
+        return words[2] if len(words) > 2 else " ".join(words)
+
     def log_tail(self, lines: int = 30) -> str:
         path = self.root / f"weed-{self._starts}.log"
         text = path.read_text(errors="replace").splitlines() if path.exists() else []
