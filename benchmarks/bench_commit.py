@@ -62,7 +62,7 @@ class Config:
 
 
 QUICK = Config("quick", 100_000, 30, 10_000)
-SMOKE = Config("smoke", 2_000, 3, 300)  # tests/test_benchmarks.py
+SMOKE = Config("smoke", 2_000, 2, 300)  # tests/test_benchmarks.py
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -327,6 +327,7 @@ def _instance_reads(system: str, instances: list[dict], base_store: str, old: in
             "requests": wire["requests"] if wire else restore["requests"],
             "counted_by": "storage backend" if wire else "restore plan",
             "restore_seconds": restore["seconds"],
+            "phase_seconds": m.get("phase_seconds"),
             "resident": restore["resident"],
         })
     if any(i["resident"] for i in out):
@@ -372,8 +373,8 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
                 for system in order:
                     base_system = "spark" if system.startswith("spark") else system
                     base = work / f"base-{base_system}-p{old}"
-                    r = restart(spark, system, stream_files, base, work / f"run-{system}-{old}-{new}", old, new, size,
-                                expected, stores)
+                    run_dir = work / (f"run-{system}-{old}-{new}" + (f"-{repeat}" if repeat else ""))  # a new store
+                    r = restart(spark, system, stream_files, base, run_dir, old, new, size, expected, stores)
                     r["old_state_bytes_on_disk"] = builds[(base_system, old)]["state_bytes_on_disk"]
                     repeats[system].append(r)
                     print(f"{size} keys {old}->{new} {system}: {r['restart_seconds']} s", file=sys.stderr)

@@ -4,7 +4,8 @@
 key                                    default                     meaning
 =====================================  ==========================  =====================================================
 ``spark.state.store``                  ``<checkpointLocation>/``   where checkpoints live: a path or ``file://`` URI
-                                       ``state``                   (local disk), ``hdfs://host:port/path`` (WebHDFS)
+                                       ``state``                   (local disk), ``webhdfs://host:port/path``,
+                                                                   ``s3://bucket/prefix`` (``default_store``)
 ``spark.state.parallelism``            ``spark.sql.shuffle.``      number of instances; read again at every micro-batch,
                                        ``partitions``              so it may change between batches and restarts
 ``spark.state.maxParallelism``         4096                        the key space; fixed by the first checkpoint, a
@@ -94,7 +95,7 @@ class StateConf:
 
     def __post_init__(self) -> None:
         if not self.store:
-            raise ConfigError(f"{STORE} is empty; set it to a path, file:// or hdfs:// URI")
+            raise ConfigError(f"{STORE} is empty; set it to a path, a webhdfs:// or an s3:// URI")
         if not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
             raise ConfigError(
                 f"{MAX_PARALLELISM}={self.max_parallelism} is out of range; set it between 1 and "
