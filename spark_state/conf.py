@@ -14,6 +14,10 @@ key                                    default                     meaning
 ``spark.state.maxChainLength``         8                           compaction: a key group's chain of delta entries is
                                                                    rewritten as one full entry at this length
 ``spark.state.compression``            ``none``                    Arrow IPC codec of state blobs: none, lz4, zstd
+``spark.state.fromSavepoint``          (none)                      ``<store>/savepoints/<name>``: start an empty store
+                                                                   from that savepoint (``startfrom``)
+``spark.state.allowNonRestoredState``  ``false``                   with ``fromSavepoint``: drop savepoint state the
+                                                                   query does not continue, start new components empty
 =====================================  ==========================  =====================================================
 
 Spark hands options over as strings: ``StateConf.parse`` converts them once
@@ -36,7 +40,10 @@ MAX_PARALLELISM = PREFIX + "maxParallelism"
 RETAINED = PREFIX + "checkpointsRetained"
 MAX_CHAIN_LENGTH = PREFIX + "maxChainLength"
 COMPRESSION = PREFIX + "compression"
-KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION)
+FROM_SAVEPOINT = PREFIX + "fromSavepoint"
+ALLOW_NON_RESTORED = PREFIX + "allowNonRestoredState"
+KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
+              ALLOW_NON_RESTORED)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -73,6 +80,8 @@ class StateConf:
     checkpoints_retained: int = 3
     max_chain_length: int = 8
     compression: str | None = None
+    from_savepoint: str | None = None
+    allow_non_restored: bool = False
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -108,6 +117,9 @@ class StateConf:
             text = get(key)
             return None if text is None or str(text).strip() == "" else str(text).strip()
 
+        allow = (value(ALLOW_NON_RESTORED) or "false").lower()
+        if allow not in ("true", "false"):
+            raise ConfigError(f"{ALLOW_NON_RESTORED}={allow!r} is not true or false")
         compression = (value(COMPRESSION) or "none").lower()
         if compression not in COMPRESSIONS:
             raise ConfigError(f"{COMPRESSION}={compression!r} is not one of {', '.join(COMPRESSIONS)}")
@@ -123,6 +135,8 @@ class StateConf:
             checkpoints_retained=_int(RETAINED, value(RETAINED), 2) if value(RETAINED) else 3,
             max_chain_length=_int(MAX_CHAIN_LENGTH, value(MAX_CHAIN_LENGTH), 1) if value(MAX_CHAIN_LENGTH) else 8,
             compression=None if compression == "none" else compression,
+            from_savepoint=value(FROM_SAVEPOINT),
+            allow_non_restored=allow == "true",
         )
 
     @classmethod

@@ -264,3 +264,112 @@ def test_replayable_retention_never_trims_below_a_savepoint():
     assert retention_floors({0: 700}, 10, retained) == {0: 200}
     Savepoints(storage).delete("keep-200")
     assert retention_floors({0: 700}, 10, retained_checkpoint_offsets(storage.uri, source)) == {0: 500}
+
+
+# --------------------------------------------------------------------------- starting a new store from a savepoint
+
+
+def _started(tmp_path):
+    """Store A with history at parallelism 2 and a savepoint at checkpoint 5; B empty."""
+    from spark_state.manifestlog import ManifestLog
+
+    a = Store(LocalStorage(tmp_path / "a"), retained=2)
+    job = _history(a, 5, savepoint_at={5: "sp"})
+    _history_more(a, 6, 9)  # the query goes on past the savepoint
+    b = ManifestLog(LocalStorage(tmp_path / "b"))
+    return a, job, b
+
+
+def _spec(schema=None, max_parallelism=M, parallelism=5, name=COMPONENT):
+    from spark_state.manifest import ComponentSpec
+    from tests.test_manifestlog import SCHEMA
+
+    return ComponentSpec(name, max_parallelism, parallelism, schema or SCHEMA)
+
+
+def test_a_new_store_starts_from_a_savepoint_by_copying_what_it_needs(tmp_path):
+    from spark_state.startfrom import start_from_savepoint
+
+    a, job, b = _started(tmp_path)
+    uri = Savepoints(a.storage).get("sp").uri
+    report = start_from_savepoint(b, uri, _spec())
+    pinned = a.load(5)
+    assert report.checkpoint_id == 5 and report.restored == (COMPONENT,) and report.dropped == ()
+    first = b.latest()
+    assert first.checkpoint_id == 5 and first.sources == pinned.sources == {"src": {"offset": 5}}
+    assert first.components == pinned.components and first.binding is None
+    assert first.origin == {"store": a.storage.uri, "savepoint": "sp", "checkpoint_id": 5}
+    assert report.files_copied == len(pinned.components[COMPONENT].blobs)
+    assert report.bytes_copied == sum(r.size for r in pinned.components[COMPONENT].blobs.values())
+    assert restore_all(Store(b.storage), 5, 5) == job.committed[5]
+    # a restart of the same query: nothing to do; the origin is carried into later checkpoints
+    b.commit(_next(b, 6))
+    again = start_from_savepoint(b, uri, _spec())
+    assert again.checkpoint_id is None and b.latest().origin == first.origin
+    # the old store is untouched and its savepoint still pins checkpoint 5
+    assert a.manifests.restorable()[5] == ["sp"]
+
+
+def _next(log, checkpoint_id):
+    from spark_state.manifest import next_manifest
+
+    return next_manifest(log.latest(), checkpoint_id, {}, {"src": {"offset": checkpoint_id}})
+
+
+def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tmp_path):
+    import pyarrow as pa
+
+    from spark_state.errors import SavepointMismatchError
+    from spark_state.schema import KeyedSchema
+    from spark_state.startfrom import start_from_savepoint
+
+    a, _, b = _started(tmp_path)
+    uri = Savepoints(a.storage).get("sp").uri
+    cases = [
+        (_spec(max_parallelism=32), "max parallelism is 32, the savepoint's state was written with 8: set "
+                                    "spark.state.maxParallelism=8"),
+        (_spec(KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])),
+         "state column 'key' cannot change from string to int64"),
+        (_spec(KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())])),
+         "'value.value' cannot change from int64 to int32"),
+        (_spec(name="renamed"), "component 'renamed' is not in the savepoint.*allow_non_restored_state=True"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(SavepointMismatchError, match=message):
+            start_from_savepoint(b, uri, spec)
+    assert b.latest() is None and files_under(b.storage, "") == set()
+    # allowed: the renamed component starts empty from the savepoint's offsets, the old state is dropped
+    report = start_from_savepoint(b, uri, _spec(name="renamed"), allow_non_restored=True)
+    assert report.restored == () and report.dropped == (COMPONENT,) and report.files_copied == 0
+    assert b.latest().components == {} and b.latest().sources == {"src": {"offset": 5}}
+    # a store that holds other state is never overwritten
+    other = Store(LocalStorage(tmp_path / "c"))
+    _history(other, 1)
+    with pytest.raises(SavepointError, match="already holds state .* writes to an empty store"):
+        start_from_savepoint(other.manifests, uri, _spec())
+    # widening is fine
+    from spark_state.startfrom import check_fits
+
+    savepoint = Savepoints(a.storage).get("sp")
+    assert check_fits(savepoint, _spec(KeyedSchema.of_values([pa.field("key", pa.string())], [
+        pa.field("value", pa.int64()), pa.field("extra", pa.string())])), allow_non_restored=False) == (COMPONENT,)
+
+
+def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_path):
+    from spark_state.startfrom import start_from_savepoint
+
+    a, job, b = _started(tmp_path)
+    uri = Savepoints(a.storage).get("sp").uri
+    blobs = sorted(a.load(5).components[COMPONENT].blobs)
+    victim = tmp_path / "a" / blobs[0]
+    original = victim.read_bytes()
+    victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(CorruptBlobError, match="does not match its manifest"):
+        start_from_savepoint(b, uri, _spec())
+    assert b.latest() is None
+    victim.write_bytes(original)
+    # a copy that stopped half way (one file truncated in the new store) is finished by the next start
+    (tmp_path / "b" / blobs[0]).parent.mkdir(parents=True)
+    (tmp_path / "b" / blobs[0]).write_bytes(original[:10])
+    start_from_savepoint(b, uri, _spec())
+    assert restore_all(Store(b.storage), 5, 3) == job.committed[5]
