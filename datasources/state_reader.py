@@ -15,7 +15,7 @@ option                    default     meaning
 ``checkpoint``            latest      a restorable checkpoint id, or a savepoint name
 ``timers``                ``false``   add the keys' timers and TTL expiry (``timers_*`` columns)
 ``partitions``            by size     number of Spark partitions (key-group ranges of about equal bytes;
-                                      by default one per ~32 MB of entries)
+                                      by default one per ~32 MB of entries, at least 8 of >= 1 MB)
 ``readChangeFeed``        ``false``   one row per change instead of the state (``spark_state.reader``)
 ``changeStartCheckpoint`` required    with ``readChangeFeed``: the checkpoint the changes start after
 ``changeEndCheckpoint``   latest      with ``readChangeFeed``: the last checkpoint whose changes are read
@@ -48,6 +48,8 @@ from spark_state.manifest import ComponentManifest
 OPTIONS = ("store", "component", "checkpoint", "timers", "partitions", "readchangefeed", "changestartcheckpoint",
            "changeendcheckpoint", "path")
 PART_BYTES = 32 << 20
+SPREAD = 8
+"""Without option partitions: one partition per ``PART_BYTES`` of entries, and at least ``SPREAD`` (of >= 1 MB)."""
 
 
 @dataclass(frozen=True)
@@ -150,16 +152,21 @@ class _Part:
 
 
 class _Reader(DataSourceReader):
+    """Resolves the checkpoint once (on the driver); pickled to every task without the manifest."""
+
     def __init__(self, options: ReaderOptions, schema: StructType) -> None:
         self.options = options
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
         self.checkpoint_id, self.component, self.start_id = _resolve(options)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "component": None}  # partitions carry what each reads
+
     def partitions(self) -> List[InputPartition]:
         from spark_state.reader import split_key_groups
 
         component = self.component
-        pieces = split_key_groups(component, self.options.partitions, part_bytes=PART_BYTES)
+        pieces = split_key_groups(component, self.options.partitions, part_bytes=PART_BYTES, spread=SPREAD)
         if self.options.change_feed:
             count = max(1, self.options.partitions or len(pieces))
             step = -(-component.max_parallelism // count)
@@ -205,8 +212,12 @@ class _Reader(DataSourceReader):
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """``table``'s rows in the Arrow schema Spark expects (e.g. large_string read as string)."""
+    """``table``'s rows in the Arrow schema Spark expects (e.g. large_string read as string), in large batches.
+
+    A folded table has one chunk per entry read (a few hundred rows); Spark
+    pays per batch, so the chunks are combined first.
+    """
     if table.num_rows == 0:
         return
     table = table.rename_columns(schema.names).cast(schema) if not table.schema.equals(schema) else table
-    yield from table.to_batches(max_chunksize=1 << 17)
+    yield from table.combine_chunks().to_batches(max_chunksize=1 << 17)

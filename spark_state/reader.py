@@ -145,17 +145,19 @@ class ReadPart:
 
 
 def split_key_groups(component: ComponentManifest, parts: int | None = None, *,
-                     part_bytes: int = PART_BYTES) -> list[ReadPart]:
+                     part_bytes: int = PART_BYTES, spread: int = 1, min_part_bytes: int = 1 << 20) -> list[ReadPart]:
     """Contiguous key-group ranges covering ``0..max_parallelism - 1`` with about equal bytes of entries.
 
-    ``parts`` (>= 1) fixes the number of ranges, else about ``part_bytes``
-    bytes each; ranges without state are left out.
+    ``parts`` (>= 1) fixes the number of ranges; else about ``part_bytes``
+    bytes each, but at least ``spread`` ranges of at least ``min_part_bytes``
+    when there is that much (so small states still read in parallel).
+    Ranges without state are left out.
     """
     sizes = [0] * component.max_parallelism
     for key_group in component.chains:
         sizes[key_group] = sum(e.length for _, e in chain_links(component, key_group))
     total = sum(sizes)
-    count = parts if parts is not None else max(1, -(-total // part_bytes))
+    count = parts if parts is not None else max(1, -(-total // part_bytes), min(spread, total // min_part_bytes))
     if count < 1:
         raise ConfigError(f"parts must be >= 1, got {parts}")
     target = total / count if total else 0

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_checkpoint  # noqa: E402
 import bench_keyed  # noqa: E402
+import bench_reader  # noqa: E402
 import bench_rescale  # noqa: E402
 import common  # noqa: E402
 import report  # noqa: E402
@@ -29,6 +30,7 @@ from pyspark import cloudpickle  # noqa: E402
 # Run as scripts, benchmark functions are pickled by value (module __main__); here they must be too,
 # since the Python workers do not have benchmarks/ on their path.
 cloudpickle.register_pickle_by_value(bench_keyed)
+cloudpickle.register_pickle_by_value(bench_reader)
 
 
 def _finish(spark, module, result: dict, name: str, out: Path) -> dict:
@@ -64,6 +66,20 @@ def keyed(spark, results, tmp_path_factory):
 def checkpoint(spark, results, tmp_path_factory):
     bench_checkpoint.WORK = tmp_path_factory.mktemp("checkpoint-work")
     return _finish(spark, bench_checkpoint, bench_checkpoint.run(spark, bench_checkpoint.SMOKE), "checkpoint", results)
+
+
+@pytest.fixture(scope="module")
+def reader(spark, results, tmp_path_factory):
+    bench_reader.WORK = tmp_path_factory.mktemp("reader-work")
+    return _finish(spark, bench_reader, bench_reader.run(spark, bench_reader.SMOKE), "reader", results)
+
+
+@pytest.mark.spark
+def test_reader_smoke(reader):
+    assert reader["store"]["keys"] == 20_000 and reader["partitions"] >= 1
+    assert all(rate > 0 for rate in reader["rows_per_s"].values())
+    assert reader["cli"]["verify_bytes"] == reader["store"]["store_bytes"]  # verify read every blob byte
+    assert [t["target"] for t in reader["targets"]][0].startswith("state reader rows/s")
 
 
 @pytest.mark.spark
@@ -129,7 +145,7 @@ def test_manifest_benchmark_runs(tmp_path):
 
 
 @pytest.mark.spark
-def test_report_renders_smoke_results(results, rescale, keyed, checkpoint):
+def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, reader):
     """The README section renders from the smoke runs' files (plus the committed others)."""
     for name in ("keygroups.json", "source.json", "restore.json", "manifest.json"):
         shutil.copy(report.RESULTS / name, results / name)
@@ -137,6 +153,7 @@ def test_report_renders_smoke_results(results, rescale, keyed, checkpoint):
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
     assert "| 4,000 | 2->3 |" in text
     assert "### Where we are behind" in text
+    assert "### Reading state out" in text and "20,000 keys" in text
 
 
 def test_readme_results_match_the_results_files():
