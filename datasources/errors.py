@@ -58,3 +58,7 @@ class SegmentMissingError(StorageError):
 
 class CommitContentionError(CheckpointError):
     """An append lost the race for a commit number too many times in a row."""
+
+
+class StateReaderOptionError(ConfigError):
+    """An option of the ``spark-state`` (state reader) format is unknown, missing or has an invalid value."""

@@ -1,8 +1,9 @@
 """spark-state: rescalable, exactly-once keyed state for PySpark Structured Streaming.
 
 The pure parts (``keygroups``, ``blob``, ``manifest``, ``restore``,
-``checkpoint``, ``keyed_state``, ``storage``) import without pyspark;
-``keyed`` (the Spark API, in ``streaming``) imports it on first use.
+``evolution``, ``reader``, ``storage``, ...) import without pyspark;
+``keyed`` (the Spark API, in ``streaming``) imports it on first use, and
+``read_state`` (``reader``) reads state without Spark.
 """
 
 from __future__ import annotations
@@ -17,4 +18,11 @@ def keyed(df, *key_columns: str, name: str):
     return _keyed(df, *key_columns, name=name)
 
 
-__all__ = ["keyed", "__version__"]
+def read_state(store, component: str, checkpoint=None, **options):
+    """A component's keys and values as a ``pyarrow.Table``, without Spark; see ``spark_state.reader.read_state``."""
+    from spark_state.reader import read_state as _read_state
+
+    return _read_state(store, component, checkpoint, **options)
+
+
+__all__ = ["keyed", "read_state", "__version__"]

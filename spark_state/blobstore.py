@@ -20,15 +20,17 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
 
 from spark_state.blob import EntryKind, decode_entry, encode_blob
 from spark_state.errors import CorruptBlobError
+from spark_state.evolution import cached_evolution
 from spark_state.keygroups import KeyGroupRange
 from spark_state.manifest import BlobRef, ComponentManifest, ItemsRef, check_component_name
 from spark_state.restore import InstanceRestorePlan
+from spark_state.schema import KeyedSchema
 from spark_state.storage.base import Storage, join
 
 BLOBS_DIR = "blobs"
@@ -45,6 +47,21 @@ class FetchStats:
     bytes_read: int
     requests: int
     seconds: float
+
+
+def entry_reader(component: ComponentManifest, ref: BlobRef, target: str) -> Callable[..., pa.RecordBatch]:
+    """``convert(data, entry, where)``: decode an entry of blob ``ref`` (checksum checked) into schema ``target``.
+
+    ``target`` is a serialized state schema (``KeyedSchema.serialize``); an
+    entry written in another schema is cast (``evolution.cached_evolution``).
+    """
+    written = component.blob_schema_text(ref)
+    key_columns = tuple(component.key_columns)
+    blob_schema = component.blob_keyed_schema(ref).blob_schema
+    if written == target:
+        return lambda data, entry, where: decode_entry(data, blob_schema, entry, where=where)
+    evolution = cached_evolution(component.name, written, target, key_columns)
+    return lambda data, entry, where: evolution.conform(decode_entry(data, blob_schema, entry, where=where))
 
 
 def _attempt() -> str:
@@ -120,20 +137,27 @@ class BlobStore:
             raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not a JSON list")
         return items
 
-    def fetch(self, component: ComponentManifest, plan: InstanceRestorePlan) -> tuple[FetchedEntries, FetchStats]:
-        """Execute ``plan``'s reads, verifying every entry's checksum; the entries per key group and the cost."""
+    def fetch(self, component: ComponentManifest, plan: InstanceRestorePlan,
+              schema: KeyedSchema | None = None) -> tuple[FetchedEntries, FetchStats]:
+        """Execute ``plan``'s reads, verifying every entry's checksum; the entries per key group and the cost.
+
+        Entries come in ``schema`` (the component's current one when None):
+        an entry of a blob written in another schema is cast as it is read
+        (``evolution``; ``IncompatibleSchemaError`` if it cannot be).
+        """
         started = time.perf_counter()
-        schema = component.keyed_schema.blob_schema
+        target = (schema or component.keyed_schema).serialize()
         decoded: dict[tuple[str, int], pa.RecordBatch] = {}
         bytes_read = 0
         for read in plan.reads:
             data = self.storage.read(read.path, read.offset, read.length)
             bytes_read += len(data)
             view = memoryview(data)
+            convert = entry_reader(component, component.blobs[read.path], target)
             for entry in read.entries:
                 start = entry.offset - read.offset
-                decoded[(read.path, entry.key_group)] = decode_entry(
-                    view[start : start + entry.length], schema, entry, where=f"{self.storage.uri}/{read.path}"
+                decoded[(read.path, entry.key_group)] = convert(
+                    view[start : start + entry.length], entry, f"{self.storage.uri}/{read.path}"
                 )
         entries = {
             key_group: [(entry.kind, decoded[(path, key_group)]) for path, entry in links]

@@ -20,6 +20,10 @@ key                                    default                     meaning
 ``spark.state.s3.pathStyle``           the AWS config file         ``true``: path-style addressing
 ``spark.state.s3.profile``             the default chain           a profile of the AWS config and credentials files
 ``spark.state.s3.retrySeconds``        30                          how long transient S3 failures are retried
+``spark.state.fromSavepoint``          (none)                      ``<store>/savepoints/<name>``: start an empty store
+                                                                   from that savepoint (``startfrom``)
+``spark.state.allowNonRestoredState``  ``false``                   with ``fromSavepoint``: drop savepoint state the
+                                                                   query does not continue, start new components empty
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
@@ -55,7 +59,10 @@ COMPRESSION = PREFIX + "compression"
 S3_PREFIX = PREFIX + "s3."
 S3_KEYS = {S3_PREFIX + setting: parameter for parameter, setting in s3_location.PARAMETERS.items()}
 """``spark.state.s3.*`` key -> the store URI parameter it supplies."""
-KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, *S3_KEYS)
+FROM_SAVEPOINT = PREFIX + "fromSavepoint"
+ALLOW_NON_RESTORED = PREFIX + "allowNonRestoredState"
+KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
+              ALLOW_NON_RESTORED, *S3_KEYS)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -92,6 +99,8 @@ class StateConf:
     checkpoints_retained: int = 3
     max_chain_length: int = 8
     compression: str | None = None
+    from_savepoint: str | None = None
+    allow_non_restored: bool = False
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -127,6 +136,9 @@ class StateConf:
             text = get(key)
             return None if text is None or str(text).strip() == "" else str(text).strip()
 
+        allow = (value(ALLOW_NON_RESTORED) or "false").lower()
+        if allow not in ("true", "false"):
+            raise ConfigError(f"{ALLOW_NON_RESTORED}={allow!r} is not true or false")
         compression = (value(COMPRESSION) or "none").lower()
         if compression not in COMPRESSIONS:
             raise ConfigError(f"{COMPRESSION}={compression!r} is not one of {', '.join(COMPRESSIONS)}")
@@ -143,6 +155,8 @@ class StateConf:
             checkpoints_retained=_int(RETAINED, value(RETAINED), 2) if value(RETAINED) else 3,
             max_chain_length=_int(MAX_CHAIN_LENGTH, value(MAX_CHAIN_LENGTH), 1) if value(MAX_CHAIN_LENGTH) else 8,
             compression=None if compression == "none" else compression,
+            from_savepoint=value(FROM_SAVEPOINT),
+            allow_non_restored=allow == "true",
         )
 
     @classmethod

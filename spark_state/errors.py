@@ -102,3 +102,34 @@ class StateOfAnotherQueryError(StateQueryMismatchError):
 
 class CheckpointLocationError(CheckpointError):
     """Spark's checkpoint location holds files that neither Spark nor spark-state can start from."""
+
+
+class IncompatibleSchemaError(IncompatibleCheckpointError):
+    """A query's state schema cannot read the stored one (a key column changed, a type narrowed or changed).
+
+    ``component``, ``column``, ``old_type`` and ``new_type`` name what differs
+    (a type is None where the column does not exist on that side).
+    """
+
+    def __init__(self, message: str, *, component: str, column: str, old_type: str | None, new_type: str | None):
+        super().__init__(message)
+        self.component = component
+        self.column = column
+        self.old_type = old_type
+        self.new_type = new_type
+
+
+class SavepointError(CheckpointError):
+    """A savepoint cannot be created, read, deleted or started from as asked."""
+
+
+class SavepointNotFoundError(SavepointError):
+    """No savepoint of that name exists in the store."""
+
+
+class SavepointExistsError(SavepointError):
+    """A savepoint of that name already exists; names are never reused."""
+
+
+class SavepointMismatchError(SavepointError, IncompatibleCheckpointError):
+    """A query cannot start from a savepoint: its plan (components, keys, schemas, key space) does not fit."""

@@ -34,7 +34,9 @@ on top of its base.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from spark_state.blob import FORMAT_VERSION, BlobIndex
@@ -47,6 +49,7 @@ from spark_state.errors import (
 )
 from spark_state.keygroups import HASH_VERSION, KeyGroupRange, key_group_range
 from spark_state.eventtime import next_watermark
+from spark_state.evolution import plan_evolution
 from spark_state.schema import KeyedSchema
 
 
@@ -61,17 +64,52 @@ class BlobRef:
     size: int
     crc32: int
     index: BlobIndex
+    schema: str | None = None
+    """The fingerprint (``schema_fingerprint``) of the state schema the blob was written in, when it is not
+    its component's current schema (after a schema evolution); None: the component's schema."""
 
     def to_json(self) -> list:
-        """Compact: ``[path, checkpoint_id, instance, key_group_start, key_group_end, size, crc32, index]``."""
+        """Compact: ``[path, checkpoint_id, instance, key_group_start, key_group_end, size, crc32, index]``,
+        then the schema fingerprint when there is one."""
         kgr = self.key_group_range
-        return [self.path, self.checkpoint_id, self.instance, kgr.start, kgr.end, self.size, self.crc32,
-                self.index.to_json()]
+        obj = [self.path, self.checkpoint_id, self.instance, kgr.start, kgr.end, self.size, self.crc32,
+               self.index.to_json()]
+        return obj if self.schema is None else obj + [self.schema]
 
     @classmethod
     def from_json(cls, obj: list) -> "BlobRef":
-        path, checkpoint_id, instance, start, end, size, crc32, index = obj
-        return cls(path, checkpoint_id, instance, KeyGroupRange(start, end), size, crc32, BlobIndex.from_json(index))
+        path, checkpoint_id, instance, start, end, size, crc32, index, *schema = obj
+        return cls(path, checkpoint_id, instance, KeyGroupRange(start, end), size, crc32, BlobIndex.from_json(index),
+                   schema[0] if schema else None)
+
+
+def schema_fingerprint(schema: str) -> str:
+    """A short name of a serialized state schema (``KeyedSchema.serialize``) inside one component's manifest."""
+    return f"{zlib.crc32(schema.encode()):08x}"
+
+
+def rebase_schemas(blobs: dict[str, BlobRef], schemas: dict[str, str], old: str, new: str) -> None:
+    """The component's schema changes from ``old`` to ``new``: name each blob's own schema, in place.
+
+    Blobs written in the component's schema (``schema`` None) are in
+    ``old``; blobs in ``new`` lose their fingerprint. Both the writer of a
+    checkpoint and the reader of its delta record apply it.
+    """
+    if old == new:
+        return
+    old_id, new_id = schema_fingerprint(old), schema_fingerprint(new)
+    if schemas.setdefault(old_id, old) != old:
+        raise CorruptBlobError(f"two state schemas share the fingerprint {old_id}; write this state to a new store")
+    for path, ref in list(blobs.items()):
+        if ref.schema is None:
+            blobs[path] = replace(ref, schema=old_id)
+        elif ref.schema == new_id:
+            blobs[path] = replace(ref, schema=None)
+
+
+def _referenced_schemas(blobs: Mapping[str, BlobRef], schemas: Mapping[str, str]) -> dict[str, str]:
+    used = {ref.schema for ref in blobs.values() if ref.schema is not None}
+    return {fingerprint: text for fingerprint, text in schemas.items() if fingerprint in used}
 
 
 @dataclass(frozen=True)
@@ -133,11 +171,29 @@ class ComponentManifest:
     watermark_ms: int | None = None
     """The watermark the next micro-batch runs with (``eventtime``); None without event time or rows."""
     max_event_time_ms: int | None = None
+    schemas: Mapping[str, str] = field(default_factory=dict)
+    """Older state schemas that referenced blobs were written in, by fingerprint (``BlobRef.schema``)."""
 
     @property
     def keyed_schema(self) -> KeyedSchema:
-        """The state schema (key columns and state variables) the blobs were written with."""
-        return KeyedSchema.deserialize(self.schema, self.key_columns)
+        """The state schema (key columns and state variables) new blobs are written in."""
+        return _deserialize(self.schema, tuple(self.key_columns))
+
+    def blob_schema_text(self, ref: BlobRef) -> str:
+        """The serialized state schema blob ``ref`` was written in."""
+        if ref.schema is None:
+            return self.schema
+        try:
+            return self.schemas[ref.schema]
+        except KeyError:
+            raise CorruptBlobError(
+                f"component {self.name!r}: blob {ref.path} names state schema {ref.schema}, which the manifest does "
+                "not hold; the manifest is damaged: restore it, or start from an earlier checkpoint"
+            ) from None
+
+    def blob_keyed_schema(self, ref: BlobRef) -> KeyedSchema:
+        """The state schema blob ``ref`` was written in (its entries decode with its ``blob_schema``)."""
+        return _deserialize(self.blob_schema_text(ref), tuple(self.key_columns))
 
     def chain_length(self, key_group: int) -> int:
         """Number of entries a restore of ``key_group`` reads (0 if it has no state)."""
@@ -159,7 +215,11 @@ class ComponentManifest:
     def to_json(self) -> dict:
         """The whole component (a full record)."""
         paths = sorted(self.blobs)
-        return {**self._header(), "blobs": [self.blobs[p].to_json() for p in paths], "chains": _chains_json(self.chains, sorted(self.chains))}
+        obj = {**self._header(), "blobs": [self.blobs[p].to_json() for p in paths],
+               "chains": _chains_json(self.chains, sorted(self.chains))}
+        if self.schemas:
+            obj["schemas"] = dict(sorted(self.schemas.items()))
+        return obj
 
     def delta_json(self, previous: "ComponentManifest") -> dict:
         """What changed since ``previous`` (a delta record): the new blobs, the key groups that became empty,
@@ -186,9 +246,11 @@ class ComponentManifest:
         if previous is None:
             blobs = {b.path: b for b in map(BlobRef.from_json, obj["blobs"])}
             chains = _chains_from_json(obj["chains"])
+            schemas = dict(obj.get("schemas", {}))
             missing = {path for chain in chains.values() for path in chain if path not in blobs}
         else:
-            blobs, chains = dict(previous.blobs), dict(previous.chains)
+            blobs, chains, schemas = dict(previous.blobs), dict(previous.chains), dict(previous.schemas)
+            rebase_schemas(blobs, schemas, previous.schema, obj["schema"])
             advance_chains(chains, blobs, [BlobRef.from_json(b) for b in obj["new_blobs"]])
             for key_group in obj["cleared"]:
                 chains.pop(key_group, None)
@@ -211,7 +273,13 @@ class ComponentManifest:
             instance_items={int(i): ItemsRef.from_json(ref) for i, ref in obj["instance_items"].items()},
             watermark_ms=obj["watermark_ms"],
             max_event_time_ms=obj["max_event_time_ms"],
+            schemas=_referenced_schemas(blobs, schemas),
         )
+
+
+@lru_cache(maxsize=256)
+def _deserialize(text: str, key_columns: tuple[str, ...]) -> KeyedSchema:
+    return KeyedSchema.deserialize(text, key_columns)
 
 
 def _chains_json(chains: Mapping[int, tuple[str, ...]], key_groups: Sequence[int]) -> dict:
@@ -276,6 +344,9 @@ class Manifest:
     binding: QueryBinding | None = None
     drained: bool = False
     """The batch of this checkpoint was a drain: every event-time timer fired, the query stopped after it."""
+    origin: Mapping[str, Any] | None = None
+    """The savepoint this store's state started from (``startfrom``): ``store``, ``savepoint``,
+    ``checkpoint_id``; carried into every later checkpoint. None for a store started empty."""
 
     def to_json(self, previous: "Manifest | None" = None) -> dict:
         """The record committing this manifest: the whole of it, or (given ``previous``) a delta on it.
@@ -295,6 +366,8 @@ class Manifest:
             "binding": self.binding.to_json() if self.binding is not None else None,
             "drained": self.drained,
         }
+        if self.origin is not None:
+            body["origin"] = dict(self.origin)
         if previous is None:
             body["components"] = {name: c.to_json() for name, c in sorted(self.components.items())}
         else:
@@ -353,6 +426,7 @@ class Manifest:
                 committed_at=body["committed_at"],
                 binding=QueryBinding.from_json(binding) if binding is not None else None,
                 drained=body["drained"],
+                origin=body.get("origin"),
             )
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             raise CorruptBlobError(f"{where} has a checksum but not the fields of a manifest: {exc!r}") from exc
@@ -380,7 +454,9 @@ def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
 
     The key space (``max_parallelism``), the hash and the key columns must
     never change within a checkpoint chain: every stored key group would
-    silently belong to the wrong keys. Parallelism may change freely.
+    silently belong to the wrong keys. Parallelism may change freely. The
+    state schema may change as ``evolution`` allows (``IncompatibleSchemaError``
+    otherwise, naming the column).
     """
     problems = []
     if spec.max_parallelism != previous.max_parallelism:
@@ -400,13 +476,10 @@ def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
             f"{list(previous.key_columns)}; restore with the original key columns, or start a new "
             "state store location"
         )
-    if spec.schema.serialize() != previous.schema:
-        problems.append(
-            "the state schema differs from the one in the checkpoints (schema evolution is not supported); "
-            "restore with the original state schema, or start a new state store location"
-        )
     if problems:
         raise IncompatibleCheckpointError(f"component {spec.name!r}: " + "; ".join(problems))
+    if spec.schema.serialize() != previous.schema:
+        plan_evolution(spec.name, previous.keyed_schema, spec.schema)  # IncompatibleSchemaError unless it can
 
 
 def next_component(
@@ -426,6 +499,10 @@ def next_component(
         check_compatible(previous, spec)
     chains: dict[int, tuple[str, ...]] = dict(previous.chains) if previous else {}
     blobs: dict[str, BlobRef] = dict(previous.blobs) if previous else {}
+    schema = spec.schema.serialize()
+    schemas: dict[str, str] = dict(previous.schemas) if previous else {}
+    if previous is not None:
+        rebase_schemas(blobs, schemas, previous.schema, schema)
     seen_instances: set[int] = set()
     for blob in update.blobs:
         _check_blob(blob, spec, checkpoint_id, seen_instances)
@@ -436,17 +513,19 @@ def next_component(
         seen = [t for t in (previous.max_event_time_ms if previous else None, update.max_event_time_ms) if t is not None]
         max_event_time = max(seen) if seen else None
         watermark = next_watermark(previous.watermark_ms if previous else None, max_event_time, spec.delay_ms)
+    kept = {p: b for p, b in blobs.items() if p in referenced}
     return ComponentManifest(
         name=spec.name,
         max_parallelism=spec.max_parallelism,
         parallelism=spec.parallelism,
         key_columns=spec.key_columns,
-        schema=spec.schema.serialize(),
-        blobs={p: b for p, b in blobs.items() if p in referenced},
+        schema=schema,
+        blobs=kept,
         chains=chains,
         instance_items=_next_instance_items(previous, spec, update.items),
         watermark_ms=watermark,
         max_event_time_ms=max_event_time,
+        schemas=_referenced_schemas(kept, schemas),
     )
 
 
@@ -532,13 +611,14 @@ def next_manifest(
     ``updates`` maps each component written to its ``ComponentUpdate``
     (``next_component``); components of ``previous`` not named carry over
     unchanged. ``sources`` are the batch's end offsets. ``consistent_checkpoints``
-    is set when it is committed (``with_retention``).
+    is set when it is committed (``with_retention``); ``origin`` carries over.
     """
     components = dict(previous.components) if previous is not None else {}
     for name, update in updates.items():
         check_component_name(name)
         components[name] = next_component(components.get(name), checkpoint_id, update)
-    return Manifest(checkpoint_id, (), dict(sources), components, committed_at, binding, drained)
+    origin = previous.origin if previous is not None else None
+    return Manifest(checkpoint_id, (), dict(sources), components, committed_at, binding, drained, origin)
 
 
 def with_retention(manifest: Manifest, previous: Manifest | None, retained: int) -> Manifest:

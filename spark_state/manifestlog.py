@@ -26,19 +26,24 @@ Commit protocol for checkpoint N (``coordinator.Coordinator`` runs it; the code 
    exists, and no other step makes anything visible. If it already exists, N
    was committed before and ``CheckpointExistsError`` says so.
 5. ``cleanup`` (driver only, best effort, after the commit): delete manifests
-   that fell out of ``consistent_checkpoints``, oldest first, then every blob
-   and items file under a checkpoint id <= N that no retained manifest
-   references. A crash at any point of 1-5 leaves the newest committed
-   manifest and all its files intact: files are only deleted once no retained
-   manifest names them, and manifests before files.
+   that fell out of ``consistent_checkpoints`` and are pinned by no savepoint
+   (``savepoints``), oldest first, then every blob and items file under a
+   checkpoint id <= N that no retained or pinned manifest references. A crash
+   at any point of 1-5 leaves the newest committed manifest and all its files
+   intact: files are only deleted once no retained or pinned manifest names
+   them, and manifests before files.
 
 The latest checkpoint is the highest id listed, whose checksum is verified on
 load; a file listing never decides what is committed. Cleanup keeps every
-record a retained checkpoint is read from (its chain back to a full record).
+record a retained or pinned checkpoint is read from (its chain back to a full
+record). Such a record may exist only as the base of a delta: the checkpoints
+a store can be restored from are the latest's ``consistent_checkpoints`` and
+the savepoints' (``restorable``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,7 +51,10 @@ from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
 from spark_state.commitlog import CommitLog
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CheckpointError, ConfigError, CorruptBlobError, NoCheckpointError
 from spark_state.manifest import Manifest, with_retention
+from spark_state.savepoints import Savepoints
 from spark_state.storage.base import Storage, join
+
+_LOG = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 DEFAULT_RETAINED = 3
@@ -65,6 +73,17 @@ class _Lineage:
     deltas: int
     delta_bytes: int
     full_bytes: int
+
+
+@dataclass(frozen=True)
+class CleanupPlan:
+    """What a cleanup deletes, in this order: ``records`` (checkpoint ids), then ``files``, then ``directories``."""
+
+    upto: int
+    """The checkpoint it cleans up after; nothing written for a higher id is touched."""
+    records: tuple[int, ...]
+    files: tuple[str, ...]
+    directories: tuple[str, ...]
 
 
 class CheckpointExistsError(CheckpointError):
@@ -172,6 +191,18 @@ class ManifestReader:
                 record = self._lineage[record].base
         return needed
 
+    def restorable(self) -> dict[int, list[str]]:
+        """The checkpoints a query can start from, newest first: each retained or pinned id -> the savepoints on it.
+
+        Other records present may be only the bases of delta records; their
+        blobs may be gone, so they are not listed.
+        """
+        latest = self.latest()
+        ids: dict[int, list[str]] = {i: [] for i in (latest.consistent_checkpoints if latest is not None else ())}
+        for savepoint in Savepoints(self.storage).list().savepoints:
+            ids.setdefault(savepoint.checkpoint_id, []).append(savepoint.name)
+        return {i: sorted(ids[i]) for i in sorted(ids, reverse=True)}
+
     def forget_cached_manifests(self) -> None:
         """Drop parsed manifests kept in memory (the store was replaced behind this object's back)."""
         self._manifests.clear()
@@ -218,23 +249,23 @@ class ManifestLog(ManifestReader):
 
     # Step 5 -----------------------------------------------------------------
 
-    def cleanup(self, manifest: Manifest) -> list[str]:
-        """Delete what no retained checkpoint needs (step 5); return the deleted paths.
+    def plan_cleanup(self, manifest: Manifest) -> CleanupPlan:
+        """What ``cleanup(manifest)`` deletes, without deleting anything (``spark-state cleanup --dry-run``).
 
-        Safe to run again after a crash; never touches anything written for a
-        checkpoint id above ``manifest.checkpoint_id`` (it may be in flight).
+        Kept: the checkpoints ``manifest`` retains and those savepoints pin
+        (``savepoints``), every record they are read from, every blob and
+        items file they reference, and everything written for a checkpoint id
+        above ``manifest.checkpoint_id`` (it may be in flight). The savepoints
+        are listed after ``manifest`` was committed, so a savepoint created
+        concurrently is either seen here or refused by ``create_savepoint``.
+        ``CorruptBlobError`` if a savepoint record does not read (it might pin
+        anything).
         """
-        retained = set(manifest.consistent_checkpoints)
-        records = self.records_needed(retained)
-        deleted: list[str] = []
-        for checkpoint_id in self.ids():
-            if checkpoint_id < manifest.checkpoint_id and checkpoint_id not in records:
-                self._log.delete(checkpoint_id)
-                self._manifests.pop(checkpoint_id, None)
-                self._lineage.pop(checkpoint_id, None)
-                deleted.append(manifest_path(checkpoint_id))
+        kept_ids = set(manifest.consistent_checkpoints) | Savepoints(self.storage).pinned()
+        records = self.records_needed(kept_ids)
+        doomed_records = [i for i in self.ids() if i < manifest.checkpoint_id and i not in records]
         referenced: set[str] = set()
-        for checkpoint_id in retained:
+        for checkpoint_id in kept_ids:
             try:
                 kept = self.load(checkpoint_id)
             except NoCheckpointError:
@@ -242,6 +273,8 @@ class ManifestLog(ManifestReader):
             for component in kept.components.values():
                 referenced.update(component.blobs)
                 referenced.update(ref.path for ref in component.instance_items.values())
+        files: list[str] = []
+        directories: list[str] = []
         for top in (BLOBS_DIR, ITEMS_DIR):
             for component in self.storage.list(top):
                 for checkpoint_dir in self.storage.list(join(top, component)):
@@ -250,26 +283,56 @@ class ManifestLog(ManifestReader):
                     directory = join(top, component, checkpoint_dir)
                     names = self.storage.list(directory)
                     garbage = [join(directory, n) for n in names if join(directory, n) not in referenced]
-                    for path in garbage:
-                        self.storage.delete(path)
-                    deleted.extend(garbage)
+                    files.extend(garbage)
                     if len(garbage) == len(names):
-                        self.storage.delete(directory)
+                        directories.append(directory)
+        return CleanupPlan(manifest.checkpoint_id, tuple(doomed_records), tuple(files), tuple(directories))
+
+    def cleanup(self, manifest: Manifest) -> list[str]:
+        """Delete what no retained checkpoint and no savepoint needs (step 5); return the deleted paths.
+
+        Records first, then files (``plan_cleanup`` says which). Safe to run
+        again after a crash; never touches anything written for a checkpoint
+        id above ``manifest.checkpoint_id`` (it may be in flight). While a
+        savepoint record is damaged it deletes nothing and returns ``[]``.
+        """
+        try:
+            plan = self.plan_cleanup(manifest)
+        except CorruptBlobError as exc:
+            _LOG.warning("cleanup of %s skipped: %s", self.storage.uri, exc)
+            return []
+        deleted: list[str] = []
+        for checkpoint_id in plan.records:
+            self._log.delete(checkpoint_id)
+            self._manifests.pop(checkpoint_id, None)
+            self._lineage.pop(checkpoint_id, None)
+            deleted.append(manifest_path(checkpoint_id))
+        for path in plan.files:
+            self.storage.delete(path)
+            deleted.append(path)
+        for directory in plan.directories:
+            self.storage.delete(directory)
         return deleted
 
     # Sources ----------------------------------------------------------------
 
     def retained_source_offsets(self, source_id: str) -> list:
-        """The offsets recorded for ``source_id`` in every retained checkpoint, newest first."""
+        """The offsets recorded for ``source_id`` in every retained checkpoint, newest first, then in every savepoint.
+
+        A source must keep what any of them may restart from (``replayable``'s
+        retention never trims below them).
+        """
         latest = self.latest()
-        if latest is None:
-            return []
         result = []
-        for checkpoint_id in latest.consistent_checkpoints:
+        for checkpoint_id in latest.consistent_checkpoints if latest is not None else ():
             try:
                 offsets = self.load(checkpoint_id).sources.get(source_id)
             except NoCheckpointError:
                 continue
+            if offsets is not None:
+                result.append(offsets)
+        for savepoint in Savepoints(self.storage).list().savepoints:
+            offsets = savepoint.sources.get(source_id)
             if offsets is not None:
                 result.append(offsets)
         return result

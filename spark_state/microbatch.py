@@ -106,6 +106,13 @@ class MicroBatch:
             conf = replace(conf, parallelism=self.parallelism_override)
         return conf
 
+    def component_spec(self, conf: StateConf) -> ComponentSpec:
+        """The component the query declares under ``conf``."""
+        stream = self.stream
+        event_time = stream.keyed.event_time
+        return ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema,
+                             event_time.delay_ms if event_time is not None else None)
+
     def spark_batch(self, batch_df, batch_id: int) -> SparkBatch:
         """What Spark's checkpoint says about micro-batch ``batch_id`` (see ``coordinator.SparkBatch``)."""
         context = batch_df.sparkSession.sparkContext
@@ -138,8 +145,7 @@ class MicroBatch:
         spark_batch = self.spark_batch(batch_df, batch_id)
         stream = self.stream
         event_time = stream.keyed.event_time
-        spec = ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema,
-                             event_time.delay_ms if event_time is not None else None)
+        spec = self.component_spec(conf)
         plan = coordinator.begin(spark_batch, spec)
         base = plan.base.components.get(spec.name) if plan.base is not None else None
         drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)

@@ -90,7 +90,7 @@ class ResidentState:
         plan = plan_instance_restore(
             component, instance, parallelism, have=self.chains.held(), max_gap_bytes=CATCH_UP_MAX_GAP_BYTES
         )
-        entries, stats = blobs.fetch(component, plan)
+        entries, stats = blobs.fetch(component, plan, self.schema)
         for key_group in plan.clear:
             self.table.clear(key_group)
             self.chains.set(key_group, ())

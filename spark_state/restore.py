@@ -20,7 +20,7 @@ is pure; the reads are ``blobstore.BlobStore.fetch``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import pyarrow as pa
@@ -58,7 +58,8 @@ class InstanceRestorePlan:
     lengths (larger only by gaps ``max_gap_bytes`` allowed).
     """
 
-    instance: int
+    instance: int | None
+    """None for a plan of key groups that is no instance's (``plan_key_groups``)."""
     key_group_range: KeyGroupRange
     reads: tuple[RangeRead, ...]
     chains: dict[int, tuple[tuple[str, BlobEntry], ...]]
@@ -105,7 +106,6 @@ def plan_instance_restore(
     have = have or {}
     chains: dict[int, tuple[tuple[str, BlobEntry], ...]] = {}
     appends: set[int] = set()
-    per_blob: dict[str, list[BlobEntry]] = {}
     for key_group in _owned_with_state(component, owned):
         target = component.chains[key_group]
         held = have.get(key_group)
@@ -115,32 +115,57 @@ def plan_instance_restore(
         if held and len(held) < len(target) and target[: len(held)] == held:
             start = len(held)
             appends.add(key_group)
-        links = []
-        for path in target[start:]:
-            entry = component.blobs[path].index.entry_for(key_group)
-            if entry is None:
-                raise CorruptBlobError(
-                    f"the manifest's chain of key group {key_group} names {path}, whose index has no entry for "
-                    "it; the manifest is damaged: restore it, or start from an earlier checkpoint"
-                )
-            links.append((path, entry))
-            per_blob.setdefault(path, []).append(entry)
-        chains[key_group] = tuple(links)
+        chains[key_group] = chain_links(component, key_group, start)
     clear = frozenset(g for g, held in have.items() if held != () and g in owned and g not in component.chains)
+    plan = plan_links(chains, max_gap_bytes=max_gap_bytes, key_group_range=owned)
+    return replace(plan, instance=instance, appends=frozenset(appends), clear=clear)
+
+
+def plan_key_groups(component: ComponentManifest, key_groups: KeyGroupRange, *, max_gap_bytes: int = 0) -> InstanceRestorePlan:
+    """Plan reading the whole chains of the key groups in ``key_groups`` (inclusive) that hold state.
+
+    The plan of no instance (``instance`` is None): readers of a checkpoint
+    (``spark_state.reader``) split the key space as they like.
+    """
+    chains = {g: chain_links(component, g) for g in _owned_with_state(component, key_groups)}
+    return plan_links(chains, max_gap_bytes=max_gap_bytes, key_group_range=key_groups)
+
+
+def chain_links(component: ComponentManifest, key_group: int, start: int = 0) -> tuple[tuple[str, BlobEntry], ...]:
+    """``(path, entry)`` of each entry of ``key_group``'s chain from position ``start``, oldest first."""
+    links = []
+    for path in component.chains[key_group][start:]:
+        entry = component.blobs[path].index.entry_for(key_group)
+        if entry is None:
+            raise CorruptBlobError(
+                f"the manifest's chain of key group {key_group} names {path}, whose index has no entry for "
+                "it; the manifest is damaged: restore it, or start from an earlier checkpoint"
+            )
+        links.append((path, entry))
+    return tuple(links)
+
+
+def plan_links(chains: Mapping[int, tuple[tuple[str, BlobEntry], ...]], *, max_gap_bytes: int = 0,
+               key_group_range: KeyGroupRange | None = None) -> InstanceRestorePlan:
+    """The coalesced reads of the given entries (per key group, ``(path, entry)`` oldest first)."""
+    per_blob: dict[str, list[BlobEntry]] = {}
+    for links in chains.values():
+        for path, entry in links:
+            per_blob.setdefault(path, []).append(entry)
     reads = tuple(
         read
         for path in sorted(per_blob)
         for read in _coalesce(path, sorted(per_blob[path], key=lambda e: e.offset), max_gap_bytes)
     )
+    if key_group_range is None:
+        key_group_range = KeyGroupRange(min(chains, default=0), max(chains, default=0))
     return InstanceRestorePlan(
-        instance=instance,
-        key_group_range=owned,
+        instance=None,
+        key_group_range=key_group_range,
         reads=reads,
-        chains=chains,
+        chains=dict(chains),
         bytes_owned=sum(e.length for entries in per_blob.values() for e in entries),
         bytes_to_read=sum(r.length for r in reads),
-        appends=frozenset(appends),
-        clear=clear,
     )
 
 
@@ -186,9 +211,28 @@ def fold_chain(batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Seque
     A key's last occurrence wins; a last occurrence with ``_deleted = true``
     removes the key. Rows keep the order of their last occurrence.
     """
-    check_chain([kind for kind, _ in batches], "fold_chain")
-    table = pa.Table.from_batches([b for _, b in batches])
-    if len(batches) > 1:
+    return fold_chains([batches], key_columns)
+
+
+def fold_chains(chains: Sequence[Sequence[tuple[str, pa.RecordBatch]]], key_columns: Sequence[str]) -> pa.Table:
+    """``fold_chain`` of many key groups at once (one kernel call): their live rows, concatenated.
+
+    Each chain is one key group's entries, oldest first, starting with a
+    ``full`` one; a key belongs to one key group, so one ``group_by`` over
+    the concatenated chains folds them all. A chain of one full entry needs
+    no fold. Rows of multi-entry chains keep the order of their last
+    occurrence; all batches share one schema.
+    """
+    single: list[pa.RecordBatch] = []
+    multi: list[pa.RecordBatch] = []
+    for batches in chains:
+        check_chain([kind for kind, _ in batches], "fold_chains")
+        (single if len(batches) == 1 else multi).extend(b for _, b in batches)
+    parts = []
+    if single:
+        parts.append(pa.Table.from_batches(single))
+    if multi:
+        table = pa.Table.from_batches(multi)
         position = pa.array(range(table.num_rows), pa.int64())
         last = (
             table.select(list(key_columns))
@@ -197,8 +241,11 @@ def fold_chain(batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Seque
             .aggregate([("_position", "max")])
             .column("_position_max")
         )
-        table = table.take(pc.take(last, pc.sort_indices(last)))
-    live = table.filter(pc.invert(table.column(DELETED_COLUMN)))
+        parts.append(table.take(pc.take(last, pc.sort_indices(last))))
+    if not parts:
+        raise CheckpointError("fold_chains: no chain to fold")
+    table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+    live = table.filter(pc.invert(table.column(DELETED_COLUMN))) if pc.any(table.column(DELETED_COLUMN)).as_py() else table
     return live.drop_columns([DELETED_COLUMN])
 
 

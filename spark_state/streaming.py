@@ -30,13 +30,15 @@ from spark_state.conf import PARALLELISM, StateConf
 from spark_state.coordinator import check_query_start
 from spark_state.errors import ConfigError
 from spark_state.eventtime import EventTime, check_event_time_type, parse_duration
+from spark_state.evolution import with_default
 from spark_state.functions import AGGREGATES, EVENT_MS_COLUMN, Aggregate, PythonFunction, TimeToLive
-from spark_state.manifest import check_component_name
+from spark_state.manifest import check_compatible, check_component_name
 from spark_state.microbatch import MicroBatch, location_name
 from spark_state.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.timers import EVENT, PROCESSING, TIMERS
 from spark_state.sinks import open_sink
 from spark_state.spark_checkpoint import SparkCheckpoint
+from spark_state.startfrom import start_from_savepoint
 from spark_state.timed import deduplicate_function, session_fields, session_function
 
 
@@ -135,12 +137,16 @@ class KeyedStream:
         on_timer: Callable | None = None,
         ttl=None,
         ttl_kind: str = PROCESSING,
+        state_defaults: dict[str, Any] | None = None,
     ) -> "StatefulStream":
         """Call ``fn(key, rows, state)`` once per key and batch; see ``functions.PythonFunction``.
 
         ``state_schema`` holds the value columns of the per-key state (DDL
         string, StructType or pyarrow schema; the key columns are not
         repeated); ``output_schema`` the columns ``fn`` returns.
+        ``state_defaults`` maps value columns to the value stored keys get
+        when the column is added to an existing state (schema evolution,
+        ``spark_state.evolution``); a column added without one reads as null.
         ``on_timer(key, timer, state)`` is called for each due timer a key
         registered with ``state.timers.register(time, kind)``; ``ttl`` (a
         duration) expires a value that was not updated for that long, in
@@ -150,6 +156,11 @@ class KeyedStream:
         clash = [f.name for f in values if f.name in self.key_columns]
         if clash:
             raise ConfigError(f"state_schema repeats key column(s) {clash}; list only the value columns")
+        defaults = dict(state_defaults or {})
+        unknown = sorted(set(defaults) - set(values.names))
+        if unknown:
+            raise ConfigError(f"state_defaults names {unknown}, which state_schema does not have: {values.names}")
+        values = pa.schema([with_default(f, defaults[f.name]) if f.name in defaults else f for f in values])
         time_to_live = TimeToLive(parse_duration(ttl, "ttl"), ttl_kind) if ttl is not None else None
         if time_to_live is not None and ttl_kind == EVENT and self.event_time is None:
             raise ConfigError("ttl_kind='event' needs event time: key the stream with .withWatermark(column, delay)")
@@ -237,6 +248,7 @@ class StatefulStreamWriter:
         self._trigger: dict[str, Any] | None = None
         self._query_name: str | None = None
         self._foreach_batch: Callable | None = None
+        self._savepoint: tuple[str, bool] | None = None
 
     def format(self, source: str) -> "StatefulStreamWriter":
         self._format = source
@@ -263,6 +275,20 @@ class StatefulStreamWriter:
         self._foreach_batch = fn
         return self
 
+    def fromSavepoint(self, savepoint: str, *, allow_non_restored_state: bool = False) -> "StatefulStreamWriter":
+        """Start the query's (empty) state store from ``savepoint`` (``<store>/savepoints/<name>``).
+
+        See ``spark_state.startfrom``: the savepoint must fit the query (else
+        ``SavepointMismatchError`` at ``start``); its state is copied into
+        the store as its first checkpoint, and the sources must start at the
+        savepoint's offsets. ``allow_non_restored_state`` drops savepoint
+        state the query does not continue and starts new components empty.
+        Overrides ``spark.state.fromSavepoint``. A restart of the same query
+        may keep it: it has no effect once the store started from it.
+        """
+        self._savepoint = (savepoint, allow_non_restored_state)
+        return self
+
     def start(self, path: str | None = None) -> "StatefulQuery":
         if path is not None:
             self._options["path"] = path
@@ -285,8 +311,16 @@ class StatefulStreamWriter:
         )
         conf = batch.conf()  # fail now on bad settings, not at the first batch
         spark_checkpoint.clear_interrupted_first_batch()
+        manifests = batch.coordinator(conf).manifests
+        spec = batch.component_spec(conf)
+        savepoint, allow = self._savepoint or (conf.from_savepoint, conf.allow_non_restored)
+        if savepoint:
+            start_from_savepoint(manifests, savepoint, spec, allow_non_restored=allow)
+        latest = manifests.latest()
+        if latest is not None and spec.name in latest.components:
+            check_compatible(latest.components[spec.name], spec)  # refuse a schema that cannot evolve, now
         check_query_start(
-            batch.coordinator(conf).manifests.latest(),
+            latest,
             spark_checkpoint.query_id(),
             spark_checkpoint.last_committed_batch(),
             checkpoint_location=name,

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_checkpoint  # noqa: E402
 import bench_commit  # noqa: E402
 import bench_keyed  # noqa: E402
+import bench_reader  # noqa: E402
 import bench_rescale  # noqa: E402
 import bench_time  # noqa: E402
 import common  # noqa: E402
@@ -32,6 +33,7 @@ from pyspark import cloudpickle  # noqa: E402
 # since the Python workers do not have benchmarks/ on their path.
 cloudpickle.register_pickle_by_value(bench_keyed)
 cloudpickle.register_pickle_by_value(bench_time)
+cloudpickle.register_pickle_by_value(bench_reader)
 
 
 def _finish(spark, module, result: dict, name: str, out: Path) -> dict:
@@ -104,6 +106,20 @@ def test_time_smoke(time_result):
     assert sum(time_result["timers"]["runs"]["no_timers"]["timers_fired"]) == 0
 
 
+@pytest.fixture(scope="module")
+def reader(spark, results, tmp_path_factory):
+    bench_reader.WORK = tmp_path_factory.mktemp("reader-work")
+    return _finish(spark, bench_reader, bench_reader.run(spark, bench_reader.SMOKE), "reader", results)
+
+
+@pytest.mark.spark
+def test_reader_smoke(reader):
+    assert reader["store"]["keys"] == 20_000 and reader["partitions"] >= 1
+    assert all(rate > 0 for rate in reader["rows_per_s"].values())
+    assert reader["cli"]["verify_bytes"] == reader["store"]["store_bytes"]  # verify read every blob byte
+    assert [t["target"] for t in reader["targets"]][0].startswith("state reader rows/s")
+
+
 @pytest.mark.spark
 def test_rescale_smoke(rescale):
     (size,) = rescale["sizes"]
@@ -167,7 +183,7 @@ def test_manifest_benchmark_runs(tmp_path):
 
 
 @pytest.mark.spark
-def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit):
+def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader):
     """The README section renders from the smoke runs' files (plus the committed others)."""
     for name in ("keygroups.json", "source.json", "restore.json", "manifest.json"):
         shutil.copy(report.RESULTS / name, results / name)
@@ -176,6 +192,7 @@ def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, resca
     assert "| 4,000 | 2->3 |" in text
     assert "### Rescale with the state on S3" in text and "### Checkpoint cost on S3 vs local disk" in text
     assert "### Where we are behind" in text
+    assert "### Reading state out" in text and "20,000 keys" in text
 
 
 @pytest.mark.spark

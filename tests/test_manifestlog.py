@@ -552,9 +552,8 @@ def test_restore_refuses_a_changed_max_parallelism():
     "schema, what",
     [
         (KeyedSchema.of_values([pa.field("value", pa.string())], [pa.field("key", pa.int64())]), "key columns"),
-        (KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())]), "state schema"),
-        (KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64()), pa.field("x", pa.int8())]),
-         "state schema"),
+        (KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())]),
+         "'value.value' cannot change from int64 to int32: only widening"),
         (KeyedSchema.of_values([pa.field("key", pa.string()), pa.field("value", pa.int64())], []), "key columns"),
     ],
 )
@@ -562,7 +561,7 @@ def test_restore_refuses_changed_key_columns_or_schema(schema, what):
     store, component = _committed_component(MemoryStorage())
     with pytest.raises(IncompatibleCheckpointError, match=what) as info:
         restore_instance(store.blobs, component, schema, 0, 2, M)
-    assert "start a new state store location" in str(info.value)
+    assert "start a new state store location" in str(info.value) or "from a savepoint" in str(info.value)
 
 
 def test_restore_refuses_another_hash_version():
