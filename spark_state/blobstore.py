@@ -5,10 +5,14 @@ Layout under the store's root (the driver's ``manifestlog`` owns ``checkpoints/`
     blobs/<component>/<checkpoint_id:020d>/<instance:05d>-<start>-<end>-<attempt>.arrow
     instance-items/<component>/<checkpoint_id:020d>/<instance:05d>-<attempt>.json
 
-A task writes under a fresh attempt name with an atomic ``create``; nothing
+``<attempt>`` is ``<unix millis, 13 digits>-<12 random hex digits>``: when the
+attempt wrote the file (``written_ms`` reads it back) and a fresh name. A
+task writes under a fresh attempt name with an atomic ``create``; nothing
 refers to the file until the driver commits a manifest naming it (step 1 of
-the commit protocol in ``manifestlog``), so a failed, retried or speculative
-attempt leaves at most an unreferenced file, collected by ``cleanup``. Every
+the commit protocol in ``manifestlog``), so a failed, retried, speculative or
+zombie attempt (one still running after its batch was given up) leaves at
+most an unreferenced file, collected by ``cleanup`` once it is older than the
+grace period. Every
 read is verified against the size and CRC-32 the manifest recorded: a
 damaged file raises ``CorruptBlobError`` naming it and is never served.
 """
@@ -16,6 +20,7 @@ damaged file raises ``CorruptBlobError`` naming it and is never served.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 import zlib
@@ -47,8 +52,18 @@ class FetchStats:
     seconds: float
 
 
-def _attempt() -> str:
-    return uuid.uuid4().hex[:12]
+_WRITTEN = re.compile(r"-(\d{13})-[0-9a-f]{12}\.(?:arrow|json)$")
+
+
+def _attempt(now_ms: int | None = None) -> str:
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return f"{now_ms:013d}-{uuid.uuid4().hex[:12]}"
+
+
+def written_ms(name: str) -> int | None:
+    """The unix millis at which the attempt that wrote file ``name`` named it; None for older names without one."""
+    match = _WRITTEN.search(name)
+    return int(match.group(1)) if match else None
 
 
 class BlobStore:

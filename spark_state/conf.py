@@ -14,6 +14,10 @@ key                                    default                     meaning
 ``spark.state.maxChainLength``         8                           compaction: a key group's chain of delta entries is
                                                                    rewritten as one full entry at this length
 ``spark.state.compression``            ``none``                    Arrow IPC codec of state blobs: none, lz4, zstd
+``spark.state.orphanGraceSeconds``     3600                        unreferenced blobs and items (of failed, retried or
+                                                                   zombie attempts) are deleted once this old
+``spark.state.restoreFrom``            unset                       recovery: a new checkpointLocation starts from this
+                                                                   retained checkpoint id instead of the latest
 =====================================  ==========================  =====================================================
 
 Spark hands options over as strings: ``StateConf.parse`` converts them once
@@ -36,7 +40,9 @@ MAX_PARALLELISM = PREFIX + "maxParallelism"
 RETAINED = PREFIX + "checkpointsRetained"
 MAX_CHAIN_LENGTH = PREFIX + "maxChainLength"
 COMPRESSION = PREFIX + "compression"
-KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION)
+ORPHAN_GRACE = PREFIX + "orphanGraceSeconds"
+RESTORE_FROM = PREFIX + "restoreFrom"
+KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, ORPHAN_GRACE, RESTORE_FROM)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -73,6 +79,8 @@ class StateConf:
     checkpoints_retained: int = 3
     max_chain_length: int = 8
     compression: str | None = None
+    orphan_grace_seconds: int = 3600
+    restore_from: int | None = None
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -123,6 +131,8 @@ class StateConf:
             checkpoints_retained=_int(RETAINED, value(RETAINED), 2) if value(RETAINED) else 3,
             max_chain_length=_int(MAX_CHAIN_LENGTH, value(MAX_CHAIN_LENGTH), 1) if value(MAX_CHAIN_LENGTH) else 8,
             compression=None if compression == "none" else compression,
+            orphan_grace_seconds=_int(ORPHAN_GRACE, value(ORPHAN_GRACE), 0) if value(ORPHAN_GRACE) else 3600,
+            restore_from=_int(RESTORE_FROM, value(RESTORE_FROM), 0) if value(RESTORE_FROM) else None,
         )
 
     @classmethod

@@ -328,6 +328,6 @@ class Coordinator:
                 f"store {self.store}; give each query its own spark.state.store"
             ) from exc
 
-    def cleanup(self, manifest: Manifest) -> list[str]:
-        """Step 5: delete what no retained checkpoint needs."""
-        return self.manifests.cleanup(manifest)
+    def cleanup(self, manifest: Manifest, *, grace_seconds: float) -> list[str]:
+        """Step 5: delete what no retained checkpoint needs (unreferenced files once ``grace_seconds`` old)."""
+        return self.manifests.cleanup(manifest, grace_seconds=grace_seconds)

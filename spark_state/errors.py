@@ -28,6 +28,14 @@ class StorageError(SparkStateError):
     """A storage backend failed; the message names the path and the backend."""
 
 
+class StorageTimeoutError(StorageError):
+    """A storage call did not finish within its timeout; whether it took effect is unknown."""
+
+
+class CommitFailedError(StorageError):
+    """A commit record could not be written; nothing was committed, and retrying the batch is safe."""
+
+
 class InvalidPathError(StorageError, ValueError):
     """A storage path is not a clean relative path ('a/b/c', no '..', no leading '/')."""
 
@@ -46,6 +54,10 @@ class ShortReadError(StorageError):
 
 class CorruptBlobError(StorageError):
     """Stored bytes fail their checksum or do not parse; never returned as state."""
+
+
+class MissingFileError(CorruptBlobError):
+    """A file that a committed record references is gone; the message names it and the way to recover."""
 
 
 class CheckpointError(SparkStateError):

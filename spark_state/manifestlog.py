@@ -28,9 +28,14 @@ Commit protocol for checkpoint N (``coordinator.Coordinator`` runs it; the code 
 5. ``cleanup`` (driver only, best effort, after the commit): delete manifests
    that fell out of ``consistent_checkpoints``, oldest first, then every blob
    and items file under a checkpoint id <= N that no retained manifest
-   references. A crash at any point of 1-5 leaves the newest committed
-   manifest and all its files intact: files are only deleted once no retained
-   manifest names them, and manifests before files.
+   references and that is older than the grace period (the time in its
+   attempt name, ``blobstore.written_ms``). A crash at any point of 1-5 leaves
+   the newest committed manifest and all its files intact: files are only
+   deleted once no retained manifest names them, and manifests before files.
+   The grace period keeps the files of attempts that may still be running
+   (a zombie task of a batch that was given up writes late); cleanup deletes
+   files one by one, never a directory, so such a late write cannot make it
+   fail, and it never deletes a file some retained commit references.
 
 The latest checkpoint is the highest id listed, whose checksum is verified on
 load; a file listing never decides what is committed. Cleanup keeps every
@@ -39,10 +44,11 @@ record a retained checkpoint is read from (its chain back to a full record).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR, written_ms
 from spark_state.commitlog import CommitLog
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CheckpointError, ConfigError, CorruptBlobError, NoCheckpointError
 from spark_state.manifest import Manifest, with_retention
@@ -52,6 +58,8 @@ CHECKPOINTS_DIR = "checkpoints"
 DEFAULT_RETAINED = 3
 MAX_DELTAS = 16
 """At most this many delta records follow a full one."""
+DEFAULT_ORPHAN_GRACE_SECONDS = 3600
+"""Unreferenced blobs and items younger than this are kept: longer than any task attempt should take."""
 CACHED_MANIFESTS = 32
 """Parsed manifests a reader keeps (least recently used dropped first)."""
 
@@ -218,12 +226,17 @@ class ManifestLog(ManifestReader):
 
     # Step 5 -----------------------------------------------------------------
 
-    def cleanup(self, manifest: Manifest) -> list[str]:
+    def cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
+                now_ms: int | None = None) -> list[str]:
         """Delete what no retained checkpoint needs (step 5); return the deleted paths.
 
         Safe to run again after a crash; never touches anything written for a
-        checkpoint id above ``manifest.checkpoint_id`` (it may be in flight).
+        checkpoint id above ``manifest.checkpoint_id`` (it may be in flight),
+        nor an unreferenced file written less than ``grace_seconds`` before
+        ``now_ms`` (unix millis, default now): its attempt may still be
+        running. Files named without a time count as old.
         """
+        cutoff = (int(time.time() * 1000) if now_ms is None else now_ms) - int(grace_seconds * 1000)
         retained = set(manifest.consistent_checkpoints)
         records = self.records_needed(retained)
         deleted: list[str] = []
@@ -248,13 +261,13 @@ class ManifestLog(ManifestReader):
                     if not checkpoint_dir.isdigit() or int(checkpoint_dir) > manifest.checkpoint_id:
                         continue
                     directory = join(top, component, checkpoint_dir)
-                    names = self.storage.list(directory)
-                    garbage = [join(directory, n) for n in names if join(directory, n) not in referenced]
-                    for path in garbage:
-                        self.storage.delete(path)
-                    deleted.extend(garbage)
-                    if len(garbage) == len(names):
-                        self.storage.delete(directory)
+                    for name in self.storage.list(directory):
+                        path = join(directory, name)
+                        written = written_ms(name)
+                        if path in referenced or (written is not None and written > cutoff):
+                            continue
+                        self.storage.delete(path)  # an emptied directory goes with its last file
+                        deleted.append(path)
         return deleted
 
     # Sources ----------------------------------------------------------------

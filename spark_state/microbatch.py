@@ -178,7 +178,7 @@ class MicroBatch:
             manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
             if manifest is not None:
                 self._fault("committed", batch_id)
-                coordinator.cleanup(manifest)
+                coordinator.cleanup(manifest, grace_seconds=conf.orphan_grace_seconds)
             if drain:
                 self._drained(coordinator, spark_batch)
         finally:

@@ -35,7 +35,11 @@ Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
   creates are never listed. Listings are for discovery and garbage
   collection only: they never prove that a checkpoint was committed.
 - ``delete(path)`` removes a blob or a whole directory tree and does not fail
-  when the path is missing. Directories that it leaves empty are removed too,
+  when the path is missing. It is not atomic against concurrent creates
+  below the directory and never fails because of them: it removes every blob
+  that existed when it started; a blob created meanwhile may stay (with its
+  directories), and such a create either publishes its blob complete or
+  fails with a ``StorageError``. Directories that it leaves empty are removed too,
   so a directory exists only while it holds something. The one exception: a
   create that is in progress, or that crashed before publishing, leaves a
   directory that holds only its hidden temporary file; such a directory can
