@@ -72,6 +72,17 @@ def to_spark_schema(schema: pa.Schema):
     return from_arrow_schema(schema)
 
 
+def task_output_schema(output_schema: pa.Schema):
+    """The Spark schema of what a task emits: the output columns and the report column, every one nullable.
+
+    Each task's last row carries only its report, with the output columns
+    null, so a column the input declares not null (a source's ``split``,
+    say, passed on by ``deduplicate``) must be nullable here.
+    """
+    fields = [f.with_nullable(True) for f in output_schema] + [pa.field(META_COLUMN, pa.string())]
+    return to_spark_schema(pa.schema(fields))
+
+
 @dataclass
 class MicroBatch:
     """The driver's part of every micro-batch (see the module docstring); one per query.
@@ -250,7 +261,7 @@ class MicroBatch:
 
             yield from run_instance(task, TaskContext.get().partitionId(), batches)
 
-        out_schema = to_spark_schema(task.output_schema.append(pa.field(META_COLUMN, pa.string())))
+        out_schema = task_output_schema(task.output_schema)
         return (
             routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))
             .drop(INSTANCE_COLUMN)
