@@ -50,6 +50,7 @@ from spark_state.errors import (
     StateMissingError,
     StateOfAnotherQueryError,
     StateQueryMismatchError,
+    StoreOwnedByAnotherQueryError,
 )
 from spark_state.manifest import (
     BlobRef,
@@ -186,7 +187,7 @@ def _check_continues(latest: Manifest, batch: SparkBatch, store: str) -> None:
         for source_id, recorded, start in differ
     )
     raise StateOfAnotherQueryError(
-        f"the state store {store} holds state written by {who} (checkpoint {latest.checkpoint_id}); this query "
+        f"another query owns the state store {store}: it holds state written by {who} (checkpoint {latest.checkpoint_id}); this query "
         f"({batch.query_id}, checkpointLocation {batch.checkpoint_location}) does not continue it: {details}. "
         "Running would count input twice or lose updates. Restart with the checkpointLocation that wrote the "
         "state, or start the sources at the state's offsets (replayable: option startingOffsets='checkpoint' "
@@ -323,9 +324,14 @@ class Coordinator:
         try:
             return self.manifests.commit(manifest)
         except CheckpointExistsError as exc:
-            raise CheckpointError(
-                f"checkpoint {plan.checkpoint_id} was committed by another query writing to the same state "
-                f"store {self.store}; give each query its own spark.state.store"
+            owner = exc.manifest.binding
+            who = (f"query {owner.query_id} (checkpointLocation {owner.checkpoint_location}, micro-batch "
+                   f"{owner.batch_id})" if owner is not None else "a query that recorded no binding")
+            raise StoreOwnedByAnotherQueryError(
+                f"another query owns the state store {self.store}: checkpoint {plan.checkpoint_id} was committed by "
+                f"{who} while this query ({batch.query_id}, checkpointLocation {batch.checkpoint_location}) ran "
+                f"micro-batch {batch.batch_id}. Nothing of this batch was committed and this query stops; two "
+                "queries must not share a state store and component: give each query its own spark.state.store"
             ) from exc
 
     def cleanup(self, manifest: Manifest, *, grace_seconds: float) -> list[str]:

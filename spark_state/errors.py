@@ -96,5 +96,13 @@ class StateOfAnotherQueryError(StateQueryMismatchError):
     """The store holds another query's state, and this query's sources do not continue from its offsets."""
 
 
+class StoreOwnedByAnotherQueryError(StateOfAnotherQueryError):
+    """Another query committed to this state store while this one ran: it owns the store, this query stops.
+
+    Nothing of this query's batch was committed; its written blobs are
+    unreferenced and collected by the owner's cleanup.
+    """
+
+
 class CheckpointLocationError(CheckpointError):
     """Spark's checkpoint location holds files that neither Spark nor spark-state can start from."""

@@ -11,6 +11,7 @@ from spark_state.errors import (
     StateBehindQueryError,
     StateMissingError,
     StateOfAnotherQueryError,
+    StoreOwnedByAnotherQueryError,
     StateQueryMismatchError,
 )
 from spark_state.manifest import Manifest, QueryBinding
@@ -244,6 +245,6 @@ def test_a_second_query_committing_the_same_checkpoint_is_told_to_use_its_own_st
     spec = ComponentSpec("c", M, 1, SCHEMA)
     plans = [one.begin(batch(0, 0, 10), spec), two.begin(batch(0, 0, 10, query_id="q2"), spec)]
     one.commit(plans[0], batch(0, 0, 10), spec, _reports(store, 0, 1, ["a"]))
-    with pytest.raises(CheckpointError, match="another query writing to the same state store"):
+    with pytest.raises(StoreOwnedByAnotherQueryError, match="another query owns the state store .* query q1"):
         two.commit(plans[1], batch(0, 0, 10, query_id="q2"), spec, _reports(store, 0, 1, ["b"]))
     assert store.committed_ids() == [0] and store.latest().binding.query_id == "q1"
