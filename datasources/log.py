@@ -325,6 +325,12 @@ class ReplayableLog:
             with _as_corrupt_log():
                 body = self.commits.load_if_exists(n)
             if body is None:
+                later = [i for i in self.commits.ids() if i > n]
+                if later:
+                    raise CorruptLogError(
+                        f"log commit {self.commits.where(n)} is missing, but commits up to {later[-1]} exist: reading "
+                        "on would drop every record after it. Restore the file from a copy, or rewrite the log"
+                    )
                 return index
             where = self.commits.where(n)
             index = apply_commit(index, Commit.from_json(body, where), where)

@@ -203,8 +203,9 @@ def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, 
     """Decode one entry's bytes (exactly ``entry.length`` of them) after checking its CRC-32."""
     if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
         raise CorruptBlobError(
-            f"key group {entry.key_group} in {where} fails its checksum (corrupt or truncated); "
-            "restore from an earlier checkpoint or restore the file from a replica"
+            f"key group {entry.key_group} in {where} fails its checksum (corrupt or truncated); restore the file "
+            "from a replica, or start a new checkpointLocation from an older retained checkpoint "
+            "(spark.state.restoreFrom=<id>)"
         )
     try:
         message = pa.ipc.read_message(pa.py_buffer(data))

@@ -30,12 +30,15 @@ from typing import Any, Iterable, Sequence
 import pyarrow as pa
 
 from spark_state.blob import EntryKind, decode_entry, encode_blob
-from spark_state.errors import CorruptBlobError
+from spark_state.errors import BlobNotFoundError, CorruptBlobError, MissingFileError, ShortReadError
 from spark_state.keygroups import KeyGroupRange
 from spark_state.manifest import BlobRef, ComponentManifest, ItemsRef, check_component_name
 from spark_state.restore import InstanceRestorePlan
 from spark_state.storage.base import Storage, join
 
+RECOVERY = ("start a new checkpointLocation from an older retained checkpoint (spark.state.restoreFrom=<id>; see "
+            "'Guarantees and failure handling' in the README)")
+"""What to do about a damaged or missing file of a committed checkpoint, for messages."""
 BLOBS_DIR = "blobs"
 ITEMS_DIR = "instance-items"
 
@@ -118,14 +121,28 @@ class BlobStore:
         self.storage.create(path, data)
         return ItemsRef(path, len(data), zlib.crc32(data))
 
+    def _read(self, what: str, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of a file a committed checkpoint references; a missing or truncated one is a typed error."""
+        try:
+            return self.storage.read(path, offset, length)
+        except BlobNotFoundError as exc:
+            raise MissingFileError(
+                f"{what} {self.storage.uri}/{path} is missing, but a committed checkpoint references it; restore "
+                f"the file, or {RECOVERY}"
+            ) from exc
+        except ShortReadError as exc:
+            raise CorruptBlobError(
+                f"{what} {self.storage.uri}/{path} is truncated (the checkpoint recorded bytes up to "
+                f"{offset + (length or 0)}); restore the file, or {RECOVERY}"
+            ) from exc
+
     def read_items(self, ref: ItemsRef) -> list:
         """The items of ``ref``, verified against its size and CRC-32."""
-        data = self.storage.read(ref.path)
+        data = self._read("instance items", ref.path)
         if len(data) != ref.size or zlib.crc32(data) != ref.crc32:
             raise CorruptBlobError(
                 f"instance items {self.storage.uri}/{ref.path} fail their checksum (corrupt or truncated: "
-                f"{len(data)} bytes, the manifest recorded {ref.size}); restore the file, or start from an "
-                "earlier checkpoint"
+                f"{len(data)} bytes, the manifest recorded {ref.size}); restore the file, or {RECOVERY}"
             )
         try:
             items = json.loads(data)
@@ -142,7 +159,7 @@ class BlobStore:
         decoded: dict[tuple[str, int], pa.RecordBatch] = {}
         bytes_read = 0
         for read in plan.reads:
-            data = self.storage.read(read.path, read.offset, read.length)
+            data = self._read("state blob", read.path, read.offset, read.length)
             bytes_read += len(data)
             view = memoryview(data)
             for entry in read.entries:

@@ -133,6 +133,11 @@ class ManifestReader:
         while True:
             try:
                 body, size = self._log.load_sized(wanted)
+            except CorruptBlobError as exc:
+                raise CorruptBlobError(
+                    f"{exc}. Restore the file, or start a new checkpointLocation from an older retained checkpoint "
+                    f"(spark.state.restoreFrom=<id>; retained ids: {self.ids()[-5:]})"
+                ) from exc
             except BlobNotFoundError:
                 if not pending:
                     raise NoCheckpointError(
@@ -197,12 +202,25 @@ class ManifestLog(ManifestReader):
 
     # Step 4 -----------------------------------------------------------------
 
-    def commit(self, manifest: Manifest) -> Manifest:
+    def commit(self, manifest: Manifest, *, restored_from: Manifest | None = None) -> Manifest:
         """Commit ``manifest`` (its ``consistent_checkpoints`` are set here); return what was committed.
 
-        Its id must be greater than the latest committed id.
+        Its id must be greater than the latest committed id. Normally it
+        follows the latest checkpoint; ``restored_from`` (``spark.state.restoreFrom``)
+        makes it follow that older retained checkpoint instead: its retained
+        list and its delta record continue that one, and the checkpoints in
+        between (damaged or abandoned) are left to ``cleanup``.
         """
-        previous = self.latest()
+        checkpoint_id = manifest.checkpoint_id
+        if restored_from is not None:
+            latest_id = self._log.latest_id()
+            if latest_id is not None and checkpoint_id <= latest_id:
+                raise CheckpointExistsError(
+                    f"checkpoint {checkpoint_id} is not above the latest id {latest_id}", restored_from)
+            return self._create(manifest, restored_from)
+        return self._create(manifest, self.latest())
+
+    def _create(self, manifest: Manifest, previous: Manifest | None) -> Manifest:
         checkpoint_id = manifest.checkpoint_id
         if previous is not None and checkpoint_id <= previous.checkpoint_id:
             if checkpoint_id == previous.checkpoint_id:
@@ -299,6 +317,12 @@ def latest_source_offsets(state_store_uri: str, source_id: str):
     """The offsets recorded for ``source_id`` in the latest committed checkpoint, or None."""
     manifest = open_manifest_log(state_store_uri).latest()
     return None if manifest is None else manifest.sources.get(source_id)
+
+
+def checkpoint_source_offsets(state_store_uri: str, source_id: str, checkpoint_id: int):
+    """The offsets recorded for ``source_id`` in retained checkpoint ``checkpoint_id`` (``NoCheckpointError`` if
+    it is gone), or None."""
+    return open_manifest_log(state_store_uri).load(checkpoint_id).sources.get(source_id)
 
 
 def retained_source_offsets(state_store_uri: str, source_id: str) -> list:

@@ -154,7 +154,7 @@ class MicroBatch:
         event_time = stream.keyed.event_time
         spec = ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema,
                              event_time.delay_ms if event_time is not None else None)
-        plan = coordinator.begin(spark_batch, spec)
+        plan = coordinator.begin(spark_batch, spec, restore_from=conf.restore_from)
         base = plan.base.components.get(spec.name) if plan.base is not None else None
         drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)
         task = TaskSpec(

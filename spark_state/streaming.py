@@ -285,13 +285,15 @@ class StatefulStreamWriter:
         )
         conf = batch.conf()  # fail now on bad settings, not at the first batch
         spark_checkpoint.clear_interrupted_first_batch()
-        check_query_start(
-            batch.coordinator(conf).manifests.latest(),
-            spark_checkpoint.query_id(),
-            spark_checkpoint.last_committed_batch(),
-            checkpoint_location=name,
-            store=conf.store,
-        )
+        query_id = spark_checkpoint.query_id()
+        if conf.restore_from is None or query_id is not None:
+            check_query_start(
+                batch.coordinator(conf).manifests.latest(),
+                query_id,
+                spark_checkpoint.last_committed_batch(),
+                checkpoint_location=name,
+                store=conf.store,
+            )
         writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
             "checkpointLocation", checkpoint_location
         )
