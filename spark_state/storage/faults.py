@@ -139,23 +139,30 @@ class FaultPlan:
         return chosen
 
 
-def kill_session(protect: int | None = None) -> None:
-    """SIGSTOP, then SIGKILL, every process of this process's session, this one last (Linux only)."""
-    session = os.getsid(0)
-    if session == protect or session <= 1:
+def kill_session(session: int | None = None, *, protect: int | None = None) -> None:
+    """SIGSTOP, then SIGKILL, every process of ``session`` (default: this process's, this one last; Linux only).
+
+    A driver started as a session leader has its JVM, Spark's Python daemon
+    (which moves to a process group of its own) and its workers in its session.
+    """
+    own = session is None
+    session = os.getsid(0) if own else session
+    if session == protect or session <= 1 or (not own and session == os.getsid(0)):
         raise ConfigError(f"refusing to kill session {session}: it is protected")
     me = os.getpid()
-    members = [pid for pid in _session_members(session) if pid != me]
+    members = [pid for pid in session_members(session) if pid != me]
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for pid in members:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-    os.kill(me, signal.SIGKILL)
+    if own:
+        os.kill(me, signal.SIGKILL)
 
 
-def _session_members(session: int) -> list[int]:
+def session_members(session: int) -> list[int]:
+    """The ids of the running processes of ``session``."""
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -173,6 +180,8 @@ def _session_members(session: int) -> list[int]:
 class FaultStorage(ForwardingStorage):
     """Forwards to ``inner`` and acts on ``plan``'s rules; see the module docstring."""
 
+    transparent = True
+
     def __init__(self, inner: Storage, plan: FaultPlan):
         super().__init__(inner)
         self.plan = plan
@@ -181,7 +190,9 @@ class FaultStorage(ForwardingStorage):
         return f"FaultStorage({self.inner!r})"
 
     def __eq__(self, other: object) -> bool:
-        return other == self.inner if not isinstance(other, FaultStorage) else other.inner == self.inner
+        from spark_state.storage.timeouts import unwrapped
+
+        return unwrapped(other) == unwrapped(self)
 
     def __hash__(self) -> int:
         return hash(self.inner)
@@ -209,7 +220,7 @@ class FaultStorage(ForwardingStorage):
 
     def _after(self, rule: FaultRule | None) -> None:
         if rule is not None and rule.fault == "kill":
-            kill_session(self.plan.protect_session)
+            kill_session(protect=self.plan.protect_session)
 
     def create(self, path: str, data: bytes, *, overwrite: bool = False) -> None:
         rule = self._before("create", path)

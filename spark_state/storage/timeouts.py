@@ -72,14 +72,16 @@ _POOL = _Pool()
 
 
 def unwrapped(storage):
-    """The backend below any ``TimeoutStorage`` layers."""
-    while isinstance(storage, TimeoutStorage):
+    """The backend below any layers that only bound or fail calls (``transparent``: timeouts, injected faults)."""
+    while getattr(type(storage), "transparent", False):
         storage = storage.inner
     return storage
 
 
 class TimeoutStorage(ForwardingStorage):
     """Forwards to ``inner``; a call that takes longer than ``timeout_seconds`` raises ``StorageTimeoutError``."""
+
+    transparent = True
 
     def __init__(self, inner: Storage, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS):
         super().__init__(inner)
