@@ -9,8 +9,8 @@ storage wrapper that counts every byte and request actually made.
 Per pair it reports:
 - ``read_amplification``: max over new instances of bytes fetched from storage
   / bytes of the entries of the key groups that instance owns (target <= 1.05);
-- ``whole_blob_amplification``: the same ratio for the approach of seed 001
-  (each new instance reads every old blob that overlaps its range, whole);
+- ``whole_blob_amplification``: the same ratio when each new instance reads
+  every old blob that overlaps its range, whole;
 - requests, restore seconds (max over instances) and whether the restored
   state equals the written one.
 
@@ -182,7 +182,7 @@ def main() -> None:
     common.bar_plot(Path(args.out).with_suffix(".png"), f"Restore at a new parallelism, {args.keys:,} keys, local disk", [
         ("key groups: ranged reads of owned entries", {k: r["read_amplification"] for k, r in pairs.items()},
          "read amplification (max over new instances)", False),
-        ("whole overlapping blobs (seed 001)", {k: r["whole_blob_amplification"] for k, r in pairs.items()},
+        ("whole overlapping blobs", {k: r["whole_blob_amplification"] for k, r in pairs.items()},
          "read amplification (max over new instances)", False),
     ])
     print(json.dumps({k: v for k, v in report.items() if k != "instances"}, indent=2))

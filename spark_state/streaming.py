@@ -175,7 +175,7 @@ class KeyedStream:
         return StatefulStream(self, function, schema, outputs, tuple(self.df.columns) + (EVENT_MS_COLUMN,))
 
     def session_window(self, gap, column: str | None = None) -> "StatefulStream":
-        """Per key, sessions of rows less than ``gap`` apart in event time; one row per session when it closes.
+        """Per key, sessions of rows at most ``gap`` apart in event time; one row per session when it closes.
 
         A session ``[first event, last event + gap)`` closes when the
         watermark reaches its end. The output has the key columns,

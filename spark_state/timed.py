@@ -8,9 +8,10 @@ key then remembers it until the watermark passes the row's event time plus
 the horizon (an event-time time to live), so a repeat within the horizon is
 dropped and the state of quiet keys goes away.
 
-**Session windows** (``sessions``): rows of a key whose event times are less
-than ``gap`` apart belong to one session ``[first, last + gap)``; a row that
-bridges two sessions merges them (Spark's ``session_window``). Each open
+**Session windows** (``sessions``): rows of a key whose event times are at
+most ``gap`` apart belong to one session ``[first, last + gap)``; a row that
+bridges two sessions merges them, and sessions that touch merge (Spark's
+``session_window`` does the same). Each open
 session has an event-time timer at its end; when the watermark reaches it the
 session closes and one row is emitted: the key, ``session_start``,
 ``session_end`` and the session's aggregates (``count``, and the ``sum``,
@@ -117,7 +118,7 @@ class Sessions:
             self._add(session, event_ms, value)
             keep = []
             for other in sessions:
-                if other["start"] < session["end"] and session["start"] < other["end"]:
+                if other["start"] <= session["end"] and session["start"] <= other["end"]:
                     session = self._merge(session, other)
                 else:
                     keep.append(other)

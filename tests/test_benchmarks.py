@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_checkpoint  # noqa: E402
 import bench_keyed  # noqa: E402
 import bench_rescale  # noqa: E402
+import bench_time  # noqa: E402
 import common  # noqa: E402
 import report  # noqa: E402
 from pyspark import cloudpickle  # noqa: E402
@@ -29,6 +30,7 @@ from pyspark import cloudpickle  # noqa: E402
 # Run as scripts, benchmark functions are pickled by value (module __main__); here they must be too,
 # since the Python workers do not have benchmarks/ on their path.
 cloudpickle.register_pickle_by_value(bench_keyed)
+cloudpickle.register_pickle_by_value(bench_time)
 
 
 def _finish(spark, module, result: dict, name: str, out: Path) -> dict:
@@ -64,6 +66,24 @@ def keyed(spark, results, tmp_path_factory):
 def checkpoint(spark, results, tmp_path_factory):
     bench_checkpoint.WORK = tmp_path_factory.mktemp("checkpoint-work")
     return _finish(spark, bench_checkpoint, bench_checkpoint.run(spark, bench_checkpoint.SMOKE), "checkpoint", results)
+
+
+@pytest.fixture(scope="module")
+def time_result(spark, results, tmp_path_factory):
+    bench_time.WORK = tmp_path_factory.mktemp("time-work")
+    return _finish(spark, bench_time, bench_time.run(spark, bench_time.SMOKE), "time", results)
+
+
+@pytest.mark.spark
+def test_time_smoke(time_result):
+    sessions = time_result["sessions"]
+    assert sessions["same_sessions"] and sessions["sessions_compared"] > 20
+    assert sessions["systems"]["ours"]["late_rows"] == 0
+    ttl = time_result["ttl"]["runs"]
+    assert ttl["without_ttl"]["keys"][-1] == 12 * 100 and max(ttl["with_ttl"]["keys"]) <= 4 * 100
+    fired = time_result["timers"]["runs"]["timers"]["timers_fired"]
+    assert fired[0] == 0 and all(n == 20 for n in fired[2:]), fired  # 1% of 2,000 keys per steady batch
+    assert sum(time_result["timers"]["runs"]["no_timers"]["timers_fired"]) == 0
 
 
 @pytest.mark.spark

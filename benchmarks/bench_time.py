@@ -1,0 +1,395 @@
+"""Event time against Spark's own: session windows, state size under a time to live, and the cost of timers.
+
+Run: ``./run bench bench_time [--full]``. Prints one JSON object, writes
+``benchmarks/results/time.json`` (``time_full.json``) and a PNG beside it.
+
+1. ``sessions``: the same Parquet files (keys Zipf-skewed, event times
+   rising file by file with disorder below the watermark delay) through
+   - ``ours``: ``keyed(df, "key").withWatermark("ts", delay).session_window(gap, "v")``;
+   - ``spark_native``: ``df.withWatermark("ts", delay).groupBy("key", session_window("ts", gap))``
+     with count, sum, min and max of ``v``, append mode;
+   - ``spark_tws``: the same sessions in ``transformWithStateInPandas`` with a
+     list state and event-time timers (RocksDB state store, as it requires).
+   Rows/s = rows of batches 1..n / the sum of their ``triggerExecution``
+   (batch 0 warms up). All three must emit the same sessions among those
+   whose end is at most the last watermark our query ran with (Spark also
+   runs batches without new data, which close later sessions).
+2. ``ttl``: a keyed function remembering each key, over batches that each
+   bring new keys one second of event time later, with an event-time time to
+   live and without: stored state bytes (the blobs the latest checkpoint
+   references) and batch time; with the time to live they must stay flat.
+3. ``timers``: keys with one event-time timer each, spread over 100 seconds
+   of event time; every steady batch updates 1% of the keys and advances the
+   watermark one second, so 1% of the timers fire (each re-registers 100 s
+   later). The same query without timers gets the same batches: the ratio of
+   their steady batch times is the cost of timers.
+
+Targets (issue): sessions at least 1.0x ``spark_tws`` and 0.5x
+``spark_native``; with a time to live, bytes and batch time at the last batch
+at most 1.2x those at batch 10 (medians of five batches around each, since
+compaction makes single batches jump); timers at most 1.3x.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+
+WORK = common.WORK_DIR / "time"
+BASE_MS = 1_700_000_000_000
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    session_files: int
+    session_rows: int
+    session_keys: int
+    ttl_batches: int
+    ttl_keys: int
+    timer_keys: int
+    timer_batches: int
+    parallelism: int = 2
+
+
+QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6)
+FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8)
+SMOKE = Config("smoke", 3, 1_000, 100, 12, 100, 2_000, 3)
+
+
+# 1. Sessions ----------------------------------------------------------------------------------------
+
+GAP_MS, DELAY_MS = 2_000, 5_000
+
+
+def _session_tables(config: Config, rng) -> list[pa.Table]:
+    """File i: rows with event times in [i * 10 s, (i + 1) * 10 s) plus disorder below the delay."""
+    weights = 1.0 / np.arange(1, config.session_keys + 1)
+    weights /= weights.sum()
+    tables = []
+    for i in range(config.session_files):
+        n = config.session_rows
+        keys = rng.choice(config.session_keys, size=n, p=weights)
+        times = BASE_MS + i * 10_000 + np.sort(rng.integers(0, 10_000, size=n)) - rng.integers(0, DELAY_MS // 2, size=n)
+        tables.append(pa.table({
+            "key": pa.array([f"k{k:06d}" for k in keys]),
+            "ts": pa.array(times.astype("datetime64[ms]"), pa.timestamp("ms", tz="UTC")),
+            "v": pa.array(rng.integers(0, 1000, size=n), pa.int64()),
+        }))
+    return tables
+
+
+def _ours(spark, stream):
+    from spark_state import keyed
+
+    return keyed(stream, "key", name="sessions").withWatermark("ts", f"{DELAY_MS} ms").session_window(
+        f"{GAP_MS} ms", "v")
+
+
+def _native(spark, stream):
+    from pyspark.sql import functions as F
+
+    grouped = stream.withWatermark("ts", f"{DELAY_MS} milliseconds").groupBy(
+        "key", F.session_window("ts", f"{GAP_MS} milliseconds"))
+    return grouped.agg(F.count("*").alias("count"), F.sum("v").alias("sum_v"), F.min("v").alias("min_v"),
+                       F.max("v").alias("max_v"))
+
+
+def _tws(spark, stream):
+    import pandas as pd
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    class Sessions(StatefulProcessor):
+        def init(self, handle):
+            self.handle = handle
+            self.sessions = handle.getListState(
+                "sessions", "start long, end long, count long, sum_v long, min_v long, max_v long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            sessions = [list(s) for s in self.sessions.get()]
+            before = {s[1] for s in sessions}
+            for frame in rows:
+                times = frame["ts"].astype("int64") // 1_000_000 if frame["ts"].dtype.kind == "M" else frame["ts"]
+                for t, v in sorted(zip(times.tolist(), frame["v"].tolist())):
+                    merged = [t, t + GAP_MS, 1, v, v, v]
+                    keep = []
+                    for s in sessions:
+                        if s[0] <= merged[1] and merged[0] <= s[1]:
+                            merged = [min(s[0], merged[0]), max(s[1], merged[1]), s[2] + merged[2],
+                                      s[3] + merged[3], min(s[4], merged[4]), max(s[5], merged[5])]
+                        else:
+                            keep.append(s)
+                    sessions = keep + [merged]
+            after = {s[1] for s in sessions}
+            for end in before - after:
+                self.handle.deleteTimer(end)
+            for end in after - before:
+                self.handle.registerTimer(end)
+            self.sessions.clear()
+            if sessions:
+                self.sessions.put([tuple(s) for s in sessions])
+            return iter([])
+
+        def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+            end = expiredTimerInfo.getExpiryTimeInMs()
+            sessions = [list(s) for s in self.sessions.get()]
+            closed = [s for s in sessions if s[1] == end]
+            self.sessions.clear()
+            rest = [tuple(s) for s in sessions if s[1] != end]
+            if rest:
+                self.sessions.put(rest)
+            if closed:
+                yield pd.DataFrame({"key": [key[0]] * len(closed), "start": [s[0] for s in closed],
+                                    "end": [s[1] for s in closed], "count": [s[2] for s in closed],
+                                    "sum_v": [s[3] for s in closed], "min_v": [s[4] for s in closed],
+                                    "max_v": [s[5] for s in closed]})
+
+        def close(self):
+            pass
+
+    return stream.withWatermark("ts", f"{DELAY_MS} milliseconds").groupBy("key").transformWithStateInPandas(
+        Sessions(), "key string, start long, end long, count long, sum_v long, min_v long, max_v long",
+        "Append", "EventTime")
+
+
+def _session_rows(system: str, rows: list) -> set[tuple]:
+    out = set()
+    for r in rows:
+        if system == "ours":
+            start, end = r["session_start"], r["session_end"]
+        elif system == "spark_native":
+            start, end = r["session_window"]["start"], r["session_window"]["end"]
+        else:
+            start, end = r["start"], r["end"]
+        as_ms = [int(t.timestamp() * 1000) if isinstance(t, dt.datetime) else int(t) for t in (start, end)]
+        out.add((r["key"], *as_ms, r["count"], r["sum_v"], r["min_v"], r["max_v"]))
+    return out
+
+
+def sessions(spark, config: Config, rng) -> dict:
+    files = common.write_input(WORK / "sessions", _session_tables(config, rng), "key string, ts timestamp, v long")
+    builds = {"ours": _ours, "spark_native": _native, "spark_tws": _tws}
+    results, emitted = {}, {}
+    spark.conf.set("spark.state.parallelism", str(config.parallelism))
+    for system, build in builds.items():
+        work = common.fresh_dir(WORK / system)
+        if system == "spark_tws":
+            spark.conf.set("spark.sql.streaming.stateStore.providerClass",
+                           "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+        out: list = []
+        stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(files.directory))
+        query = build(spark, stream).writeStream.foreachBatch(lambda df, b: out.extend(r.asDict() for r in df.collect()))
+        if system != "ours":
+            query = query.outputMode("append")
+        query = query.option("checkpointLocation", str(work / "chk")).trigger(availableNow=True).start()
+        query.awaitTermination()
+        spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
+        progress = common.batch_progress(query)
+        measured = [p for p in progress if p["batch_id"] >= 1 and p["rows"]]
+        seconds = sum(p["seconds"] for p in measured)
+        results[system] = {"rows": sum(p["rows"] for p in measured), "seconds": round(seconds, 3),
+                           "rows_per_s": round(sum(p["rows"] for p in measured) / seconds),
+                           "batches": len(progress), "sessions_emitted": len(out)}
+        if system == "ours":
+            results[system]["last_watermark_ms"] = query.batches[-1]["watermark_ms"]
+            results[system]["late_rows"] = sum(b["late_rows"] for b in query.batches)
+        emitted[system] = _session_rows(system, out)
+    spark.conf.unset("spark.state.parallelism")
+    horizon = results["ours"]["last_watermark_ms"]
+    closed = {s: {row for row in rows if row[2] <= horizon} for s, rows in emitted.items()}
+    return {
+        "systems": results,
+        "sessions_compared": len(closed["ours"]),
+        "same_sessions": closed["ours"] == closed["spark_native"] == closed["spark_tws"],
+        "ours_vs_spark_tws": round(results["ours"]["rows_per_s"] / results["spark_tws"]["rows_per_s"], 3),
+        "ours_vs_spark_native": round(results["ours"]["rows_per_s"] / results["spark_native"]["rows_per_s"], 3),
+    }
+
+
+# 2. State size under a time to live ------------------------------------------------------------------
+
+
+def _remember(key, rows, state):
+    state.update((len(rows),))
+
+
+def _stored_bytes(store: Path, component: str) -> int:
+    from spark_state.manifestlog import open_manifest_log
+
+    latest = open_manifest_log(str(store)).latest()
+    return sum(b.size for b in latest.components[component].blobs.values())
+
+
+def ttl(spark, config: Config, rng) -> dict:
+    from spark_state import keyed
+
+    tables = []
+    for i in range(config.ttl_batches):
+        n = config.ttl_keys
+        keys = [f"b{i}-{j}" for j in range(n)]
+        tables.append(pa.table({"key": pa.array(keys), "t": pa.array([BASE_MS + i * 1000] * n, pa.int64())}))
+    files = common.write_input(WORK / "ttl-files", tables, "key string, t long")
+    runs = {}
+    for label, time_to_live in (("with_ttl", "3 seconds"), ("without_ttl", None)):
+        work = common.fresh_dir(WORK / label)
+        spark.conf.set("spark.state.parallelism", str(config.parallelism))
+        spark.conf.set("spark.state.store", str(work / "state"))
+        live = common.fresh_dir(work / "input")
+        stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(live))
+        query = keyed(stream, "key", name=label).withWatermark("t", "0 ms").apply(
+            _remember, state_schema="n long", output_schema="key string", ttl=time_to_live, ttl_kind="event",
+        ).writeStream.foreachBatch(common.noop_sink).option("checkpointLocation", str(work / "chk")).start()
+        stored, keys_held = [], []
+        try:
+            for index in range(config.ttl_batches):
+                common.release_file(files, index, live)
+                query.processAllAvailable()
+                stored.append(_stored_bytes(work / "state", label))
+                keys_held.append(sum(i["keys"] for i in query.batches[-1]["instances"]))
+        finally:
+            query.stop()
+            spark.conf.unset("spark.state.store")
+            spark.conf.unset("spark.state.parallelism")
+        progress = common.batch_progress(query)
+        runs[label] = {"stored_bytes": stored, "keys": keys_held,
+                       "batch_seconds": [p["seconds"] for p in progress],
+                       "expired": sum(b["expired"] for b in query.batches)}
+
+    def around(values, index):
+        return statistics.median(values[max(0, index - 2): index + 3])
+
+    ttl_run, last = runs["with_ttl"], config.ttl_batches - 3
+    early = min(10, config.ttl_batches // 2)
+    return {
+        "runs": runs,
+        "bytes_last_vs_batch_10": round(around(ttl_run["stored_bytes"], last) / around(ttl_run["stored_bytes"], early), 3),
+        "seconds_last_vs_batch_10": round(around(ttl_run["batch_seconds"], last) / around(ttl_run["batch_seconds"], early), 3),
+        "without_ttl_bytes_last_vs_batch_10": round(
+            around(runs["without_ttl"]["stored_bytes"], last) / around(runs["without_ttl"]["stored_bytes"], early), 3),
+        "compared_batches": [early, last],
+    }
+
+
+# 3. Timer cost --------------------------------------------------------------------------------------
+
+
+def _with_timer(key, rows, state):
+    if not state.exists:
+        state.timers.register(int(rows["due"].iloc[0]))
+    state.update((int(rows["t"].max()),))
+
+
+def _refire(key, timer, state):
+    state.timers.register(timer.time_ms + 100_000)
+
+
+def _without_timer(key, rows, state):
+    state.update((int(rows["t"].max()),))
+
+
+def timers(spark, config: Config, rng) -> dict:
+    from spark_state import keyed
+
+    n = config.timer_keys
+    keys = np.array([f"k{k:07d}" for k in range(n)])
+    setup = pa.table({"key": pa.array(keys), "t": pa.array([BASE_MS] * n, pa.int64()),
+                      "due": pa.array(BASE_MS + 1000 + (np.arange(n) % 100) * 1000, pa.int64())})
+    tables = [setup]
+    for step in range(1, config.timer_batches + 1):
+        chosen = rng.choice(n, size=max(1, n // 100), replace=False)
+        tables.append(pa.table({"key": pa.array(keys[chosen]), "t": pa.array([BASE_MS + step * 1000] * len(chosen), pa.int64()),
+                                "due": pa.array([0] * len(chosen), pa.int64())}))
+    files = common.write_input(WORK / "timer-files", tables, "key string, t long, due long")
+    runs = {}
+    for label in ("timers", "no_timers"):
+        work = common.fresh_dir(WORK / label)
+        spark.conf.set("spark.state.parallelism", str(config.parallelism))
+        spark.conf.set("spark.state.store", str(work / "state"))
+        stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(files.directory))
+        keyed_stream = keyed(stream, "key", name=label).withWatermark("t", "0 ms")
+        if label == "timers":
+            stateful = keyed_stream.apply(_with_timer, state_schema="t long", output_schema="key string",
+                                          on_timer=_refire)
+        else:
+            stateful = keyed_stream.apply(_without_timer, state_schema="t long", output_schema="key string")
+        query = stateful.writeStream.foreachBatch(common.noop_sink).option(
+            "checkpointLocation", str(work / "chk")).trigger(availableNow=True).start()
+        query.awaitTermination()
+        spark.conf.unset("spark.state.store")
+        spark.conf.unset("spark.state.parallelism")
+        progress = common.batch_progress(query)
+        steady = [p["seconds"] for p in progress if p["batch_id"] >= 2]  # 0: setup, 1: warm
+        runs[label] = {"steady_batch_seconds": steady, "median_steady_seconds": round(statistics.median(steady), 3),
+                       "timers_fired": [b["timers_fired"] for b in query.batches]}
+    return {"runs": runs, "timer_keys": n, "fired_per_batch_target": n // 100,
+            "ratio": round(runs["timers"]["median_steady_seconds"] / runs["no_timers"]["median_steady_seconds"], 3)}
+
+
+# Report ---------------------------------------------------------------------------------------------
+
+
+def targets(result: dict) -> list[dict]:
+    s, t, m = result["sessions"], result["ttl"], result["timers"]
+    return [
+        {"target": "sessions rows/s >= 1.0x transformWithStateInPandas", "value": s["ours_vs_spark_tws"],
+         "met": s["ours_vs_spark_tws"] >= 1.0},
+        {"target": "sessions rows/s >= 0.5x Spark's native session_window", "value": s["ours_vs_spark_native"],
+         "met": s["ours_vs_spark_native"] >= 0.5},
+        {"target": "the three systems emit the same sessions", "value": s["sessions_compared"], "met": s["same_sessions"]},
+        {"target": "with TTL: stored bytes at the last batch <= 1.2x batch 10", "value": t["bytes_last_vs_batch_10"],
+         "met": t["bytes_last_vs_batch_10"] <= 1.2},
+        {"target": "with TTL: batch time at the last batch <= 1.2x batch 10", "value": t["seconds_last_vs_batch_10"],
+         "met": t["seconds_last_vs_batch_10"] <= 1.2},
+        {"target": "1% of the timers firing per batch: <= 1.3x the batch without timers", "value": m["ratio"],
+         "met": m["ratio"] <= 1.3},
+    ]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    systems = result["sessions"]["systems"]
+    axes[0].bar(list(systems), [v["rows_per_s"] for v in systems.values()], color="tab:blue")
+    axes[0].set_title("session windows: rows/s", fontsize=10)
+    for label, run in result["ttl"]["runs"].items():
+        axes[1].plot([b / 1e6 for b in run["stored_bytes"]], label=label.replace("_", " "))
+    axes[1].set_title("stored state, MB, per batch (new keys every batch)", fontsize=10)
+    axes[1].legend(fontsize=8)
+    runs = result["timers"]["runs"]
+    axes[2].bar(list(runs), [r["median_steady_seconds"] for r in runs.values()], color="tab:orange")
+    axes[2].set_title(f"steady batch s, {result['timers']['timer_keys']:,} keys (1% of timers fire)", fontsize=10)
+    common.save_figure(fig, path, "Event time", result)
+
+
+def run(spark, config: Config) -> dict:
+    rng = np.random.default_rng(20261123)
+    result = {"config": config.__dict__, "sessions": sessions(spark, config, rng), "ttl": ttl(spark, config, rng),
+              "timers": timers(spark, config, rng)}
+    result["targets"] = targets(result)
+    return result
+
+
+def main(argv=None) -> dict:
+    args, config = common.parse_mode(__doc__, "12 session files of 50k rows, 100 TTL batches, 1M timers",
+                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
+    return common.run_and_save("time", config.mode, common.command_line("bench_time", args),
+                               lambda spark: run(spark, config), plot)
+
+
+if __name__ == "__main__":
+    main()
