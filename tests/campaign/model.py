@@ -97,7 +97,7 @@ class ApplyModel(Model):
 
 
 class SessionsModel(Model):
-    """Sessions of on-time events less than ``GAP_MS`` apart; a session is emitted once the watermark reaches its end."""
+    """Sessions of on-time events at most ``GAP_MS`` apart; a session is emitted once the watermark reaches its end."""
 
     event_time = True
 
@@ -114,7 +114,6 @@ class SessionsModel(Model):
             keep = []
             for session in _clusters(sorted(self.pending[key])):
                 start, end = session[0][0], session[-1][0] + GAP_MS
-                end = max(t for t, _ in session) + GAP_MS
                 if drained or (due is not None and end <= due):
                     values = [v for _, v in session]
                     out.append((key, start, end, len(session), sum(values), min(values), max(values)))
@@ -131,11 +130,11 @@ class SessionsModel(Model):
 
 
 def _clusters(points: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Sorted points grouped so that each starts before the end (last + gap) of the group so far."""
+    """Sorted points grouped so that each is at most the end (last + gap) of the group so far (touching merges)."""
     groups: list[list[tuple[int, int]]] = []
     end = None
     for point in points:
-        if end is not None and point[0] < end:
+        if end is not None and point[0] <= end:
             groups[-1].append(point)
             end = max(end, point[0] + GAP_MS)
         else:
