@@ -92,6 +92,7 @@ def run(spec: dict) -> int:
             spark.readStream.format("replayable").option("path", spec["events"])
             .option("maxRecordsPerBatch", spec["max_records_per_batch"])
             .option("startingOffsets", json.dumps(spec["starting_offsets"])).load()
+            .selectExpr("key", "value", "event_time", "seq", "split AS src_split", "offset AS src_offset")
         )
         query = (
             build(spec["shape"], events).writeStream.format("replayable").option("path", spec["out"])

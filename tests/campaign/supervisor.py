@@ -772,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
                         help="continue the run whose working directory is ROOT after its last finished cycle")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the standalone cluster on the way out
     if args.resume is not None:
         campaign = Campaign.resume(args.resume.resolve())
     else:
