@@ -146,7 +146,7 @@ class BlobStore:
             )
         try:
             items = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not JSON: {exc}") from exc
         if not isinstance(items, list):
             raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not a JSON list")

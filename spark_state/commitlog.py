@@ -49,6 +49,8 @@ def decode_record(data: bytes, where: str, *, accept_unframed: bool = False) -> 
     """The body of framed record bytes; ``CorruptBlobError`` naming ``where`` unless they verify."""
     try:
         outer = json.loads(data)
+    except RecursionError as exc:
+        raise CorruptBlobError(f"{where} nests JSON too deeply to be a record") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptBlobError(f"{where} is not a readable record (truncated or overwritten?): {exc}") from exc
     if isinstance(outer, dict) and ("crc32" in outer or "body" in outer):
@@ -59,6 +61,8 @@ def decode_record(data: bytes, where: str, *, accept_unframed: bool = False) -> 
             raise CorruptBlobError(f"{where} fails its checksum: it was changed or damaged after it was written")
         try:
             return json.loads(text)
+        except RecursionError as exc:
+            raise CorruptBlobError(f"{where} nests JSON too deeply to be a record") from exc
         except ValueError as exc:
             raise CorruptBlobError(f"{where} has a valid checksum over malformed JSON: {exc}") from exc
     if accept_unframed and isinstance(outer, dict):

@@ -2,8 +2,9 @@
 
 A ``Storage`` is a tree of immutable blobs addressed by clean relative paths
 (``"a/b/c.arrow"``: '/'-separated, no leading '/', no empty, '.' or '..'
-component, no component starting with ``".tmp-"``, which is reserved for
-in-flight writes). Directories exist implicitly: creating ``a/b/c`` makes
+component, no NUL, no component starting with ``".tmp-"``, which is reserved
+for in-flight writes), so no path, whether from an option or from a stored
+record, can reach outside the storage's root. Directories exist implicitly: creating ``a/b/c`` makes
 ``a`` and ``a/b`` listable. A path is a blob or a directory, never both.
 
 Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
@@ -63,6 +64,8 @@ def check_path(path: str, *, allow_root: bool = False) -> str:
     if path == "" and allow_root:
         return path
     parts = path.split("/")
+    if "\x00" in path:
+        raise InvalidPathError(f"invalid storage path {path!r}: it holds a NUL character, which no file system stores")
     if path == "" or any(part in ("", ".", "..") for part in parts):
         raise InvalidPathError(
             f"invalid storage path {path!r}: use a relative path like 'dir/name' "
