@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from datasources.log import ReplayableLog
-from datasources.logindex import LogMeta, SinkMark
+from datasources.logindex import Commit, LogMeta, SinkMark
 from datasources.routing import splits_of_keys
 from spark_state.storage import open_storage
 
@@ -129,6 +129,31 @@ class EventLog:
             base = len(self.splits[split])
             self.splits[split].extend(Event(k, v, t, s, split, base + i) for i, (k, v, t, s) in enumerate(part))
         return n
+
+    def reconcile(self) -> int:
+        """Take into the record the appends the log holds beyond it (made by a cycle that was interrupted before
+        the record was saved); returns how many. Their rows are read back from the log: this run generated them."""
+        log = ReplayableLog.open(open_storage(self.uri))
+        marks = {}
+        for n in log.commits.ids():
+            commit = Commit.from_json(log.commits.load(n), log.commits.where(n))
+            if commit.sink is not None and commit.sink.sink_id == SINK_ID and commit.sink.batch >= self.appends:
+                marks[commit.sink.batch] = commit
+        for batch in sorted(marks):
+            if batch != self.appends:
+                raise AssertionError(f"the log skips append {self.appends}: it holds {sorted(marks)}")
+            for ref in sorted(marks[batch].segments, key=lambda r: (r.split, r.start)):
+                if ref.start != len(self.splits[ref.split]):
+                    raise AssertionError(f"append {batch} does not continue split {ref.split} where the record ends")
+                table = log.load_segment(ref)
+                times = table.column("event_time").cast(pa.int64()).to_pylist()
+                for i, (key, value, micros, seq) in enumerate(zip(table.column("key").to_pylist(),
+                                                                  table.column("value").to_pylist(), times,
+                                                                  table.column("seq").to_pylist())):
+                    self.splits[ref.split].append(Event(key, value, micros // 1000, seq, ref.split, ref.start + i))
+                    self.seq = max(self.seq, seq)
+            self.appends += 1
+        return len(marks)
 
     def verify(self, since: dict[int, int] | None = None) -> list[str]:
         """Problems found reading the log back from ``since`` (default: the start); [] when it matches exactly."""

@@ -165,6 +165,7 @@ class Campaign:
         self.cluster = None
         self.done = 0
         self.elapsed = 0.0
+        self.stop_requested = False
         self.shapes = shapes
         self.schedule = self._schedule() if kinds is None else (
             [None if k == "none" else k for k in kinds] + [None] * cycles)[:cycles]
@@ -680,7 +681,14 @@ class Campaign:
 
     @classmethod
     def resume(cls, root: Path) -> "Campaign":
-        return pickle.loads((root / cls.STATE).read_bytes())
+        """The run saved in ``root``; appends of a cycle interrupted after the save are taken into the record
+        (that cycle runs again, with fresh choices)."""
+        campaign = pickle.loads((root / cls.STATE).read_bytes())
+        campaign.stop_requested = False
+        taken = campaign.events.reconcile()
+        if taken:
+            print(f"resume: {taken} appends of an interrupted cycle taken into the record", file=sys.stderr)
+        return campaign
 
     def run(self, progress: Path | None = None) -> dict:
         """The cycles not run yet, then the final drains; the summary. ``progress`` is rewritten after every cycle."""
@@ -693,6 +701,9 @@ class Campaign:
                 self.done = number + 1
                 self.elapsed = _now() - started
                 self.save()
+                if self.stop_requested:
+                    print(f"stopped after cycle {number}: continue with --resume {self.root}", file=sys.stderr)
+                    return {**self.summary(_now() - started), "complete": False}
                 print(f"cycle {number}: {kind or 'none'}; faults so far {sum(self.faults.values())}, "
                       f"problems {len(self.problems)}", file=sys.stderr, flush=True)
                 if progress is not None:
@@ -702,7 +713,7 @@ class Campaign:
         finally:
             if self.cluster is not None:
                 self.cluster.stop()
-        return self.summary(_now() - started)
+        return {**self.summary(_now() - started), "complete": True}
 
     def finish(self, query: Query) -> None:
         """Drain the query over the whole log, then compare its stored state with the model's."""
@@ -772,7 +783,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
                         help="continue the run whose working directory is ROOT after its last finished cycle")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the standalone cluster on the way out
     if args.resume is not None:
         campaign = Campaign.resume(args.resume.resolve())
     else:
@@ -783,6 +793,13 @@ def main(argv: list[str] | None = None) -> int:
         campaign = Campaign(args.root.resolve(), args.seed, args.cycles, args.cycle_timeout,
                             cluster_cycles=not args.no_cluster, max_parallelism=args.max_parallelism,
                             shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None)
+    def stop(*_) -> None:
+        """First SIGTERM: finish the cycle, save, stop (resumable). Second: stop now (the cluster too)."""
+        if campaign.stop_requested:
+            sys.exit(143)
+        campaign.stop_requested = True
+
+    signal.signal(signal.SIGTERM, stop)
     progress = None
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -793,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(line + "\n")
+    if not summary.get("complete", True):
+        return 2
     failed = any(summary[k] for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "corrupt_commits",
                                        "log_problems")) or summary["problems"]
     return 1 if failed else 0
