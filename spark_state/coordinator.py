@@ -369,12 +369,15 @@ class Coordinator:
         )
         try:
             return self.manifests.commit(manifest, restored_from=plan.base if plan.restored else None)
-        except CheckpointExistsError as exc:
-            owner = exc.manifest.binding
+        except CheckpointError as exc:
+            latest = exc.manifest if isinstance(exc, CheckpointExistsError) else self.manifests.latest()
+            if latest is None or latest.checkpoint_id < plan.checkpoint_id:
+                raise
+            owner = latest.binding
             who = (f"query {owner.query_id} (checkpointLocation {owner.checkpoint_location}, micro-batch "
                    f"{owner.batch_id})" if owner is not None else "a query that recorded no binding")
             raise StoreOwnedByAnotherQueryError(
-                f"another query owns the state store {self.store}: checkpoint {plan.checkpoint_id} was committed by "
+                f"another query owns the state store {self.store}: checkpoint {latest.checkpoint_id} was committed by "
                 f"{who} while this query ({batch.query_id}, checkpointLocation {batch.checkpoint_location}) ran "
                 f"micro-batch {batch.batch_id}. Nothing of this batch was committed and this query stops; two "
                 "queries must not share a state store and component: give each query its own spark.state.store"
