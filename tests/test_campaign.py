@@ -5,6 +5,8 @@ The committed long run is ``benchmarks/results/campaign.json`` (``./run campaign
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from tests.campaign.supervisor import Campaign
@@ -34,3 +36,58 @@ def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record
     assert resumed.events.verify() == []
     resumed.events.splits[0][0] = resumed.events.splits[0][1]  # the check can fail
     assert resumed.events.verify() != []
+
+
+def _sink_batch(query, batch_id: int, rows: list[tuple[str, int]], *, again: bool = False) -> None:
+    """Append ``rows`` to ``query``'s sink as batch ``batch_id``, the way the replayable sink does (``again``:
+    as a broken sink would, past the log's check that the batch is not in it yet)."""
+    import pyarrow as pa
+
+    from datasources.log import ReplayableLog
+    from datasources.logindex import LogMeta, SinkMark
+    from spark_state.storage import LocalStorage
+
+    schema = pa.schema([pa.field("key", pa.string()), pa.field("count", pa.int64())])
+    log = ReplayableLog.create(LocalStorage(query.out), LogMeta("out", 1, schema))
+    writer = log.segment_writer()
+    writer.add(0, pa.record_batch([pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows])], schema=schema))
+    if not again:
+        log.append(writer.finish(), SinkMark(query.sink_id, batch_id))
+        return
+    from datasources.logindex import plan_append
+
+    commit = plan_append(log.index(), writer.finish(), sink=SinkMark(query.sink_id, batch_id))
+    log.commits.create(commit.commit_id, commit.to_json())
+
+
+def _spark_batch(query, campaign, batch_id: int) -> None:
+    """Spark's offsets and commit entries for ``batch_id``, ending at the log's end."""
+    import json
+
+    for directory in ("offsets", "commits"):
+        (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
+    end = {str(s): o for s, o in campaign.events.end_offsets().items()}
+    (query.checkpoint / "offsets" / str(batch_id)).write_text(
+        "v1\n" + json.dumps({"batchTimestampMs": 1}) + "\n" + json.dumps(end) + "\n")
+    (query.checkpoint / "commits" / str(batch_id)).write_text("v1\n{}\n")
+
+
+def test_the_checks_find_a_wrong_a_lost_and_a_duplicated_batch(tmp_path):
+    campaign = Campaign(tmp_path, seed=4, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
+    query = campaign.new_query()
+    truth = []
+    for batch_id, appended in enumerate((5, 6, 7)):
+        start = campaign.events.end_offsets()
+        campaign.events.append(appended)
+        _spark_batch(query, campaign, batch_id)
+        end = campaign.events.end_offsets()
+        counts = Counter(e.key for e in campaign.events.events_between({s: 0 for s in start}, end))
+        truth.append(sorted((k, counts[k]) for k in {e.key for e in campaign.events.events_between(start, end)}))
+    _sink_batch(query, 0, truth[0])  # right
+    _sink_batch(query, 1, truth[1][:-1] + [(truth[1][-1][0], truth[1][-1][1] + 1)])  # one count off: wrong
+    # batch 2 is never written: lost (its output is not empty)
+    campaign.check_batches(query, "test")
+    assert (campaign.counts["batches_checked"], campaign.counts["wrong"], campaign.counts["lost"]) == (3, 1, 1)
+    _sink_batch(query, 1, truth[1], again=True)
+    campaign.check_batches(query, "test")
+    assert campaign.counts["duplicated"] == 1  # batch 1 twice under one sink id: found
