@@ -11,6 +11,7 @@ from spark_state.errors import (
     CheckpointError,
     ConfigError,
     CorruptBlobError,
+    NoCheckpointError,
     StorageError,
     UnsupportedKeyError,
 )
@@ -62,3 +63,7 @@ class CommitContentionError(CheckpointError):
 
 class StateReaderOptionError(ConfigError):
     """An option of the ``spark-state`` (state reader) format is unknown, missing or has an invalid value."""
+
+
+class StateCheckpointGoneError(NoCheckpointError):
+    """The checkpoint a ``spark-state`` read resolved was cleaned up by its running query while it was read."""

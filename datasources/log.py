@@ -89,6 +89,7 @@ from datasources.logindex import (
     ReadTask,
     SegmentRef,
     SinkMark,
+    MAX_SEGMENT_ROWS,
     StagedSegment,
     apply_commit,
     plan_append,
@@ -174,9 +175,12 @@ def decode_segment(data: bytes, ref: SegmentRef, schema: pa.Schema, where: str =
             f"segment {name} is corrupt: CRC-32 {crc:#010x}, its commit recorded {ref.crc32:#010x}; "
             "restore the file or rewrite the log"
         )
+    if ref.rows > MAX_SEGMENT_ROWS:
+        raise CorruptSegmentError(f"segment {name} claims {ref.rows} records; no segment has that many")
     try:
         table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-    except pa.ArrowException as exc:
+        table.validate()
+    except (pa.ArrowException, OSError) as exc:
         raise CorruptSegmentError(f"segment {name} does not parse as Arrow IPC: {exc}") from exc
     if table.num_rows != ref.rows or not table.schema.equals(schema):
         raise CorruptSegmentError(
@@ -325,6 +329,12 @@ class ReplayableLog:
             with _as_corrupt_log():
                 body = self.commits.load_if_exists(n)
             if body is None:
+                later = [i for i in self.commits.ids() if i > n]
+                if later:
+                    raise CorruptLogError(
+                        f"log commit {self.commits.where(n)} is missing, but commits up to {later[-1]} exist: reading "
+                        "on would drop every record after it. Restore the file from a copy, or rewrite the log"
+                    )
                 return index
             where = self.commits.where(n)
             index = apply_commit(index, Commit.from_json(body, where), where)

@@ -28,8 +28,11 @@ from datasources.errors import CorruptLogError, IncompatibleLogError, OffsetOutO
 
 FORMAT_VERSION = 1
 RESERVED_COLUMNS = ("split", "offset")
-MAX_SPLITS = 2**31 - 1
-"""Largest split count (inclusive): rows read carry their split as an int32."""
+MAX_SPLITS = 2**16
+"""Largest split count (inclusive). A log keeps an index entry per split, so the bound also keeps a damaged or
+hostile ``_log.json`` from making a reader allocate billions of them."""
+MAX_SEGMENT_ROWS = 2**31 - 1
+"""Most records one segment may claim; a commit claiming more is refused before anything is read or allocated."""
 
 Offsets = dict[int, int]
 """Split -> next offset to read (exclusive end of what was read)."""
@@ -99,9 +102,17 @@ class SegmentRef:
                 "path": self.path, "size": self.size, "crc32": self.crc32}
 
     @classmethod
-    def from_dict(cls, raw: Mapping) -> "SegmentRef":
-        return cls(int(raw["split"]), int(raw["start"]), int(raw["end"]),
-                   str(raw["path"]), int(raw["size"]), int(raw["crc32"]))
+    def from_dict(cls, raw: Mapping, where: str = "a log record") -> "SegmentRef":
+        """Parse; ``CorruptLogError`` for numbers no real segment has (negative, reversed, more rows than
+        ``MAX_SEGMENT_ROWS``), so a hostile record cannot drive a reader's allocation."""
+        ref = cls(int(raw["split"]), int(raw["start"]), int(raw["end"]),
+                  str(raw["path"]), int(raw["size"]), int(raw["crc32"]))
+        if (ref.split < 0 or ref.start < 0 or not 0 <= ref.end - ref.start <= MAX_SEGMENT_ROWS or ref.size < 0
+                or not 0 <= ref.crc32 < 2**32):
+            raise CorruptLogError(f"{where} claims segment {ref.path!r} of split {ref.split} at offsets "
+                                  f"[{ref.start}, {ref.end}), {ref.size} bytes, CRC {ref.crc32}: no segment has these; "
+                                  "restore the record from a copy, or rewrite the log")
+        return ref
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ class Commit:
             sink = raw.get("sink")
             return cls(
                 commit_id=int(raw["commit"]),
-                segments=tuple(SegmentRef.from_dict(s) for s in raw["segments"]),
+                segments=tuple(SegmentRef.from_dict(s, where) for s in raw["segments"]),
                 trims={int(k): int(v) for k, v in raw["trims"].items()},
                 sink=None if sink is None else SinkMark(str(sink["id"]), int(sink["batch"])),
             )
@@ -236,7 +247,7 @@ class LogIndex:
                 )
             by_split: list[list[SegmentRef]] = [[] for _ in end]
             for seg in raw["segments"]:
-                ref = SegmentRef.from_dict(seg)
+                ref = SegmentRef.from_dict(seg, where)
                 if not 0 <= ref.split < len(end):
                     raise CorruptLogError(
                         f"index snapshot {where} puts segment {ref.path} in split {ref.split}, "

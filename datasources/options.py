@@ -99,13 +99,15 @@ class OffsetsSpec:
     """A parsed ``startingOffsets`` / ``endingOffsets``.
 
     ``kind`` is ``earliest``, ``latest``, ``checkpoint`` (the latest state
-    checkpoint's offsets) or ``explicit``; for ``explicit``, ``offsets`` maps
-    every split to an offset, ``EARLIEST`` (-2) or ``LATEST`` (-1).
+    checkpoint's offsets, or with ``checkpoint_id`` those of that retained
+    checkpoint: ``checkpoint:<id>``) or ``explicit``; for ``explicit``,
+    ``offsets`` maps every split to an offset, ``EARLIEST`` (-2) or ``LATEST`` (-1).
     """
 
     option: str
     kind: str
     offsets: tuple[tuple[int, int], ...] = ()
+    checkpoint_id: int | None = None
 
     def resolve(self, earliest: Offsets, latest: Offsets) -> Offsets:
         """Concrete offsets given the log's earliest and latest offsets (``checkpoint`` is resolved elsewhere)."""
@@ -135,6 +137,12 @@ def parse_offsets_option(option: str, text: str | None, default: str, allowed: t
     text = default if text is None else text.strip()
     if text.lower() in allowed:
         return OffsetsSpec(option, text.lower())
+    if "checkpoint" in allowed and text.lower().startswith("checkpoint:"):
+        number = text.split(":", 1)[1].strip()
+        if not number.isdigit():
+            raise InvalidOffsetsError(
+                f"option {option}={text!r}: after 'checkpoint:' give a retained checkpoint id (a whole number)")
+        return OffsetsSpec(option, "checkpoint", checkpoint_id=int(number))
     try:
         raw = json.loads(text)
     except ValueError:

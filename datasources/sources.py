@@ -34,15 +34,18 @@ def open_log_storage(uri: str):
     return storage
 
 
-def checkpoint_offsets(state_store: str, source_id: str) -> Offsets | None:
-    """The offsets of ``source_id`` in the latest consistent checkpoint of ``state_store``; None if none."""
-    from spark_state.manifestlog import latest_source_offsets
+def checkpoint_offsets(state_store: str, source_id: str, checkpoint_id: int | None = None) -> Offsets | None:
+    """The offsets of ``source_id`` in the latest consistent checkpoint of ``state_store`` (or in retained
+    checkpoint ``checkpoint_id``); None if it has none."""
+    from spark_state.manifestlog import checkpoint_source_offsets, latest_source_offsets
 
-    raw = latest_source_offsets(state_store, source_id)
+    if checkpoint_id is None:
+        raw, which = latest_source_offsets(state_store, source_id), "the latest checkpoint"
+    else:
+        raw, which = checkpoint_source_offsets(state_store, source_id, checkpoint_id), f"checkpoint {checkpoint_id}"
     if raw is None:
         return None
-    return offsets_from_json(raw, f"the offsets of {source_id} in the latest checkpoint of {state_store}",
-                             source_id=source_id)
+    return offsets_from_json(raw, f"the offsets of {source_id} in {which} of {state_store}", source_id=source_id)
 
 
 def retained_checkpoint_offsets(state_store: str, source_id: str) -> list[Offsets]:
@@ -128,7 +131,7 @@ class LogSource:
         spec = self.options.starting
         index = self.log.index()
         if spec.kind == "checkpoint":
-            offsets = checkpoint_offsets(self.options.state_store, self.source_id)
+            offsets = checkpoint_offsets(self.options.state_store, self.source_id, spec.checkpoint_id)
             if offsets is None:
                 return index.earliest_offsets()
             check_offsets(index, offsets, f"the latest checkpoint of state store {self.options.state_store}")

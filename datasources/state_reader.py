@@ -40,8 +40,8 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
-from datasources.errors import StateReaderOptionError
-from spark_state.errors import BlobNotFoundError, NoCheckpointError
+from datasources.errors import StateCheckpointGoneError, StateReaderOptionError
+from spark_state.errors import BlobNotFoundError
 from spark_state.keygroups import KeyGroupRange
 from spark_state.manifest import ComponentManifest
 
@@ -189,7 +189,7 @@ class _Reader(DataSourceReader):
             elif part.plan is not None:
                 yield from self._state(part)
         except BlobNotFoundError as exc:
-            raise NoCheckpointError(
+            raise StateCheckpointGoneError(
                 f"checkpoint {self.checkpoint_id} of {self.options.store} was cleaned up while it was read ({exc}); "
                 "the query went on past it. Read a savepoint (`spark-state savepoint create`) for a long read of a "
                 "running query's state"

@@ -41,6 +41,8 @@ from spark_state.schema import DELETED_COLUMN  # noqa: F401 - the blob's tombsto
 
 FORMAT_VERSION = 2
 """2: one struct column per state variable (``schema.KeyedSchema``); 1: flat value columns (not readable)."""
+MAX_ENTRY_ROWS = 2**31 - 1
+"""Most rows one entry may claim (a key group's keys); more is refused before anything is decoded."""
 EntryKind = Literal["full", "delta"]
 ENTRY_KINDS: tuple[str, ...] = ("full", "delta")
 _MAGIC_PREFIX = 8  # b"ARROW1" plus two bytes of padding before the schema message
@@ -203,13 +205,17 @@ def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, 
     """Decode one entry's bytes (exactly ``entry.length`` of them) after checking its CRC-32."""
     if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
         raise CorruptBlobError(
-            f"key group {entry.key_group} in {where} fails its checksum (corrupt or truncated); "
-            "restore from an earlier checkpoint or restore the file from a replica"
+            f"key group {entry.key_group} in {where} fails its checksum (corrupt or truncated); restore the file "
+            "from a replica, or start a new checkpointLocation from an older retained checkpoint "
+            "(spark.state.restoreFrom=<id>)"
         )
+    if not 0 <= entry.rows <= MAX_ENTRY_ROWS:
+        raise CorruptBlobError(f"key group {entry.key_group} in {where} claims {entry.rows} rows; no entry has that many")
     try:
         message = pa.ipc.read_message(pa.py_buffer(data))
         batch = pa.ipc.read_record_batch(message, schema)
-    except (pa.ArrowInvalid, EOFError, OSError) as exc:
+        batch.validate()  # lengths against buffer sizes: a header claiming rows its buffers lack is refused here
+    except (pa.ArrowException, EOFError, OSError) as exc:
         raise CorruptBlobError(f"key group {entry.key_group} in {where} does not decode: {exc}") from exc
     if batch.num_rows != entry.rows:
         raise CorruptBlobError(
@@ -231,7 +237,7 @@ def read_blob_file(data: bytes, index: BlobIndex | None = None) -> tuple[pa.Sche
         for i in range(reader.num_record_batches):
             batch, meta = reader.get_batch_with_custom_metadata(i)
             batches.append((int(meta[b"spark_state.key_group"]), meta[b"spark_state.kind"].decode(), batch))
-    except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as exc:
+    except (pa.ArrowException, OSError, KeyError, TypeError, ValueError) as exc:
         raise CorruptBlobError(f"not a readable spark-state blob: {exc}") from exc
     if index is not None:
         if [e.key_group for e in index.entries] != [g for g, _, _ in batches]:

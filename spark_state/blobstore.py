@@ -5,10 +5,14 @@ Layout under the store's root (the driver's ``manifestlog`` owns ``checkpoints/`
     blobs/<component>/<checkpoint_id:020d>/<instance:05d>-<start>-<end>-<attempt>.arrow
     instance-items/<component>/<checkpoint_id:020d>/<instance:05d>-<attempt>.json
 
-A task writes under a fresh attempt name with an atomic ``create``; nothing
+``<attempt>`` is ``<unix millis, 13 digits>-<12 random hex digits>``: when the
+attempt wrote the file (``written_ms`` reads it back) and a fresh name. A
+task writes under a fresh attempt name with an atomic ``create``; nothing
 refers to the file until the driver commits a manifest naming it (step 1 of
-the commit protocol in ``manifestlog``), so a failed, retried or speculative
-attempt leaves at most an unreferenced file, collected by ``cleanup``. Every
+the commit protocol in ``manifestlog``), so a failed, retried, speculative or
+zombie attempt (one still running after its batch was given up) leaves at
+most an unreferenced file, collected by ``cleanup`` once it is older than the
+grace period. Every
 read is verified against the size and CRC-32 the manifest recorded: a
 damaged file raises ``CorruptBlobError`` naming it and is never served.
 """
@@ -16,6 +20,7 @@ damaged file raises ``CorruptBlobError`` naming it and is never served.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 import zlib
@@ -25,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import pyarrow as pa
 
 from spark_state.blob import EntryKind, decode_entry, encode_blob
-from spark_state.errors import CorruptBlobError
+from spark_state.errors import BlobNotFoundError, CorruptBlobError, MissingFileError, ShortReadError
 from spark_state.evolution import cached_evolution
 from spark_state.keygroups import KeyGroupRange
 from spark_state.manifest import BlobRef, ComponentManifest, ItemsRef, check_component_name
@@ -33,6 +38,9 @@ from spark_state.restore import InstanceRestorePlan
 from spark_state.schema import KeyedSchema
 from spark_state.storage.base import Storage, join
 
+RECOVERY = ("start a new checkpointLocation from an older retained checkpoint (spark.state.restoreFrom=<id>; see "
+            "'Guarantees and failure handling' in the README)")
+"""What to do about a damaged or missing file of a committed checkpoint, for messages."""
 BLOBS_DIR = "blobs"
 ITEMS_DIR = "instance-items"
 
@@ -64,8 +72,18 @@ def entry_reader(component: ComponentManifest, ref: BlobRef, target: str) -> Cal
     return lambda data, entry, where: evolution.conform(decode_entry(data, blob_schema, entry, where=where))
 
 
-def _attempt() -> str:
-    return uuid.uuid4().hex[:12]
+_WRITTEN = re.compile(r"-(\d{13})-[0-9a-f]{12}\.(?:arrow|json)$")
+
+
+def _attempt(now_ms: int | None = None) -> str:
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return f"{now_ms:013d}-{uuid.uuid4().hex[:12]}"
+
+
+def written_ms(name: str) -> int | None:
+    """The unix millis at which the attempt that wrote file ``name`` named it; None for older names without one."""
+    match = _WRITTEN.search(name)
+    return int(match.group(1)) if match else None
 
 
 class BlobStore:
@@ -120,18 +138,32 @@ class BlobStore:
         self.storage.create(path, data)
         return ItemsRef(path, len(data), zlib.crc32(data))
 
+    def _read(self, what: str, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of a file a committed checkpoint references; a missing or truncated one is a typed error."""
+        try:
+            return self.storage.read(path, offset, length)
+        except BlobNotFoundError as exc:
+            raise MissingFileError(
+                f"{what} {self.storage.uri}/{path} is missing, but a committed checkpoint references it; restore "
+                f"the file, or {RECOVERY}"
+            ) from exc
+        except ShortReadError as exc:
+            raise CorruptBlobError(
+                f"{what} {self.storage.uri}/{path} is truncated (the checkpoint recorded bytes up to "
+                f"{offset + (length or 0)}); restore the file, or {RECOVERY}"
+            ) from exc
+
     def read_items(self, ref: ItemsRef) -> list:
         """The items of ``ref``, verified against its size and CRC-32."""
-        data = self.storage.read(ref.path)
+        data = self._read("instance items", ref.path)
         if len(data) != ref.size or zlib.crc32(data) != ref.crc32:
             raise CorruptBlobError(
                 f"instance items {self.storage.uri}/{ref.path} fail their checksum (corrupt or truncated: "
-                f"{len(data)} bytes, the manifest recorded {ref.size}); restore the file, or start from an "
-                "earlier checkpoint"
+                f"{len(data)} bytes, the manifest recorded {ref.size}); restore the file, or {RECOVERY}"
             )
         try:
             items = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not JSON: {exc}") from exc
         if not isinstance(items, list):
             raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not a JSON list")
@@ -150,7 +182,7 @@ class BlobStore:
         decoded: dict[tuple[str, int], pa.RecordBatch] = {}
         bytes_read = 0
         for read in plan.reads:
-            data = self.storage.read(read.path, read.offset, read.length)
+            data = self._read("state blob", read.path, read.offset, read.length)
             bytes_read += len(data)
             view = memoryview(data)
             convert = entry_reader(component, component.blobs[read.path], target)

@@ -367,16 +367,20 @@ def drain(store: str, run_id: str, reason: str) -> None:
 @cli.command()
 @click.argument("store")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@click.option("--grace-seconds", type=click.FloatRange(min=0), default=None, show_default="3600",
+              help="Keep unreferenced files younger than this (attempts that may still be running).")
 @JSON
-def cleanup(store: str, dry_run: bool, as_json: bool) -> None:
+def cleanup(store: str, dry_run: bool, grace_seconds: float | None, as_json: bool) -> None:
     """Delete what no retained checkpoint and no savepoint of STORE needs (records first, then files)."""
-    from spark_state.manifestlog import ManifestLog, manifest_path
+    from spark_state.manifestlog import DEFAULT_ORPHAN_GRACE_SECONDS, ManifestLog, manifest_path
+
+    grace = DEFAULT_ORPHAN_GRACE_SECONDS if grace_seconds is None else grace_seconds
 
     log = ManifestLog(_storage(store))
     latest = log.latest()
     if latest is None:
         raise click.ClickException(f"{store} holds no checkpoint; nothing to clean up")
-    plan = log.plan_cleanup(latest)
+    plan = log.plan_cleanup(latest, grace_seconds=grace)
     paths = [manifest_path(i) for i in plan.records] + list(plan.files)
     size = 0
     for path in plan.files:
@@ -385,7 +389,7 @@ def cleanup(store: str, dry_run: bool, as_json: bool) -> None:
         except SparkStateError:
             continue
     if not dry_run:
-        paths = log.cleanup(latest)
+        paths = log.cleanup(latest, grace_seconds=grace)
     data = {"store": store, "dry_run": dry_run, "after_checkpoint": latest.checkpoint_id, "records": list(plan.records),
             "files": list(plan.files), "bytes": size}
     if as_json:

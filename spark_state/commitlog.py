@@ -8,7 +8,13 @@ commits and sink logs alike.
 - ``create(n, body)`` is the commit point of record ``n``: one atomic
   ``Storage.create`` without overwrite, so of two racing writers of the same
   ``n`` exactly one succeeds and the other gets ``BlobExistsError``. A record
-  is never rewritten.
+  is never rewritten. When the create fails otherwise, its outcome may be
+  unknown; ``create`` reads the path back to settle it: its own complete
+  record there means committed (it returns); nothing there means not
+  committed; a strict prefix of its own record (a truncated upload on a store
+  that broke atomicity) is deleted, then not committed
+  (``CommitFailedError``); another record there is another writer's
+  (``BlobExistsError``).
 - Every record is framed as ``{"crc32": C, "body": "<JSON text>"}`` with
   ``C`` the CRC-32 of the UTF-8 body text; ``load`` verifies it and raises
   ``CorruptBlobError`` naming the file on any mismatch, truncation or
@@ -26,7 +32,7 @@ import json
 import zlib
 from typing import Any
 
-from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError
+from spark_state.errors import BlobExistsError, BlobNotFoundError, CommitFailedError, CorruptBlobError, StorageError
 from spark_state.storage.base import Storage, join
 
 ID_DIGITS = 20
@@ -43,6 +49,8 @@ def decode_record(data: bytes, where: str, *, accept_unframed: bool = False) -> 
     """The body of framed record bytes; ``CorruptBlobError`` naming ``where`` unless they verify."""
     try:
         outer = json.loads(data)
+    except RecursionError as exc:
+        raise CorruptBlobError(f"{where} nests JSON too deeply to be a record") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptBlobError(f"{where} is not a readable record (truncated or overwritten?): {exc}") from exc
     if isinstance(outer, dict) and ("crc32" in outer or "body" in outer):
@@ -53,6 +61,8 @@ def decode_record(data: bytes, where: str, *, accept_unframed: bool = False) -> 
             raise CorruptBlobError(f"{where} fails its checksum: it was changed or damaged after it was written")
         try:
             return json.loads(text)
+        except RecursionError as exc:
+            raise CorruptBlobError(f"{where} nests JSON too deeply to be a record") from exc
         except ValueError as exc:
             raise CorruptBlobError(f"{where} has a valid checksum over malformed JSON: {exc}") from exc
     if accept_unframed and isinstance(outer, dict):
@@ -87,7 +97,34 @@ class CommitLog:
             self.storage.create(self.path(n), data)
         except BlobExistsError:
             raise BlobExistsError(f"{self.what} {n} already exists at {self.where(n)}") from None
+        except StorageError as exc:
+            self._settle(n, data, exc)
         return len(data)
+
+    def _settle(self, n: int, data: bytes, failure: StorageError) -> None:
+        """After a failed create of record ``n``: return if ``data`` is committed, else raise (module docstring)."""
+        try:
+            found = self.storage.read(self.path(n))
+        except BlobNotFoundError:
+            raise CommitFailedError(
+                f"{self.what} {n} was not committed ({failure}); nothing was written at {self.where(n)}, so "
+                "retrying is safe"
+            ) from failure
+        except StorageError as exc:
+            raise CommitFailedError(
+                f"{self.what} {n} at {self.where(n)} may or may not be committed: the create failed ({failure}) and "
+                f"reading it back failed too ({exc}). Restart once the storage answers: if the record is there "
+                "but fails its checksum, it is a partial upload of a commit that never happened; delete it"
+            ) from failure
+        if found == data:
+            return
+        if len(found) < len(data) and data.startswith(found):
+            self.storage.delete(self.path(n))
+            raise CommitFailedError(
+                f"{self.what} {n} was not committed ({failure}); the storage left {len(found)} of its {len(data)} "
+                f"bytes at {self.where(n)}, which were deleted, so retrying is safe"
+            ) from failure
+        raise BlobExistsError(f"{self.what} {n} already exists at {self.where(n)} (written by another writer)")
 
     def load(self, n: int) -> Any:
         """The verified body of record ``n``; ``BlobNotFoundError`` if there is none."""

@@ -24,6 +24,10 @@ key                                    default                     meaning
                                                                    from that savepoint (``startfrom``)
 ``spark.state.allowNonRestoredState``  ``false``                   with ``fromSavepoint``: drop savepoint state the
                                                                    query does not continue, start new components empty
+``spark.state.orphanGraceSeconds``     3600                        unreferenced blobs and items (of failed, retried or
+                                                                   zombie attempts) are deleted once this old
+``spark.state.restoreFrom``            unset                       recovery: a new checkpointLocation starts from this
+                                                                   retained checkpoint id instead of the latest
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
@@ -61,8 +65,10 @@ S3_KEYS = {S3_PREFIX + setting: parameter for parameter, setting in s3_location.
 """``spark.state.s3.*`` key -> the store URI parameter it supplies."""
 FROM_SAVEPOINT = PREFIX + "fromSavepoint"
 ALLOW_NON_RESTORED = PREFIX + "allowNonRestoredState"
+ORPHAN_GRACE = PREFIX + "orphanGraceSeconds"
+RESTORE_FROM = PREFIX + "restoreFrom"
 KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
-              ALLOW_NON_RESTORED, *S3_KEYS)
+              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, *S3_KEYS)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -101,6 +107,8 @@ class StateConf:
     compression: str | None = None
     from_savepoint: str | None = None
     allow_non_restored: bool = False
+    orphan_grace_seconds: int = 3600
+    restore_from: int | None = None
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -157,6 +165,8 @@ class StateConf:
             compression=None if compression == "none" else compression,
             from_savepoint=value(FROM_SAVEPOINT),
             allow_non_restored=allow == "true",
+            orphan_grace_seconds=_int(ORPHAN_GRACE, value(ORPHAN_GRACE), 0) if value(ORPHAN_GRACE) else 3600,
+            restore_from=_int(RESTORE_FROM, value(RESTORE_FROM), 0) if value(RESTORE_FROM) else None,
         )
 
     @classmethod

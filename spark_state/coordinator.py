@@ -44,12 +44,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 from spark_state.errors import (
     CheckpointError,
+    CorruptBlobError,
     KeyGroupOwnershipError,
     NoCheckpointError,
     StateBehindQueryError,
     StateMissingError,
     StateOfAnotherQueryError,
     StateQueryMismatchError,
+    StoreOwnedByAnotherQueryError,
 )
 from spark_state.manifest import (
     BlobRef,
@@ -98,6 +100,8 @@ class BatchPlan:
     checkpoint_id: int
     base: Manifest | None
     replayed: bool
+    restored: bool = False
+    """The base is an older retained checkpoint chosen by ``spark.state.restoreFrom``, not the latest."""
 
 
 def plan_batch(latest: Manifest | None, load: Callable[[int], Manifest], batch: SparkBatch, *, store: str) -> BatchPlan:
@@ -134,6 +138,40 @@ def plan_batch(latest: Manifest | None, load: Callable[[int], Manifest], batch: 
             f"{latest.checkpoint_id}"
         )
     return _replay(latest, load, batch, store)
+
+
+def plan_restore_from(manifests: ManifestLog, batch: SparkBatch, checkpoint_id: int, *, store: str) -> BatchPlan | None:
+    """Recovery: the first batch of a new query starts from retained checkpoint ``checkpoint_id``, not the latest.
+
+    None when this query already committed to the store (then the setting is
+    spent and ``plan_batch`` decides). Otherwise the newest record may be
+    damaged or of another query, and is not read: the batch must be the
+    query's first (a new ``checkpointLocation``), its sources must start
+    where ``checkpoint_id`` recorded them (replayable: ``startingOffsets``
+    ``checkpoint:<id>``), and it commits under the next unused id, on top of
+    ``checkpoint_id``; the checkpoints in between are discarded by cleanup.
+    """
+    try:
+        latest = manifests.latest()
+    except CorruptBlobError:
+        latest = None  # the damage restoreFrom is there to get past
+    if latest is not None and latest.binding is not None and latest.binding.same_query(batch.query_id):
+        return None
+    try:
+        base = manifests.load(checkpoint_id)
+    except NoCheckpointError as exc:
+        raise NoCheckpointError(
+            f"spark.state.restoreFrom={checkpoint_id}: {exc}; choose a retained checkpoint id"
+        ) from exc
+    if batch.batch_id != 0:
+        raise StateQueryMismatchError(
+            f"spark.state.restoreFrom={checkpoint_id} starts a new query from a retained checkpoint, but "
+            f"{batch.checkpoint_location} has committed micro-batches 0..{batch.batch_id - 1} that are not in the "
+            f"state store {store}; start the restored query with a new checkpointLocation"
+        )
+    _check_continues(base, batch, store)
+    ids = manifests.ids()
+    return BatchPlan(max(ids) + 1 if ids else checkpoint_id + 1, base, False, restored=True)
 
 
 def check_query_start(latest: Manifest | None, query_id: str | None, last_committed: int | None, *,
@@ -186,7 +224,7 @@ def _check_continues(latest: Manifest, batch: SparkBatch, store: str) -> None:
         for source_id, recorded, start in differ
     )
     raise StateOfAnotherQueryError(
-        f"the state store {store} holds state written by {who} (checkpoint {latest.checkpoint_id}); this query "
+        f"another query owns the state store {store}: it holds state written by {who} (checkpoint {latest.checkpoint_id}); this query "
         f"({batch.query_id}, checkpointLocation {batch.checkpoint_location}) does not continue it: {details}. "
         "Running would count input twice or lose updates. Restart with the checkpointLocation that wrote the "
         "state, or start the sources at the state's offsets (replayable: option startingOffsets='checkpoint' "
@@ -292,9 +330,18 @@ class Coordinator:
         self.manifests = manifests
         self.store = store
 
-    def begin(self, batch: SparkBatch, spec: ComponentSpec) -> BatchPlan:
-        """Decide how to run ``batch`` and check that ``spec`` can continue its base's state."""
-        plan = plan_batch(self.manifests.latest(), self.manifests.load, batch, store=self.store)
+    def begin(self, batch: SparkBatch, spec: ComponentSpec, *, restore_from: int | None = None) -> BatchPlan:
+        """Decide how to run ``batch`` and check that ``spec`` can continue its base's state.
+
+        With ``restore_from`` (``spark.state.restoreFrom``) a query that has
+        not committed to the store yet starts from that retained checkpoint
+        (``plan_restore_from``); once it has, the setting changes nothing.
+        """
+        plan = None
+        if restore_from is not None:
+            plan = plan_restore_from(self.manifests, batch, restore_from, store=self.store)
+        if plan is None:
+            plan = plan_batch(self.manifests.latest(), self.manifests.load, batch, store=self.store)
         if plan.base is not None and spec.name in plan.base.components:
             check_compatible(plan.base.components[spec.name], spec)
         return plan
@@ -321,13 +368,21 @@ class Coordinator:
             binding=batch.binding(), committed_at=time.time(), drained=drained,
         )
         try:
-            return self.manifests.commit(manifest)
-        except CheckpointExistsError as exc:
-            raise CheckpointError(
-                f"checkpoint {plan.checkpoint_id} was committed by another query writing to the same state "
-                f"store {self.store}; give each query its own spark.state.store"
+            return self.manifests.commit(manifest, restored_from=plan.base if plan.restored else None)
+        except CheckpointError as exc:
+            latest = exc.manifest if isinstance(exc, CheckpointExistsError) else self.manifests.latest()
+            if latest is None or latest.checkpoint_id < plan.checkpoint_id:
+                raise
+            owner = latest.binding
+            who = (f"query {owner.query_id} (checkpointLocation {owner.checkpoint_location}, micro-batch "
+                   f"{owner.batch_id})" if owner is not None else "a query that recorded no binding")
+            raise StoreOwnedByAnotherQueryError(
+                f"another query owns the state store {self.store}: checkpoint {latest.checkpoint_id} was committed by "
+                f"{who} while this query ({batch.query_id}, checkpointLocation {batch.checkpoint_location}) ran "
+                f"micro-batch {batch.batch_id}. Nothing of this batch was committed and this query stops; two "
+                "queries must not share a state store and component: give each query its own spark.state.store"
             ) from exc
 
-    def cleanup(self, manifest: Manifest) -> list[str]:
-        """Step 5: delete what no retained checkpoint needs."""
-        return self.manifests.cleanup(manifest)
+    def cleanup(self, manifest: Manifest, *, grace_seconds: float) -> list[str]:
+        """Step 5: delete what no retained checkpoint needs (unreferenced files once ``grace_seconds`` old)."""
+        return self.manifests.cleanup(manifest, grace_seconds=grace_seconds)

@@ -28,6 +28,14 @@ class StorageError(SparkStateError):
     """A storage backend failed; the message names the path and the backend."""
 
 
+class StorageTimeoutError(StorageError):
+    """A storage call did not finish within its timeout; whether it took effect is unknown."""
+
+
+class CommitFailedError(StorageError):
+    """A commit record could not be written; nothing was committed, and retrying the batch is safe."""
+
+
 class InvalidPathError(StorageError, ValueError):
     """A storage path is not a clean relative path ('a/b/c', no '..', no leading '/')."""
 
@@ -64,6 +72,10 @@ class CorruptBlobError(StorageError):
     """Stored bytes fail their checksum or do not parse; never returned as state."""
 
 
+class MissingFileError(CorruptBlobError):
+    """A file that a committed record references is gone; the message names it and the way to recover."""
+
+
 class CheckpointError(SparkStateError):
     """The checkpoint protocol was violated (for example committing an id twice)."""
 
@@ -98,6 +110,14 @@ class StateMissingError(StateQueryMismatchError):
 
 class StateOfAnotherQueryError(StateQueryMismatchError):
     """The store holds another query's state, and this query's sources do not continue from its offsets."""
+
+
+class StoreOwnedByAnotherQueryError(StateOfAnotherQueryError):
+    """Another query committed to this state store while this one ran: it owns the store, this query stops.
+
+    Nothing of this query's batch was committed; its written blobs are
+    unreferenced and collected by the owner's cleanup.
+    """
 
 
 class CheckpointLocationError(CheckpointError):

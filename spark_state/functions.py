@@ -218,7 +218,8 @@ class KeyState:
     merged on rescale).
     """
 
-    __slots__ = ("_value", "_fields", "changed", "instance_items", "_timers", "_time", "expires", "_ttl", "_event_ms")
+    __slots__ = ("_value", "_fields", "changed", "instance_items", "_timers", "_time", "expires", "_ttl", "_event_ms",
+                 "expired")
 
     def __init__(self, value: tuple | None, fields: tuple[str, ...], instance_items: InstanceItems | None = None, *,
                  timers: KeyTimersHandle | None = None, time: BatchTime | None = None,
@@ -226,10 +227,12 @@ class KeyState:
         self._time = time
         self._ttl = ttl
         self.expires = expires
+        self.expired = False
         if ttl is not None and expires is not None and time is not None:
             now = ttl.now(time)
-            if now is not None and expires <= now:
+            if now is not None and expires <= now and value is not None:
                 value = None  # expired: never served again
+                self.expired = True
         self._value = value
         self._fields = fields
         self.changed = False
@@ -349,6 +352,8 @@ class PythonFunction:
                 table.put(key_group, key, key_state.get())
             else:
                 table.delete(key_group, key, 0)
+        elif key_state.expired:
+            table.delete(key_group, key, 0)  # it expired before this call: gone now, not only at the batch's end
         variable = state.timers_variable
         if variable is None:
             return

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
-from spark_state.blob import FORMAT_VERSION, BlobIndex
+from spark_state.blob import FORMAT_VERSION, MAX_ENTRY_ROWS, BlobIndex
 from spark_state.errors import (
     CheckpointError,
     ConfigError,
@@ -47,7 +47,7 @@ from spark_state.errors import (
     IncompatibleCheckpointError,
     KeyGroupOwnershipError,
 )
-from spark_state.keygroups import HASH_VERSION, KeyGroupRange, key_group_range
+from spark_state.keygroups import HASH_VERSION, UPPER_BOUND_MAX_PARALLELISM, KeyGroupRange, key_group_range
 from spark_state.eventtime import next_watermark
 from spark_state.evolution import plan_evolution
 from spark_state.schema import KeyedSchema
@@ -260,6 +260,8 @@ class ComponentManifest:
             }
         if missing:
             raise CorruptBlobError(f"component {name!r}: chains name blobs the manifest does not list: {sorted(missing)[:3]}")
+        _check_plausible(name, obj, blobs if previous is None else [BlobRef.from_json(b) for b in obj["new_blobs"]],
+                         chains if previous is None else obj.get("cleared", ()))
         return cls(
             name=name,
             max_parallelism=obj["max_parallelism"],
@@ -280,6 +282,29 @@ class ComponentManifest:
 @lru_cache(maxsize=256)
 def _deserialize(text: str, key_columns: tuple[str, ...]) -> KeyedSchema:
     return KeyedSchema.deserialize(text, key_columns)
+
+
+def _check_plausible(name: str, header: dict, blobs, key_groups) -> None:
+    """Refuse numbers no real record holds (``ValueError``, made ``CorruptBlobError`` by the reader).
+
+    A hostile or damaged record could otherwise make a reader loop over or
+    allocate by them: a key space of 2**40 key groups, an entry of 2**40 rows.
+    """
+    max_parallelism, parallelism = header["max_parallelism"], header["parallelism"]
+    if not (isinstance(max_parallelism, int) and 1 <= max_parallelism <= UPPER_BOUND_MAX_PARALLELISM):
+        raise ValueError(f"component {name!r} claims max parallelism {max_parallelism!r}")
+    if not (isinstance(parallelism, int) and 1 <= parallelism <= max_parallelism):
+        raise ValueError(f"component {name!r} claims parallelism {parallelism!r} of {max_parallelism}")
+    if any(not isinstance(g, int) or not 0 <= g < max_parallelism for g in key_groups):
+        raise ValueError(f"component {name!r} names key groups outside 0..{max_parallelism - 1}")
+    for blob in (blobs.values() if isinstance(blobs, Mapping) else blobs):
+        kgr = blob.key_group_range
+        if not (0 <= kgr.start <= kgr.end < max_parallelism and blob.size >= 0 and blob.checkpoint_id >= 0):
+            raise ValueError(f"blob {blob.path!r} claims key groups {kgr}, {blob.size} bytes")
+        for entry in blob.index.entries:
+            if (not kgr.start <= entry.key_group <= kgr.end or entry.offset < 0 or entry.length < 0
+                    or entry.offset + entry.length > blob.size or not 0 <= entry.rows <= MAX_ENTRY_ROWS):
+                raise ValueError(f"blob {blob.path!r} has an impossible entry {entry}")
 
 
 def _chains_json(chains: Mapping[int, tuple[str, ...]], key_groups: Sequence[int]) -> dict:
@@ -441,10 +466,11 @@ def check_component_name(component: str) -> str:
         or "\\" in component
         or component.startswith(".")
         or component != component.strip()
+        or any(ord(c) < 32 for c in component)
     ):
         raise ConfigError(
-            f"component name {component!r} is invalid: use a non-empty name without '/', '\\', "
-            "surrounding spaces or a leading '.'"
+            f"component name {component!r} is invalid: use a non-empty name without '/', '\\', control "
+            "characters, surrounding spaces or a leading '.'"
         )
     return component
 

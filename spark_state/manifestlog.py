@@ -28,10 +28,15 @@ Commit protocol for checkpoint N (``coordinator.Coordinator`` runs it; the code 
 5. ``cleanup`` (driver only, best effort, after the commit): delete manifests
    that fell out of ``consistent_checkpoints`` and are pinned by no savepoint
    (``savepoints``), oldest first, then every blob and items file under a
-   checkpoint id <= N that no retained or pinned manifest references. A crash
-   at any point of 1-5 leaves the newest committed manifest and all its files
-   intact: files are only deleted once no retained or pinned manifest names
-   them, and manifests before files.
+   checkpoint id <= N that no retained or pinned manifest references and that
+   is older than the grace period (the time in its attempt name,
+   ``blobstore.written_ms``). A crash at any point of 1-5 leaves the newest
+   committed manifest and all its files intact: files are only deleted once
+   no retained or pinned manifest names them, and manifests before files.
+   The grace period keeps the files of attempts that may still be running
+   (a zombie task of a batch that was given up writes late); cleanup deletes
+   files one by one, never a directory, so such a late write cannot make it
+   fail, and it never deletes a file some retained commit references.
 
 The latest checkpoint is the highest id listed, whose checksum is verified on
 load; a file listing never decides what is committed. Cleanup keeps every
@@ -44,10 +49,11 @@ the savepoints' (``restorable``).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR, written_ms
 from spark_state.commitlog import CommitLog
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CheckpointError, ConfigError, CorruptBlobError, NoCheckpointError
 from spark_state.manifest import Manifest, with_retention
@@ -60,6 +66,8 @@ CHECKPOINTS_DIR = "checkpoints"
 DEFAULT_RETAINED = 3
 MAX_DELTAS = 16
 """At most this many delta records follow a full one."""
+DEFAULT_ORPHAN_GRACE_SECONDS = 3600
+"""Unreferenced blobs and items younger than this are kept: longer than any task attempt should take."""
 CACHED_MANIFESTS = 32
 """Parsed manifests a reader keeps (least recently used dropped first)."""
 
@@ -77,13 +85,12 @@ class _Lineage:
 
 @dataclass(frozen=True)
 class CleanupPlan:
-    """What a cleanup deletes, in this order: ``records`` (checkpoint ids), then ``files``, then ``directories``."""
+    """What a cleanup deletes, in this order: ``records`` (checkpoint ids), then ``files``."""
 
     upto: int
     """The checkpoint it cleans up after; nothing written for a higher id is touched."""
     records: tuple[int, ...]
     files: tuple[str, ...]
-    directories: tuple[str, ...]
 
 
 class CheckpointExistsError(CheckpointError):
@@ -144,6 +151,11 @@ class ManifestReader:
         while True:
             try:
                 body, size = self._log.load_sized(wanted)
+            except CorruptBlobError as exc:
+                raise CorruptBlobError(
+                    f"{exc}. Restore the file, or start a new checkpointLocation from an older retained checkpoint "
+                    f"(spark.state.restoreFrom=<id>; retained ids: {self.ids()[-5:]})"
+                ) from exc
             except BlobNotFoundError:
                 if not pending:
                     raise NoCheckpointError(
@@ -220,12 +232,25 @@ class ManifestLog(ManifestReader):
 
     # Step 4 -----------------------------------------------------------------
 
-    def commit(self, manifest: Manifest) -> Manifest:
+    def commit(self, manifest: Manifest, *, restored_from: Manifest | None = None) -> Manifest:
         """Commit ``manifest`` (its ``consistent_checkpoints`` are set here); return what was committed.
 
-        Its id must be greater than the latest committed id.
+        Its id must be greater than the latest committed id. Normally it
+        follows the latest checkpoint; ``restored_from`` (``spark.state.restoreFrom``)
+        makes it follow that older retained checkpoint instead: its retained
+        list and its delta record continue that one, and the checkpoints in
+        between (damaged or abandoned) are left to ``cleanup``.
         """
-        previous = self.latest()
+        checkpoint_id = manifest.checkpoint_id
+        if restored_from is not None:
+            latest_id = self._log.latest_id()
+            if latest_id is not None and checkpoint_id <= latest_id:
+                raise CheckpointExistsError(
+                    f"checkpoint {checkpoint_id} is not above the latest id {latest_id}", restored_from)
+            return self._create(manifest, restored_from)
+        return self._create(manifest, self.latest())
+
+    def _create(self, manifest: Manifest, previous: Manifest | None) -> Manifest:
         checkpoint_id = manifest.checkpoint_id
         if previous is not None and checkpoint_id <= previous.checkpoint_id:
             if checkpoint_id == previous.checkpoint_id:
@@ -249,18 +274,23 @@ class ManifestLog(ManifestReader):
 
     # Step 5 -----------------------------------------------------------------
 
-    def plan_cleanup(self, manifest: Manifest) -> CleanupPlan:
+    def plan_cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
+                     now_ms: int | None = None) -> CleanupPlan:
         """What ``cleanup(manifest)`` deletes, without deleting anything (``spark-state cleanup --dry-run``).
 
         Kept: the checkpoints ``manifest`` retains and those savepoints pin
         (``savepoints``), every record they are read from, every blob and
-        items file they reference, and everything written for a checkpoint id
-        above ``manifest.checkpoint_id`` (it may be in flight). The savepoints
-        are listed after ``manifest`` was committed, so a savepoint created
+        items file they reference, everything written for a checkpoint id
+        above ``manifest.checkpoint_id`` (it may be in flight), and every
+        unreferenced file written less than ``grace_seconds`` before
+        ``now_ms`` (unix millis, default now): its attempt may still be
+        running. Files named without a time count as old. The savepoints are
+        listed after ``manifest`` was committed, so a savepoint created
         concurrently is either seen here or refused by ``create_savepoint``.
         ``CorruptBlobError`` if a savepoint record does not read (it might pin
         anything).
         """
+        cutoff = (int(time.time() * 1000) if now_ms is None else now_ms) - int(grace_seconds * 1000)
         kept_ids = set(manifest.consistent_checkpoints) | Savepoints(self.storage).pinned()
         records = self.records_needed(kept_ids)
         doomed_records = [i for i in self.ids() if i < manifest.checkpoint_id and i not in records]
@@ -274,30 +304,30 @@ class ManifestLog(ManifestReader):
                 referenced.update(component.blobs)
                 referenced.update(ref.path for ref in component.instance_items.values())
         files: list[str] = []
-        directories: list[str] = []
         for top in (BLOBS_DIR, ITEMS_DIR):
             for component in self.storage.list(top):
                 for checkpoint_dir in self.storage.list(join(top, component)):
                     if not checkpoint_dir.isdigit() or int(checkpoint_dir) > manifest.checkpoint_id:
                         continue
                     directory = join(top, component, checkpoint_dir)
-                    names = self.storage.list(directory)
-                    garbage = [join(directory, n) for n in names if join(directory, n) not in referenced]
-                    files.extend(garbage)
-                    if len(garbage) == len(names):
-                        directories.append(directory)
-        return CleanupPlan(manifest.checkpoint_id, tuple(doomed_records), tuple(files), tuple(directories))
+                    for name in self.storage.list(directory):
+                        path, written = join(directory, name), written_ms(name)
+                        if path not in referenced and (written is None or written <= cutoff):
+                            files.append(path)
+        return CleanupPlan(manifest.checkpoint_id, tuple(doomed_records), tuple(files))
 
-    def cleanup(self, manifest: Manifest) -> list[str]:
+    def cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
+                now_ms: int | None = None) -> list[str]:
         """Delete what no retained checkpoint and no savepoint needs (step 5); return the deleted paths.
 
-        Records first, then files (``plan_cleanup`` says which). Safe to run
-        again after a crash; never touches anything written for a checkpoint
-        id above ``manifest.checkpoint_id`` (it may be in flight). While a
-        savepoint record is damaged it deletes nothing and returns ``[]``.
+        Records first, then files, one by one (``plan_cleanup`` says which):
+        never a directory, so a zombie attempt writing late cannot make it
+        fail, and an emptied directory goes with its last file. Safe to run
+        again after a crash. While a savepoint record is damaged it deletes
+        nothing and returns ``[]``.
         """
         try:
-            plan = self.plan_cleanup(manifest)
+            plan = self.plan_cleanup(manifest, grace_seconds=grace_seconds, now_ms=now_ms)
         except CorruptBlobError as exc:
             _LOG.warning("cleanup of %s skipped: %s", self.storage.uri, exc)
             return []
@@ -310,8 +340,6 @@ class ManifestLog(ManifestReader):
         for path in plan.files:
             self.storage.delete(path)
             deleted.append(path)
-        for directory in plan.directories:
-            self.storage.delete(directory)
         return deleted
 
     # Sources ----------------------------------------------------------------
@@ -349,6 +377,12 @@ def latest_source_offsets(state_store_uri: str, source_id: str):
     """The offsets recorded for ``source_id`` in the latest committed checkpoint, or None."""
     manifest = open_manifest_log(state_store_uri).latest()
     return None if manifest is None else manifest.sources.get(source_id)
+
+
+def checkpoint_source_offsets(state_store_uri: str, source_id: str, checkpoint_id: int):
+    """The offsets recorded for ``source_id`` in retained checkpoint ``checkpoint_id`` (``NoCheckpointError`` if
+    it is gone), or None."""
+    return open_manifest_log(state_store_uri).load(checkpoint_id).sources.get(source_id)
 
 
 def retained_source_offsets(state_store_uri: str, source_id: str) -> list:

@@ -68,6 +68,17 @@ def to_spark_schema(schema: pa.Schema):
     return from_arrow_schema(schema)
 
 
+def task_output_schema(output_schema: pa.Schema):
+    """The Spark schema of what a task emits: the output columns and the report column, every one nullable.
+
+    Each task's last row carries only its report, with the output columns
+    null, so a column the input declares not null (a source's ``split``,
+    say, passed on by ``deduplicate``) must be nullable here.
+    """
+    fields = [f.with_nullable(True) for f in output_schema] + [pa.field(META_COLUMN, pa.string())]
+    return to_spark_schema(pa.schema(fields))
+
+
 @dataclass
 class MicroBatch:
     """The driver's part of every micro-batch (see the module docstring); one per query.
@@ -146,7 +157,7 @@ class MicroBatch:
         stream = self.stream
         event_time = stream.keyed.event_time
         spec = self.component_spec(conf)
-        plan = coordinator.begin(spark_batch, spec)
+        plan = coordinator.begin(spark_batch, spec, restore_from=conf.restore_from)
         base = plan.base.components.get(spec.name) if plan.base is not None else None
         drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)
         task = TaskSpec(
@@ -186,7 +197,7 @@ class MicroBatch:
             if manifest is not None:
                 self._fault("committed", batch_id)
                 cleaning, wire = time.perf_counter(), storage.counters()
-                coordinator.cleanup(manifest)
+                coordinator.cleanup(manifest, grace_seconds=conf.orphan_grace_seconds)
                 cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
             if drain:
                 self._drained(coordinator, spark_batch)
@@ -263,7 +274,7 @@ class MicroBatch:
 
             yield from run_instance(task, TaskContext.get().partitionId(), batches)
 
-        out_schema = to_spark_schema(task.output_schema.append(pa.field(META_COLUMN, pa.string())))
+        out_schema = task_output_schema(task.output_schema)
         return (
             routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))
             .drop(INSTANCE_COLUMN)

@@ -314,18 +314,25 @@ class StatefulStreamWriter:
         manifests = batch.coordinator(conf).manifests
         spec = batch.component_spec(conf)
         savepoint, allow = self._savepoint or (conf.from_savepoint, conf.allow_non_restored)
+        if savepoint and conf.restore_from is not None:
+            raise ConfigError(
+                f"spark.state.restoreFrom={conf.restore_from} and a start from savepoint {savepoint} both choose the "
+                "state this query starts from; set one of them"
+            )
         if savepoint:
             start_from_savepoint(manifests, savepoint, spec, allow_non_restored=allow)
-        latest = manifests.latest()
-        if latest is not None and spec.name in latest.components:
-            check_compatible(latest.components[spec.name], spec)  # refuse a schema that cannot evolve, now
-        check_query_start(
-            latest,
-            spark_checkpoint.query_id(),
-            spark_checkpoint.last_committed_batch(),
-            checkpoint_location=name,
-            store=conf.store,
-        )
+        query_id = spark_checkpoint.query_id()
+        if conf.restore_from is None or query_id is not None:  # restoring: the latest record may be the damaged one
+            latest = manifests.latest()
+            if latest is not None and spec.name in latest.components:
+                check_compatible(latest.components[spec.name], spec)  # refuse a schema that cannot evolve, now
+            check_query_start(
+                latest,
+                query_id,
+                spark_checkpoint.last_committed_batch(),
+                checkpoint_location=name,
+                store=conf.store,
+            )
         writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
             "checkpointLocation", checkpoint_location
         )

@@ -71,3 +71,27 @@ def _names(data: bytes):
         offset += _EVENT.size
         yield data[offset : offset + length].rstrip(b"\0").decode()
         offset += length
+
+
+def wait_for_created(directory: str, pattern: str, stop) -> str | None:
+    """Block until a name matching ``pattern`` is created in ``directory`` (which must exist); return it.
+
+    Returns None once ``stop()`` is true (checked every 0.2 s). The caller
+    decides what to kill, and how, the instant it returns.
+    """
+    wanted = re.compile(pattern)
+    fd = _LIBC.inotify_init1(os.O_NONBLOCK)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+    try:
+        if _LIBC.inotify_add_watch(fd, os.fsencode(directory), IN_CREATE | IN_MOVED_TO) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch({directory}) failed")
+        while not stop():
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                for name in _names(os.read(fd, 65536)):
+                    if wanted.fullmatch(name):
+                        return name
+        return None
+    finally:
+        os.close(fd)

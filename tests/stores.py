@@ -58,5 +58,6 @@ class Store:
     def committed_ids(self) -> list[int]:
         return self.manifests.ids()
 
-    def cleanup(self, manifest: Manifest) -> list[str]:
-        return self.manifests.cleanup(manifest)
+    def cleanup(self, manifest: Manifest, *, grace_seconds: float = 0) -> list[str]:
+        """Step 5; unreferenced files are deleted at once unless a ``grace_seconds`` is given."""
+        return self.manifests.cleanup(manifest, grace_seconds=grace_seconds)

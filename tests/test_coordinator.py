@@ -11,6 +11,7 @@ from spark_state.errors import (
     StateBehindQueryError,
     StateMissingError,
     StateOfAnotherQueryError,
+    StoreOwnedByAnotherQueryError,
     StateQueryMismatchError,
 )
 from spark_state.manifest import Manifest, QueryBinding
@@ -244,6 +245,20 @@ def test_a_second_query_committing_the_same_checkpoint_is_told_to_use_its_own_st
     spec = ComponentSpec("c", M, 1, SCHEMA)
     plans = [one.begin(batch(0, 0, 10), spec), two.begin(batch(0, 0, 10, query_id="q2"), spec)]
     one.commit(plans[0], batch(0, 0, 10), spec, _reports(store, 0, 1, ["a"]))
-    with pytest.raises(CheckpointError, match="another query writing to the same state store"):
+    with pytest.raises(StoreOwnedByAnotherQueryError, match="another query owns the state store .* query q1"):
         two.commit(plans[1], batch(0, 0, 10, query_id="q2"), spec, _reports(store, 0, 1, ["b"]))
     assert store.committed_ids() == [0] and store.latest().binding.query_id == "q1"
+
+
+def test_a_query_whose_store_moved_past_its_plan_is_told_another_query_owns_it():
+    """The other query committed several checkpoints while this one ran its first batch."""
+    storage = MemoryStorage()
+    (one, store), (two, _) = _coordinator(storage), _coordinator(storage)
+    spec = ComponentSpec("c", M, 1, SCHEMA)
+    late = two.begin(batch(0, 0, 10, query_id="q2"), spec)
+    for batch_id in range(3):
+        plan = one.begin(batch(batch_id, 10 * batch_id, 10 * batch_id + 10), spec)
+        one.commit(plan, batch(batch_id, 10 * batch_id, 10 * batch_id + 10), spec, _reports(store, plan.checkpoint_id, 1, ["a"]))
+    with pytest.raises(StoreOwnedByAnotherQueryError, match="checkpoint 2 was committed by query q1"):
+        two.commit(late, batch(0, 0, 10, query_id="q2"), spec, _reports(store, 0, 1, ["b"]))
+    assert store.committed_ids() == [0, 1, 2]

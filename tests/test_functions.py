@@ -132,3 +132,32 @@ def test_a_user_function_sees_each_keys_rows_and_state_once_per_batch():
     assert table.get(key_group_for("b", M), ("b",)) is None  # removed when it passed 10
     assert table.get(key_group_for("a", M), ("a",)) == (3,)
     assert sorted(items) == ["a", "b", "b"]
+
+
+def test_a_value_that_expired_stays_expired_through_its_keys_timers():
+    """Two timers of a key fire after its value's time to live ran out: both see no value, and it is gone after."""
+    from spark_state.functions import TimeToLive
+    from spark_state.schema import StateVariable, VALUE
+    from spark_state.timers import TIMERS
+
+    schema = KeyedSchema((KEY,), (StateVariable(VALUE, (pa.field("n", pa.int64()),)), TIMERS))
+    state = ResidentState(schema, KeyGroupRange(0, M - 1))
+    seen = []
+
+    def fn(key, rows, state):
+        state.update((len(rows),))
+        state.timers.register(1_000, "processing")
+        state.timers.register(2_000, "processing")
+
+    def on_timer(key, timer, state):
+        seen.append((timer.time_ms, state.get()))
+
+    function = PythonFunction(fn, on_timer=on_timer, ttl=TimeToLive(500, "processing"))
+    out = pa.schema([KEY])
+    function.apply(state, _rows([("a", 1)], pa.int64()), ("key",), ("n",), ["key", "x"], out, BatchTime(None, 0), False)
+    late = BatchTime(None, 5_000)  # the value expired at 500; both timers are due
+    function.fire(state, ("n",), out, late, False)
+    assert seen == [(1_000, None), (2_000, None)]
+    assert state.table.get(key_group_for("a", M), ("a",)) is None
+    function.expire(state, late)
+    assert state.table.get(key_group_for("a", M), ("a",)) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import threading
 import uuid
@@ -529,6 +530,49 @@ def test_instance_items_are_carried_over_and_cleaned_up(storage):
     assert not storage.exists(first.path)
     assert store.blobs.read_items(second) == ["two"]
     assert files_under(storage, ITEMS_DIR) == {second.path}
+
+
+def _orphan(storage: Storage, checkpoint_id: int, written_ms: int | None) -> str:
+    """An unreferenced items file under ``checkpoint_id``, named as an attempt written at ``written_ms``."""
+    stamp = f"{written_ms:013d}-" if written_ms is not None else ""
+    path = join(ITEMS_DIR, COMPONENT, f"{checkpoint_id:020d}", f"00000-{stamp}{uuid.uuid4().hex[:12]}.json")
+    storage.create(path, b"[]")
+    return path
+
+
+def test_cleanup_deletes_only_unreferenced_files_older_than_the_grace_period(storage):
+    store = Store(storage, retained=1)
+    spec = ComponentSpec(COMPONENT, M, 1, SCHEMA)
+    kept = store.blobs.write_items(COMPONENT, 1, 0, ["kept"])
+    manifest = store.commit(1, {COMPONENT: (spec, [])}, {}, items={COMPONENT: {0: kept}})
+    now = 1_800_000_000_000
+    old, young, unnamed = _orphan(storage, 1, now - 61_000), _orphan(storage, 1, now - 59_000), _orphan(storage, 0, None)
+    deleted = store.manifests.cleanup(manifest, grace_seconds=60, now_ms=now)
+    assert sorted(deleted) == sorted([old, unnamed])  # a name without a time counts as old
+    assert storage.exists(young) and store.blobs.read_items(kept) == ["kept"]
+    assert store.manifests.cleanup(manifest, grace_seconds=0, now_ms=now) == [young]
+    assert store.blobs.read_items(kept) == ["kept"]  # referenced: never deleted, whatever its age
+
+
+def test_a_zombie_writing_late_cannot_make_cleanup_fail_and_keeps_its_file(tmp_path, monkeypatch):
+    storage = LocalStorage(tmp_path / "store")
+    store = Store(storage, retained=1)
+    spec = ComponentSpec(COMPONENT, M, 1, SCHEMA)
+    store.commit(1, {COMPONENT: (spec, [])}, {})
+    orphan = _orphan(storage, 1, 0)
+    manifest = store.commit(2, {COMPONENT: (spec, [])}, {})
+    real_rmdir = os.rmdir
+    zombie: list[str] = []
+
+    def rmdir_while_a_zombie_writes(path, *args, **kwargs):
+        if not zombie:  # a task of a given-up attempt writes into the directory as cleanup empties it
+            zombie.append(store.blobs.write_items(COMPONENT, 1, 0, ["late"]).path)
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir_while_a_zombie_writes)
+    assert store.manifests.cleanup(manifest, grace_seconds=60) == [orphan]
+    monkeypatch.setattr(os, "rmdir", real_rmdir)
+    assert zombie and storage.read(zombie[0]) == b'["late"]'
 
 
 # --------------------------------------------------------------------------- compatibility

@@ -189,7 +189,9 @@ def test_plan_cleanup_is_what_cleanup_deletes():
     for checkpoint_id in range(7, 10):
         job.checkpoint(checkpoint_id, cleanup=False)
     orphan = store.blobs.write_items(COMPONENT, 8, 0, ["an attempt never committed"])
-    plan = store.manifests.plan_cleanup(store.latest())
+    young = store.manifests.plan_cleanup(store.latest())  # within the grace period the orphan is kept
+    assert orphan.path not in young.files
+    plan = store.manifests.plan_cleanup(store.latest(), grace_seconds=0)
     assert plan.records and orphan.path in plan.files
     before = files_under(store.storage, "")
     deleted = store.cleanup(store.latest())

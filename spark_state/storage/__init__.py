@@ -21,6 +21,12 @@ Supported URIs (every backend's ``uri`` attribute is one of them, and
 
 ``WebHdfsStorage`` and ``S3Storage`` (with their clients, ``hdfs`` and
 ``boto3``) are imported only when such a store is opened.
+
+Every call to a local storage is bounded in time (``timeouts.TimeoutStorage``,
+``DEFAULT_TIMEOUT_SECONDS``); WebHDFS bounds each HTTP call itself. Test-only:
+when the environment variable ``SPARK_STATE_FAULT_PLAN`` is set,
+``open_storage`` wraps every storage in ``faults.FaultStorage`` (and a
+``TimeoutStorage`` with the plan's timeout), see ``spark_state.storage.faults``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from spark_state.errors import ConfigError
 from spark_state.storage.base import CountingStorage, ForwardingStorage, Storage
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
+from spark_state.storage.timeouts import DEFAULT_TIMEOUT_SECONDS, TimeoutStorage
 
 if TYPE_CHECKING:
     from spark_state.storage.hdfs import WebHdfsStorage
@@ -46,6 +53,7 @@ __all__ = [
     "MemoryStorage",
     "S3Storage",
     "Storage",
+    "TimeoutStorage",
     "WebHdfsStorage",
     "open_storage",
 ]
@@ -74,6 +82,17 @@ def __getattr__(name: str):
 
 def open_storage(uri: str) -> Storage:
     """Return the storage that ``uri`` names; ``ConfigError`` (naming the URI) if it names none."""
+    storage = _open(uri)
+    if not isinstance(storage, MemoryStorage):
+        from spark_state.storage.faults import FaultStorage, plan_from_environment
+
+        plan = plan_from_environment()
+        if plan is not None:
+            return TimeoutStorage(FaultStorage(storage, plan), plan.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
+    return TimeoutStorage(storage) if isinstance(storage, LocalStorage) else storage
+
+
+def _open(uri: str) -> Storage:
     if not isinstance(uri, str) or not uri:
         raise ConfigError(f"storage URI must be a non-empty str, got {uri!r}; use {SUPPORTED_URIS}")
     if not _SCHEME.match(uri):

@@ -2,8 +2,9 @@
 
 A ``Storage`` is a tree of immutable blobs addressed by clean relative paths
 (``"a/b/c.arrow"``: '/'-separated, no leading '/', no empty, '.' or '..'
-component, no component starting with ``".tmp-"``, which is reserved for
-in-flight writes). Directories exist implicitly: creating ``a/b/c`` makes
+component, no NUL, no component starting with ``".tmp-"``, which is reserved
+for in-flight writes), so no path, whether from an option or from a stored
+record, can reach outside the storage's root. Directories exist implicitly: creating ``a/b/c`` makes
 ``a`` and ``a/b`` listable. A path is a blob or a directory, never both.
 
 Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
@@ -35,7 +36,11 @@ Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
   creates are never listed. Listings are for discovery and garbage
   collection only: they never prove that a checkpoint was committed.
 - ``delete(path)`` removes a blob or a whole directory tree and does not fail
-  when the path is missing. Directories that it leaves empty are removed too,
+  when the path is missing. It is not atomic against concurrent creates
+  below the directory and never fails because of them: it removes every blob
+  that existed when it started; a blob created meanwhile may stay (with its
+  directories), and such a create either publishes its blob complete or
+  fails with a ``StorageError``. Directories that it leaves empty are removed too,
   so a directory exists only while it holds something. The one exception: a
   create that is in progress, or that crashed before publishing, leaves a
   directory that holds only its hidden temporary file; such a directory can
@@ -59,6 +64,8 @@ def check_path(path: str, *, allow_root: bool = False) -> str:
     if path == "" and allow_root:
         return path
     parts = path.split("/")
+    if "\x00" in path:
+        raise InvalidPathError(f"invalid storage path {path!r}: it holds a NUL character, which no file system stores")
     if path == "" or any(part in ("", ".", "..") for part in parts):
         raise InvalidPathError(
             f"invalid storage path {path!r}: use a relative path like 'dir/name' "

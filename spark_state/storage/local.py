@@ -257,12 +257,16 @@ def _remove_quietly(path: str) -> None:
 
 
 def _remove_tree(directory: str) -> None:
-    """``shutil.rmtree``, except that entries a concurrent delete removed first are not errors."""
+    """``shutil.rmtree``, except that entries a concurrent delete removed first are not errors, and a
+    directory that a concurrent create filled again stays, with the new blob."""
 
     def ignore_missing(function, path, error) -> None:
         error = error[1] if isinstance(error, tuple) else error
-        if not isinstance(error, FileNotFoundError):
-            raise error
+        if isinstance(error, FileNotFoundError):
+            return
+        if function is os.rmdir and isinstance(error, OSError) and error.errno == errno.ENOTEMPTY:
+            return  # a concurrent create put a blob here after the listing: it stays (see base.delete)
+        raise error
 
     if sys.version_info >= (3, 12):
         shutil.rmtree(directory, onexc=ignore_missing)

@@ -1,0 +1,821 @@
+"""The fault campaign's supervisor: no Spark in this process; it keeps the truth and checks every cycle.
+
+    ./run campaign --cycles N --seed S [--root DIR] [--out FILE] [--cycle-timeout SECONDS]
+    ./run campaign --resume DIR [--out FILE]      continue a run (after its last finished cycle)
+
+One cycle: pick a query (one of the shapes of ``model``, each with its own
+state store, Spark checkpoint and replayable sink; sometimes a new one), append
+events, run a driver process (``driver``) at a random parallelism 1..9,
+sometimes with a live parallelism change, append more events while it runs,
+and inject at most one fault (``FAULT_KINDS``); then check:
+
+- the events log holds every append exactly once (``EventLog.verify``);
+- every micro-batch the sink holds equals the model's output for that batch,
+  matched by Spark's batch id (the batch's input is the offsets range of
+  Spark's ``offsets/N``, its processing time that entry's
+  ``batchTimestampMs``); a batch Spark committed must be in the sink unless
+  its output is empty; a batch id twice in the sink is a duplicate;
+- every retained checkpoint of the store loads and every file it references
+  has the size and CRC-32 it recorded;
+- refusals (a deleted newest record, a second checkpoint location on the
+  store) stop the driver with the typed error, and change nothing;
+- a storage fault stops what it hit with a typed error naming the path.
+
+A cycle past ``--cycle-timeout`` is a hang: the stacks of the driver's JVM
+(``jstack``) and Python processes (SIGUSR1, see ``site/sitecustomize.py``)
+are dumped into the cycle's directory, then its processes are killed. At the
+end every query is drained and its stored state must equal the model's over
+the whole log. The summary is one JSON line (also written to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from datasources.log import ReplayableLog
+from datasources.logindex import Commit
+from spark_state.blobstore import BlobStore
+from spark_state.manifestlog import ManifestReader, manifest_path
+from spark_state.resident import restore_instance
+from spark_state.storage import LocalStorage
+from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
+from tests.campaign.events import NUM_SPLITS, EventLog
+from tests.campaign.model import MODELS, SHAPES, Model
+from tests.kills import wait_for_created
+
+REPO = Path(__file__).resolve().parents[2]
+SITE = Path(__file__).resolve().parent / "site"
+MAX_PARALLELISM = 128
+FIRST_OFFSETS_TEMP = r"\.0\.[0-9a-f-]{36}\.tmp"
+KILLS = ("kill_random", "kill_after_blob", "kill_after_manifest", "kill_after_offsets", "kill_after_commit",
+         "kill_first_offsets", "kill_after_sink_commit", "kill_worker")
+STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
+FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + ("delete_newest_record",
+                                                                           "second_checkpoint")
+STORAGE_TIMEOUT_S = 4.0
+TYPED_ERRORS = ("InjectedStorageError", "StorageError", "StorageTimeoutError", "CommitFailedError")
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+@dataclass
+class Query:
+    """One query of the campaign: its shape, where it keeps everything, and the model of its output so far."""
+
+    name: str
+    shape: str
+    root: Path
+    starting: dict[int, int]
+    model: Model
+    retained: int
+    max_chain: int
+    next_batch: int = 0
+    drained: set[int] = field(default_factory=set)
+    sink_commits: int = 0
+    sink: dict[int, list[tuple]] = field(default_factory=dict)
+    runs: int = 0
+
+    @property
+    def store(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "chk"
+
+    @property
+    def out(self) -> Path:
+        return self.root / "out"
+
+    @property
+    def sink_id(self) -> str:
+        return f"sink:spark-state:{self.checkpoint}"
+
+
+def sink_rows(shape: str, table: pa.Table) -> list[tuple]:
+    """Output rows as the model's tuples."""
+    if shape in ("sessions",):
+        start = table.column("session_start").cast(pa.int64()).to_pylist()
+        end = table.column("session_end").cast(pa.int64()).to_pylist()
+        rest = [table.column(c).to_pylist() for c in ("count", "sum_value", "min_value", "max_value")]
+        return [(k, s // 1000, e // 1000, *r) for k, s, e, *r in zip(table.column("key").to_pylist(), start, end, *rest)]
+    columns = {"count": ("key", "count"), "sum": ("key", "sum_value"), "apply": ("key", "n", "total", "top"),
+               "dedup": ("key", "seq"), "timers": ("key", "n", "t")}[shape]
+    return list(zip(*[table.column(c).to_pylist() for c in columns]))
+
+
+def read_offsets(checkpoint: Path) -> dict[int, tuple[dict[int, int], int]]:
+    """Spark's ``offsets/N`` entries: batch id -> (end offsets per split, batchTimestampMs)."""
+    entries = {}
+    directory = checkpoint / "offsets"
+    if not directory.is_dir():
+        return entries
+    for name in os.listdir(directory):
+        if name.isdigit():
+            lines = (directory / name).read_text().splitlines()
+            meta, source = json.loads(lines[1]), json.loads(lines[2])
+            end = {int(k): int(v) for k, v in source.items() if k.isdigit()}
+            entries[int(name)] = (end, int(meta["batchTimestampMs"]))
+    return entries
+
+
+def committed_batches(checkpoint: Path) -> set[int]:
+    directory = checkpoint / "commits"
+    return {int(n) for n in os.listdir(directory) if n.isdigit()} if directory.is_dir() else set()
+
+
+class Campaign:
+    def __init__(self, root: Path, seed: int, cycles: int, cycle_timeout: float, *, cluster_cycles: bool = True,
+                 max_parallelism: int = 9, shapes: tuple[str, ...] = SHAPES, kinds: list[str] | None = None):
+        self.root = root
+        self.seed = seed
+        self.cycles = cycles
+        self.cycle_timeout = cycle_timeout
+        self.rng = random.Random(seed)
+        self.max_parallelism = max_parallelism
+        self.cluster_cycles = cluster_cycles
+        root.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(str(root / "events"), self.rng)
+        self.queries: list[Query] = []
+        self.faults: Counter = Counter()
+        self.planned: Counter = Counter()
+        self.problems: list[str] = []
+        self.counts: Counter = Counter()
+        self.keys_checked: set[str] = set()
+        self.recoveries: list[float] = []
+        self.cluster = None
+        self.done = 0
+        self.elapsed = 0.0
+        self.stop_requested = False
+        self.shapes = shapes
+        self.schedule = self._schedule() if kinds is None else (
+            [None if k == "none" else k for k in kinds] + [None] * cycles)[:cycles]
+
+    # -- choices -------------------------------------------------------------------------------
+
+    def _schedule(self) -> list[str | None]:
+        """Fault kinds by cycle: every kind at least ``per_kind`` times when cycles allow, the rest random or none."""
+        kinds = [k for k in FAULT_KINDS if self.cluster_cycles or k != "kill_executor"]
+        per_kind = max(0, min(6, self.cycles // len(kinds)))
+        plan: list[str | None] = [k for k in kinds for _ in range(per_kind)]
+        while len(plan) < self.cycles:
+            plan.append(self.rng.choice(kinds) if self.rng.random() < 0.5 else None)
+        head = plan[: self.cycles]
+        self.rng.shuffle(head)
+        if per_kind == 0:  # a short run: as many different kinds as there are cycles
+            head = self.rng.sample([k for k in kinds if k != "kill_executor"], min(self.cycles, len(kinds) - 1))
+            head += [None] * (self.cycles - len(head))
+        return head
+
+    def new_query(self) -> Query:
+        shapes = self.shapes
+        shape = shapes[len(self.queries) % len(shapes)] if len(self.queries) < len(shapes) else self.rng.choice(shapes)
+        name = f"q{len(self.queries):02d}-{shape}"
+        query = Query(name, shape, self.root / name, self.events.end_offsets(), MODELS[shape](),
+                      retained=self.rng.randint(2, 5), max_chain=self.rng.randint(2, 6))
+        self.queries.append(query)
+        return query
+
+    # -- the driver ----------------------------------------------------------------------------
+
+    def spec(self, query: Query, cycle_dir: Path, parallelism: int, *, live_change=None, checkpoint=None,
+             out=None, cluster=None) -> Path:
+        conf = {
+            "spark.master": "local[2,4]",
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": "2",
+            "spark.sql.adaptive.enabled": "false",
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            "spark.sql.streaming.stopTimeout": "30s",
+        }
+        if cluster is not None:
+            conf.update(cluster.driver_conf())
+            conf["spark.task.maxFailures"] = "4"
+        conf.update({
+            "spark.state.parallelism": str(parallelism),
+            "spark.state.maxParallelism": str(MAX_PARALLELISM),
+            "spark.state.store": str(query.store),
+            "spark.state.checkpointsRetained": str(query.retained),
+            "spark.state.maxChainLength": str(query.max_chain),
+            "spark.state.orphanGraceSeconds": "60",
+        })
+        control = cycle_dir / "control"
+        control.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "shape": query.shape,
+            "events": str(self.root / "events"),
+            "checkpoint": str(checkpoint or query.checkpoint),
+            "out": str(out or query.out),
+            "starting_offsets": {str(s): o for s, o in query.starting.items()},
+            "max_records_per_batch": self.rng.choice([500, 1500, 4000]),
+            "live_change": live_change,
+            "control": str(control),
+            "conf": conf,
+        }
+        path = cycle_dir / "spec.json"
+        path.write_text(json.dumps(spec))
+        return path
+
+    def start_driver(self, spec: Path, cycle_dir: Path, plan: Path | None = None, cluster=None) -> subprocess.Popen:
+        env = dict(cluster.process_env() if cluster is not None else os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYSPARK_PYTHON"] = sys.executable
+        env["PYSPARK_DRIVER_PYTHON"] = sys.executable
+        env.pop(FAULT_PLAN_ENV, None)
+        if plan is not None:
+            env[FAULT_PLAN_ENV] = str(plan)
+        log = open(cycle_dir / "driver.log", "ab")
+        try:
+            return subprocess.Popen([sys.executable, "-m", "tests.campaign.driver", str(spec)], cwd=REPO, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            log.close()
+
+    def dump_and_kill(self, process: subprocess.Popen, cycle_dir: Path) -> None:
+        """A hang: dump every thread of the driver's processes, then kill them all."""
+        dumps = cycle_dir / "stacks"
+        dumps.mkdir(exist_ok=True)
+        for pid in session_members(process.pid):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "java" in command.split(" ")[0]:
+                with open(dumps / f"jstack-{pid}.txt", "wb") as out:
+                    subprocess.run(["jstack", str(pid)], stdout=out, stderr=subprocess.STDOUT, timeout=60)
+            elif "python" in command:
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)  # let faulthandler write (to the driver log)
+        self.kill(process)
+
+    def kill(self, process: subprocess.Popen) -> None:
+        if process.poll() is None:
+            kill_session(process.pid)
+        for pid in session_members(process.pid):  # anything that outlived its session leader
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.wait()
+
+    # -- one cycle -----------------------------------------------------------------------------
+
+    def run_cycle(self, number: int, kind: str | None) -> None:
+        if kind == "kill_first_offsets" or not self.queries or (len(self.queries) < len(self.shapes) and number % 2 == 0):
+            query = self.new_query()
+        else:
+            query = self.rng.choice(self.queries)
+        cycle_dir = self.root / "cycles" / f"{number:04d}-{query.name}-{kind or 'none'}"
+        cycle_dir.mkdir(parents=True)
+        self.events.append(self.rng.randint(50, 600))
+        if kind == "delete_newest_record" and not self.refusal_applies(query):
+            kind = None
+        if kind == "second_checkpoint" and not self.refusal_applies(query):
+            kind = None
+        if kind == "kill_executor" and not self.cluster_cycles:
+            kind = None
+        self.planned[kind or "none"] += 1
+        if kind in ("delete_newest_record", "second_checkpoint"):
+            self.refusal(query, cycle_dir, kind)
+        else:
+            self.run_driver(query, cycle_dir, kind)
+        query.runs += 1
+        self.check(query, cycle_dir)
+
+    def refusal_applies(self, query: Query) -> bool:
+        """Whether the store's newest checkpoint is of a batch Spark committed (so a start must be refused)."""
+        try:
+            latest = ManifestReader(LocalStorage(query.store)).latest()
+        except Exception:  # noqa: BLE001 - a damaged store is for the checks to report
+            return False
+        commits = committed_batches(query.checkpoint)
+        return latest is not None and latest.binding is not None and latest.binding.batch_id in commits
+
+    def refusal(self, query: Query, cycle_dir: Path, kind: str) -> None:
+        """Delete the newest state record, or start a second checkpoint location on the store: a typed refusal."""
+        reader = ManifestReader(LocalStorage(query.store))
+        latest = reader.latest()
+        record = query.store / manifest_path(latest.checkpoint_id)
+        saved = record.read_bytes()
+        files_before = sorted(p.relative_to(query.store) for p in query.store.rglob("*") if p.is_file())
+        if kind == "delete_newest_record":
+            record.unlink()
+            spec = self.spec(query, cycle_dir, self.rng.randint(1, self.max_parallelism))
+            expected = "StateBehindQueryError"
+        else:
+            spec = self.spec(query, cycle_dir, self.rng.randint(1, self.max_parallelism),
+                             checkpoint=cycle_dir / "second-chk", out=cycle_dir / "second-out")
+            expected = "StateOfAnotherQueryError"
+        (cycle_dir / "control" / "finish").write_text("")  # a start that is not refused ends by itself
+        process = self.start_driver(spec, cycle_dir)
+        try:
+            code = process.wait(self.cycle_timeout)
+        except subprocess.TimeoutExpired:
+            self.counts["hangs"] += 1
+            self.problems.append(f"{cycle_dir.name}: the refused driver did not stop within {self.cycle_timeout} s")
+            self.dump_and_kill(process, cycle_dir)
+            code = None
+        finally:
+            if kind == "delete_newest_record":
+                record.write_bytes(saved)
+        error = self.driver_error(cycle_dir)
+        if code == 0 or expected not in error:
+            self.problems.append(f"{cycle_dir.name}: expected {expected}, the driver exited {code}: {error[-600:]}")
+        else:
+            self.faults[kind] += 1
+        files_after = sorted(p.relative_to(query.store) for p in query.store.rglob("*") if p.is_file())
+        if kind == "second_checkpoint" and files_after != files_before:
+            self.problems.append(f"{cycle_dir.name}: the refused query changed the store: "
+                                 f"{sorted(set(files_after) ^ set(files_before))[:5]}")
+
+    def driver_error(self, cycle_dir: Path) -> str:
+        path = cycle_dir / "control" / "error.json"
+        return json.loads(path.read_text())["message"] if path.exists() else ""
+
+    def storage_plan(self, query: Query, cycle_dir: Path, kind: str) -> Path:
+        store, out, events = re.escape(str(query.store)), re.escape(str(query.out)), re.escape(str(self.root / "events"))
+        writes = [f"{store}/blobs/", f"{store}/checkpoints/", f"{out}/data/", f"{out}/_commits/"]
+        reads = [f"{store}/checkpoints/", f"{events}/data/", f"{events}/_commits/"]
+        if kind in ("fail_write", "enospc"):
+            rule = {"op": "create", "path": self.rng.choice(writes), "nth": self.rng.randint(1, 3),
+                    "fault": "error" if kind == "fail_write" else "enospc"}
+        elif kind == "fail_read":  # paths read in every run: a cold store's records, the log's commits and segments
+            path, nth = self.rng.choice([(reads[0], 1), (reads[1], self.rng.randint(1, 3)),
+                                         (reads[2], self.rng.randint(1, 6))])
+            rule = {"op": "read", "path": path, "nth": nth, "fault": "error"}
+        elif kind == "stall":
+            rule = {"op": self.rng.choice(["create", "read", "list"]), "path": self.rng.choice([store, events, out]),
+                    "nth": self.rng.randint(1, 6), "fault": "stall", "stall_seconds": 120}
+        elif kind == "truncate":
+            rule = {"op": "create", "path": self.rng.choice([f"{store}/checkpoints/", f"{out}/_commits/"]),
+                    "nth": self.rng.randint(1, 2), "fault": "truncate"}
+        else:
+            target = {"kill_after_blob": f"{store}/blobs/", "kill_after_manifest": f"{store}/checkpoints/",
+                      "kill_after_sink_commit": f"{out}/_commits/"}[kind]
+            rule = {"op": "create", "path": target, "nth": self.rng.randint(1, 3), "fault": "kill"}
+        plan = cycle_dir / "faults.json"
+        plan.write_text(json.dumps({"timeout_seconds": STORAGE_TIMEOUT_S, "rules": [rule],
+                                    "protect_session": os.getsid(0)}))
+        return plan
+
+    def run_driver(self, query: Query, cycle_dir: Path, kind: str | None) -> None:
+        parallelism = self.rng.randint(1, self.max_parallelism)
+        live = None
+        if self.rng.random() < 0.3:
+            live = [self.rng.randint(1, self.max_parallelism), self.rng.randint(1, 3)]
+        cluster = self.ensure_cluster() if kind == "kill_executor" else None
+        if kind == "kill_first_offsets":
+            (query.checkpoint / "offsets").mkdir(parents=True, exist_ok=True)
+        for directory in ("offsets", "commits"):
+            if kind in ("kill_after_offsets", "kill_after_commit"):
+                (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
+        plan = self.storage_plan(query, cycle_dir, kind) if kind in STORAGE or kind in (
+            "kill_after_blob", "kill_after_manifest", "kill_after_sink_commit") else None
+        spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster)
+        before = committed_batches(query.checkpoint)
+        control = cycle_dir / "control"
+        started = _now()
+        process = self.start_driver(spec, cycle_dir, plan, cluster)
+        done = threading.Event()
+        injected: list[str] = []
+        first_commit: list[float] = []
+
+        def stop() -> bool:
+            return process.poll() is not None
+
+        def appender() -> None:
+            for _ in range(self.rng.randint(0, 4)):
+                if done.wait(self.rng.uniform(0.5, 3.0)):
+                    return
+                self.events.append(self.rng.randint(20, 400))
+
+        def watcher() -> None:
+            while not stop():
+                if committed_batches(query.checkpoint) - before:
+                    first_commit.append(_now() - started)
+                    return
+                time.sleep(0.1)
+
+        def killer(directory: str, pattern: str) -> None:
+            name = wait_for_created(directory, pattern, stop)
+            if name is not None and process.poll() is None:
+                kill_session(process.pid)
+                injected.append(name)
+
+        threads = [threading.Thread(target=appender, daemon=True), threading.Thread(target=watcher, daemon=True)]
+        patterns = {"kill_first_offsets": ("offsets", FIRST_OFFSETS_TEMP), "kill_after_offsets": ("offsets", r"\d+"),
+                    "kill_after_commit": ("commits", r"\d+")}
+        if kind in patterns:
+            sub, pattern = patterns[kind]
+            threads.append(threading.Thread(target=killer, args=(str(query.checkpoint / sub), pattern), daemon=True))
+        for thread in threads:
+            thread.start()
+        run_for = self.rng.uniform(1.0, 6.0)
+        deadline = started + self.cycle_timeout
+        early = self.rng.random() < 0.2  # a timed fault during start-up, else while batches run
+        fault_delay = self.rng.uniform(1.0, 8.0) if early else self.rng.uniform(0.0, run_for + 2.0)
+        timed = ("kill_random", "kill_worker", "kill_executor", "clean_stop")
+        query_started = None
+        finished = False
+        while process.poll() is None and _now() < deadline:
+            now = _now()
+            if query_started is None and (control / "started").exists():
+                query_started = now
+            base = started if early else query_started
+            due = base is not None and now >= base + fault_delay and not injected
+            if kind == "kill_random" and due:
+                kill_session(process.pid)
+                injected.append("random")
+            elif kind == "kill_worker" and due:
+                worker = self.python_worker(process.pid)
+                if worker is not None:
+                    os.kill(worker, signal.SIGKILL)
+                    injected.append(f"worker {worker}")
+            elif kind == "kill_executor" and due:
+                executor = self.executor(cluster)
+                if executor is not None:
+                    os.kill(executor, signal.SIGKILL)
+                    injected.append(f"executor {executor}")
+            elif kind == "clean_stop" and due and query_started is not None:
+                (control / "stop").write_text("")
+                injected.append("stop")
+            if not finished and query_started is not None and now >= query_started + run_for and (
+                    kind not in timed or injected or now >= query_started + run_for + fault_delay + 3.0):
+                done.set()
+                threads[0].join()
+                if kind == "drain":
+                    (control / "drain").write_text("")
+                    while process.poll() is None and not (control / "drain-requested").exists() and _now() < deadline:
+                        time.sleep(0.1)
+                    if (control / "drain-requested").exists():
+                        self.events.append(self.rng.randint(5, 30))
+                        injected.append("drain")
+                else:
+                    (control / "finish").write_text("")
+                finished = True
+            time.sleep(0.1)
+        if process.poll() is None:
+            self.counts["hangs"] += 1
+            self.problems.append(f"{cycle_dir.name}: past the cycle bound of {self.cycle_timeout} s; stacks in "
+                                 f"{cycle_dir}/stacks and driver.log")
+            self.dump_and_kill(process, cycle_dir)
+        done.set()
+        for thread in threads:
+            thread.join()
+        self.kill(process)  # reap anything left of its session
+        if plan is not None:
+            fired = json.loads(plan.read_text()) and self._fired(plan)
+            if fired:
+                injected.append(fired[0]["path"])
+                if kind in STORAGE:
+                    self.check_typed(cycle_dir, fired[0], process.returncode)
+        if kind == "drain" and injected:
+            report = cycle_dir / "control" / "report.json"
+            drained = [b["batch_id"] for b in json.loads(report.read_text())["batches"] if b["drained"]] \
+                if report.exists() else []
+            query.drained.update(drained)
+            if not drained:
+                injected.clear()
+        if kind is not None and injected:
+            self.faults[kind] += 1
+        if first_commit and query.runs > 0:
+            self.recoveries.append(first_commit[0])
+        (cycle_dir / "cycle.json").write_text(json.dumps({
+            "kind": kind, "injected": injected, "parallelism": parallelism, "live_change": live,
+            "exit": process.returncode, "first_commit_s": first_commit[0] if first_commit else None}))
+
+    def _fired(self, plan: Path) -> list[dict]:
+        counters = Path(f"{plan}.d")
+        if not counters.is_dir():
+            return []
+        return [json.loads((counters / n).read_text()) for n in sorted(os.listdir(counters)) if n.startswith("fired-")]
+
+    def check_typed(self, cycle_dir: Path, fired: dict, code: int | None) -> None:
+        """A storage fault must surface as a typed error naming the path (in the driver or a task's failure)."""
+        text = (cycle_dir / "driver.log").read_text(errors="replace")
+        relative = fired["path"].rsplit("/state/", 1)[-1].rsplit("/out/", 1)[-1].rsplit("/events/", 1)[-1]
+        typed = any(f"{name}: " in text for name in TYPED_ERRORS) or any(
+            phrase in text for phrase in ("injected fault", "did not finish within", "No space left on device"))
+        if not typed or relative not in text:
+            self.counts["untyped_faults"] += 1
+            self.problems.append(f"{cycle_dir.name}: fault {fired} did not surface as a typed error naming "
+                                 f"{relative!r} (driver exit {code})")
+
+    def python_worker(self, session: int) -> int | None:
+        """A forked Python worker of the driver's session (a child of Spark's Python daemon), if one runs now."""
+        daemons, parents = set(), {}
+        for pid in session_members(session):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"pyspark.daemon" in command:
+                daemons.add(pid)
+                parents[pid] = parent
+        workers = [pid for pid, parent in parents.items() if parent in daemons]
+        return self.rng.choice(workers) if workers else None
+
+    def ensure_cluster(self):
+        if self.cluster is None:
+            from tests.cluster import StandaloneCluster
+
+            self.cluster = StandaloneCluster(self.root / "cluster", workers=2).start()
+        return self.cluster
+
+    def executor(self, cluster) -> int | None:
+        from tests.cluster import _descendants
+
+        found = []
+        for _, proc in cluster._procs:
+            for pid, _ in _descendants(proc.pid):
+                try:
+                    if b"CoarseGrainedExecutorBackend" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        found.append(pid)
+                except OSError:
+                    continue
+        return self.rng.choice(found) if found else None
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check(self, query: Query, cycle_dir: Path) -> None:
+        problems = self.events.verify(since=None if len(self.queries) and self.counts["cycles"] % 10 == 0 else
+                                      {s: max(0, n - 2000) for s, n in self.events.end_offsets().items()})
+        self.problems.extend(f"{cycle_dir.name}: events log: {p}" for p in problems)
+        self.counts["log_problems"] += len(problems)
+        self.counts["cycles"] += 1
+        try:
+            self.record_drains(query)
+            self.check_batches(query, cycle_dir.name)
+            self.check_store(query, cycle_dir.name)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot even read is a finding
+            self.counts["wrong"] += 1
+            self.problems.append(f"{cycle_dir.name}: checking {query.name} failed: {type(exc).__name__}: {exc}")
+
+    def record_drains(self, query: Query) -> None:
+        reader = ManifestReader(LocalStorage(query.store))
+        latest = reader.latest()
+        if latest is None:
+            return
+        for checkpoint_id in latest.consistent_checkpoints:
+            manifest = reader.load(checkpoint_id)
+            if manifest.drained and manifest.binding is not None and manifest.binding.checkpoint_location == str(query.checkpoint):
+                query.drained.add(manifest.binding.batch_id)
+
+    def read_sink(self, query: Query, where: str) -> None:
+        """New commits of the query's sink: rows per batch id; a batch id twice is a duplicate."""
+        if not (query.out / "_log.json").exists():
+            return
+        log = ReplayableLog.open(LocalStorage(query.out))
+        while True:
+            body = log.commits.load_if_exists(query.sink_commits)
+            if body is None:
+                return
+            commit = Commit.from_json(body, log.commits.where(query.sink_commits))
+            query.sink_commits += 1
+            if commit.sink is None or commit.sink.sink_id != query.sink_id:
+                continue
+            rows = []
+            for ref in commit.segments:
+                rows.extend(sink_rows(query.shape, log.load_segment(ref)))
+            if commit.sink.batch in query.sink:
+                self.counts["duplicated"] += 1
+                self.problems.append(f"{where}: {query.name} sink holds batch {commit.sink.batch} twice")
+                continue
+            query.sink[commit.sink.batch] = sorted(rows)
+
+    def check_batches(self, query: Query, where: str) -> None:
+        self.read_sink(query, where)
+        offsets = read_offsets(query.checkpoint)
+        commits = committed_batches(query.checkpoint)
+        stray = [b for b in query.sink if b not in offsets]
+        if stray:
+            self.counts["wrong"] += len(stray)
+            self.problems.append(f"{where}: {query.name} sink holds batches {stray} Spark never planned")
+            for b in stray:
+                del query.sink[b]
+        while query.next_batch in offsets and query.next_batch in commits:
+            batch = query.next_batch
+            end, processing_ms = offsets[batch]
+            start = offsets[batch - 1][0] if batch > 0 else query.starting
+            events = self.events.events_between(start, end)
+            expected = query.model.batch(events, processing_ms, batch in query.drained)
+            actual = query.sink.get(batch, [])
+            self.counts["batches_checked"] += 1
+            self.keys_checked.update(row[0] for row in expected)
+            if actual != expected:
+                missing = Counter(expected) - Counter(actual)
+                extra = Counter(actual) - Counter(expected)
+                duplicate = {row: n for row, n in extra.items() if row in Counter(expected)}
+                if duplicate and not missing and len(duplicate) == len(extra):
+                    self.counts["duplicated"] += 1
+                elif missing and not extra:
+                    self.counts["lost"] += 1
+                else:
+                    self.counts["wrong"] += 1
+                self.problems.append(
+                    f"{where}: {query.name} batch {batch}: {len(missing)} rows missing "
+                    f"(e.g. {list(missing)[:2]}), {len(extra)} unexpected (e.g. {list(extra)[:2]})")
+            query.next_batch += 1
+
+    def check_store(self, query: Query, where: str) -> None:
+        storage = LocalStorage(query.store)
+        reader = ManifestReader(storage)
+        latest = reader.latest()
+        if latest is None:
+            return
+        for checkpoint_id in latest.consistent_checkpoints:
+            manifest = reader.load(checkpoint_id)
+            for component in manifest.components.values():
+                refs = [(b.path, b.size, b.crc32) for b in component.blobs.values()]
+                refs += [(i.path, i.size, i.crc32) for i in component.instance_items.values()]
+                for path, size, crc in refs:
+                    data = storage.read(path)
+                    if len(data) != size or zlib.crc32(data) != crc:
+                        self.counts["corrupt_commits"] += 1
+                        self.problems.append(f"{where}: {query.name} checkpoint {checkpoint_id} references {path}, "
+                                             "which does not match its recorded size and CRC-32")
+
+    def final_state(self, query: Query) -> dict:
+        storage = LocalStorage(query.store)
+        latest = ManifestReader(storage).latest()
+        component = latest.components[query.shape]
+        state, _ = restore_instance(BlobStore(storage), component, component.keyed_schema, 0, 1,
+                                    component.max_parallelism)
+        return {key[0]: value for _, key, value in state.table.items(0)}
+
+    # -- the whole campaign --------------------------------------------------------------------
+
+    STATE = "campaign-state.pickle"
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "cluster": None}
+
+    def save(self) -> None:
+        """Everything the next cycle needs, so ``--resume`` continues this run in another process."""
+        path = self.root / self.STATE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(self))
+        os.replace(tmp, path)
+
+    @classmethod
+    def resume(cls, root: Path) -> "Campaign":
+        """The run saved in ``root``; appends of a cycle interrupted after the save are taken into the record
+        (that cycle runs again, with fresh choices)."""
+        campaign = pickle.loads((root / cls.STATE).read_bytes())
+        campaign.stop_requested = False
+        taken = campaign.events.reconcile()
+        if taken:
+            print(f"resume: {taken} appends of an interrupted cycle taken into the record", file=sys.stderr)
+        return campaign
+
+    def run(self, progress: Path | None = None) -> dict:
+        """The cycles not run yet, then the final drains; the summary. ``progress`` is rewritten after every cycle."""
+        started = _now() - self.elapsed
+        try:
+            for number, kind in enumerate(self.schedule):
+                if number < self.done:
+                    continue
+                self.run_cycle(number, kind)
+                self.done = number + 1
+                self.elapsed = _now() - started
+                self.save()
+                if self.stop_requested:
+                    print(f"stopped after cycle {number}: continue with --resume {self.root}", file=sys.stderr)
+                    return {**self.summary(_now() - started), "complete": False}
+                print(f"cycle {number}: {kind or 'none'}; faults so far {sum(self.faults.values())}, "
+                      f"problems {len(self.problems)}", file=sys.stderr, flush=True)
+                if progress is not None:
+                    progress.write_text(json.dumps({**self.summary(_now() - started), "complete": False}) + "\n")
+            for query in self.queries:
+                self.finish(query)
+        finally:
+            if self.cluster is not None:
+                self.cluster.stop()
+        return {**self.summary(_now() - started), "complete": True}
+
+    def finish(self, query: Query) -> None:
+        """Drain the query over the whole log, then compare its stored state with the model's."""
+        for attempt in range(3):
+            cycle_dir = self.root / "cycles" / f"final-{query.name}-{attempt}"
+            cycle_dir.mkdir(parents=True)
+            self.run_driver(query, cycle_dir, "drain")
+            self.faults["drain"] -= 1 if json.loads((cycle_dir / "cycle.json").read_text())["injected"] else 0
+            query.runs += 1
+            self.check(query, cycle_dir)
+            if query.drained and max(query.drained) == query.next_batch - 1:
+                break
+        else:
+            self.problems.append(f"{query.name}: the final drain did not happen")
+            return
+        if query.next_batch - 1 not in query.drained or self.events.end_offsets() != read_offsets(
+                query.checkpoint)[query.next_batch - 1][0]:
+            self.problems.append(f"{query.name}: the drained batch does not end at the end of the log")
+            return
+        stored = self.final_state(query)
+        expected = query.model.state()
+        if query.shape == "sessions":
+            expected = {}
+        self.keys_checked.update(expected)
+        self.counts["states_checked"] += 1
+        if stored != expected:
+            self.counts["wrong"] += 1
+            diff = sorted(set(stored.items()) ^ set(expected.items()), key=repr)[:4]
+            self.problems.append(f"{query.name}: final state differs from the model ({len(stored)} vs "
+                                 f"{len(expected)} keys), e.g. {diff}")
+
+    def summary(self, elapsed: float) -> dict:
+        return {
+            "seed": self.seed,
+            "cycles": self.counts["cycles"],
+            "queries": len(self.queries),
+            "faults": dict(sorted(self.faults.items())),
+            "batches_checked": self.counts["batches_checked"],
+            "keys_checked": len(self.keys_checked),
+            "states_checked": self.counts["states_checked"],
+            "wrong": self.counts["wrong"],
+            "lost": self.counts["lost"],
+            "duplicated": self.counts["duplicated"],
+            "hangs": self.counts["hangs"],
+            "untyped_faults": self.counts["untyped_faults"],
+            "corrupt_commits": self.counts["corrupt_commits"],
+            "log_problems": self.counts["log_problems"],
+            "longest_recovery_s": round(max(self.recoveries), 1) if self.recoveries else None,
+            "events": sum(self.events.end_offsets().values()),
+            "elapsed_s": round(elapsed),
+            "problems": self.problems[:50],
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./run campaign", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--root", type=Path, default=None, help="working directory (default: a fresh temp dir)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the summary JSON here")
+    parser.add_argument("--cycle-timeout", type=float, default=240.0)
+    parser.add_argument("--max-parallelism", type=int, default=9)
+    parser.add_argument("--no-cluster", action="store_true", help="skip the executor kills on a standalone cluster")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"query shapes to use, of {','.join(SHAPES)}")
+    parser.add_argument("--kinds", default=None,
+                        help="the fault kind of each cycle, comma-separated ('none' for none); default: random")
+    parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
+                        help="continue the run whose working directory is ROOT after its last finished cycle")
+    args = parser.parse_args(argv)
+    if args.resume is not None:
+        campaign = Campaign.resume(args.resume.resolve())
+    else:
+        if args.root is None:
+            import tempfile
+
+            args.root = Path(tempfile.mkdtemp(prefix="campaign-"))
+        campaign = Campaign(args.root.resolve(), args.seed, args.cycles, args.cycle_timeout,
+                            cluster_cycles=not args.no_cluster, max_parallelism=args.max_parallelism,
+                            shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None)
+    def stop(*_) -> None:
+        """First SIGTERM: finish the cycle, save, stop (resumable). Second: stop now (the cluster too)."""
+        if campaign.stop_requested:
+            sys.exit(143)
+        campaign.stop_requested = True
+
+    signal.signal(signal.SIGTERM, stop)
+    progress = None
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        progress = args.out.with_name(args.out.stem + ".progress.json")
+    summary = campaign.run(progress)
+    line = json.dumps(summary, sort_keys=False)
+    print(line, flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(line + "\n")
+    if not summary.get("complete", True):
+        return 2
+    failed = any(summary[k] for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "corrupt_commits",
+                                       "log_problems")) or summary["problems"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""A short seeded run of the fault campaign (``tests/campaign``): every cycle's output exact, nothing hangs.
+
+The committed long run is ``benchmarks/results/campaign.json`` (``./run campaign --cycles 200 --seed ...``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.campaign.supervisor import Campaign
+
+KINDS = ["kill_after_manifest", "truncate", "delete_newest_record", "kill_worker", "drain"]
+
+
+@pytest.mark.spark
+def test_a_short_seeded_campaign_finds_every_batch_and_the_final_state_exact(tmp_path):
+    campaign = Campaign(tmp_path, seed=20261123, cycles=len(KINDS), cycle_timeout=300, cluster_cycles=False,
+                        max_parallelism=3, shapes=("timers",), kinds=KINDS)
+    summary = campaign.run()
+    assert summary["problems"] == []
+    assert {k: summary[k] for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults")} == dict.fromkeys(
+        ("wrong", "lost", "duplicated", "hangs", "untyped_faults"), 0)
+    assert summary["cycles"] == len(KINDS) + 1 and summary["states_checked"] == 1
+    assert summary["batches_checked"] >= len(KINDS) and sum(summary["faults"].values()) >= 3
+
+
+def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record(tmp_path):
+    campaign = Campaign(tmp_path, seed=3, cycles=4, cycle_timeout=60, cluster_cycles=False)
+    campaign.events.append(50)
+    campaign.save()
+    campaign.events.append(30)  # the next cycle appended, then the run was stopped before it saved
+    resumed = Campaign.resume(tmp_path)
+    assert sum(resumed.events.end_offsets().values()) == 80 and resumed.events.appends == 2
+    assert resumed.events.verify() == []
+    resumed.events.splits[0][0] = resumed.events.splits[0][1]  # the check can fail
+    assert resumed.events.verify() != []
+
+
+def _sink_batch(query, batch_id: int, rows: list[tuple[str, int]], *, again: bool = False) -> None:
+    """Append ``rows`` to ``query``'s sink as batch ``batch_id``, the way the replayable sink does (``again``:
+    as a broken sink would, past the log's check that the batch is not in it yet)."""
+    import pyarrow as pa
+
+    from datasources.log import ReplayableLog
+    from datasources.logindex import LogMeta, SinkMark
+    from spark_state.storage import LocalStorage
+
+    schema = pa.schema([pa.field("key", pa.string()), pa.field("count", pa.int64())])
+    log = ReplayableLog.create(LocalStorage(query.out), LogMeta("out", 1, schema))
+    writer = log.segment_writer()
+    writer.add(0, pa.record_batch([pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows])], schema=schema))
+    if not again:
+        log.append(writer.finish(), SinkMark(query.sink_id, batch_id))
+        return
+    from datasources.logindex import plan_append
+
+    commit = plan_append(log.index(), writer.finish(), sink=SinkMark(query.sink_id, batch_id))
+    log.commits.create(commit.commit_id, commit.to_json())
+
+
+def _spark_batch(query, campaign, batch_id: int) -> None:
+    """Spark's offsets and commit entries for ``batch_id``, ending at the log's end."""
+    import json
+
+    for directory in ("offsets", "commits"):
+        (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
+    end = {str(s): o for s, o in campaign.events.end_offsets().items()}
+    (query.checkpoint / "offsets" / str(batch_id)).write_text(
+        "v1\n" + json.dumps({"batchTimestampMs": 1}) + "\n" + json.dumps(end) + "\n")
+    (query.checkpoint / "commits" / str(batch_id)).write_text("v1\n{}\n")
+
+
+def test_the_checks_find_a_wrong_a_lost_and_a_duplicated_batch(tmp_path):
+    campaign = Campaign(tmp_path, seed=4, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
+    query = campaign.new_query()
+    truth = []
+    for batch_id, appended in enumerate((5, 6, 7)):
+        start = campaign.events.end_offsets()
+        campaign.events.append(appended)
+        _spark_batch(query, campaign, batch_id)
+        end = campaign.events.end_offsets()
+        counts = Counter(e.key for e in campaign.events.events_between({s: 0 for s in start}, end))
+        truth.append(sorted((k, counts[k]) for k in {e.key for e in campaign.events.events_between(start, end)}))
+    _sink_batch(query, 0, truth[0])  # right
+    _sink_batch(query, 1, truth[1][:-1] + [(truth[1][-1][0], truth[1][-1][1] + 1)])  # one count off: wrong
+    # batch 2 is never written: lost (its output is not empty)
+    campaign.check_batches(query, "test")
+    assert (campaign.counts["batches_checked"], campaign.counts["wrong"], campaign.counts["lost"]) == (3, 1, 1)
+    _sink_batch(query, 1, truth[1], again=True)
+    campaign.check_batches(query, "test")
+    assert campaign.counts["duplicated"] == 1  # batch 1 twice under one sink id: found
