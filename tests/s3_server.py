@@ -168,7 +168,12 @@ class SeaweedS3:
                  config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}))
 
     def create_bucket(self, name: str) -> str:
-        self.client().create_bucket(Bucket=name)
+        """Create bucket ``name`` unless this server's account already has it (fixtures may share one)."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
         return name
 
     def uri(self, bucket: str, prefix: str = "") -> str:
