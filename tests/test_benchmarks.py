@@ -183,7 +183,7 @@ def test_manifest_benchmark_runs(tmp_path):
 
 
 @pytest.mark.spark
-def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader):
+def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result):
     """The README section renders from the smoke runs' files (plus the committed others)."""
     for name in ("keygroups.json", "source.json", "restore.json", "manifest.json"):
         shutil.copy(report.RESULTS / name, results / name)
@@ -193,6 +193,7 @@ def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, resca
     assert "### Rescale with the state on S3" in text and "### Checkpoint cost on S3 vs local disk" in text
     assert "### Where we are behind" in text
     assert "### Reading state out" in text and "20,000 keys" in text
+    assert "### Time: sessions, time to live, timers" in text
 
 
 @pytest.mark.spark
