@@ -100,7 +100,7 @@ def test_time_smoke(time_result):
     assert sessions["same_sessions"] and sessions["sessions_compared"] > 20
     assert sessions["systems"]["ours"]["late_rows"] == 0
     ttl = time_result["ttl"]["runs"]
-    assert ttl["without_ttl"]["keys"][-1] == 12 * 100 and max(ttl["with_ttl"]["keys"]) <= 4 * 100
+    assert ttl["without_ttl"]["keys"][-1] == 8 * 100 and max(ttl["with_ttl"]["keys"]) <= 4 * 100
     fired = time_result["timers"]["runs"]["timers"]["timers_fired"]
     assert fired[0] == 0 and all(n == 20 for n in fired[2:]), fired  # 1% of 2,000 keys per steady batch
     assert sum(time_result["timers"]["runs"]["no_timers"]["timers_fired"]) == 0

@@ -11,7 +11,7 @@ import pytest
 
 from tests.campaign.supervisor import Campaign
 
-KINDS = ["kill_after_manifest", "truncate", "delete_newest_record", "kill_worker", "drain"]
+KINDS = ["kill_after_manifest", "delete_newest_record", "kill_worker", "drain"]  # truncation: test_storage_faults
 
 
 @pytest.mark.spark

@@ -123,7 +123,7 @@ def test_killed_driver_restarts_to_exact_output(tmp_path):
     assert _outputs(tmp_path) == _expected(files)
 
 
-@pytest.mark.parametrize("function", ["count", "apply"])
+@pytest.mark.parametrize("function", ["count"])  # the repair happens at start(), before any function runs
 def test_a_driver_killed_while_writing_its_first_offsets_restarts_by_itself(tmp_path, function):
     files = _write_inputs(tmp_path, 3)
     left = _kill_during_first_offsets_write(tmp_path, function)
