@@ -3,7 +3,7 @@
 # newest of the declared range), install spark-state into a fresh virtualenv with exactly that pyspark, then
 # run the fast tests and the Spark end-to-end tests under it. Not part of ./run tests (it takes a while).
 #
-#   scripts/check_pyspark_versions.sh              # 4.1.0 and 4.3.0
+#   scripts/check_pyspark_versions.sh              # 4.2.0 and 4.3.0
 #   scripts/check_pyspark_versions.sh 4.2.1        # any versions
 #
 # Logs go to build/pyspark-versions/<version>.log; the last lines printed are one summary line per version.
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 versions=("$@")
-[ ${#versions[@]} -eq 0 ] && versions=(4.1.0 4.3.0)
+[ ${#versions[@]} -eq 0 ] && versions=(4.2.0 4.3.0)
 out=$root/build/pyspark-versions
 mkdir -p "$out"
 py=${PYTHON:-python3}
