@@ -1,6 +1,6 @@
 """A short seeded run of the fault campaign (``tests/campaign``): every cycle's output exact, nothing hangs.
 
-The committed long run is ``benchmarks/results/campaign.json`` (``./run campaign --cycles 200 --seed ...``).
+The committed long run is ``benchmarks/results/campaign.json`` (seed 20261123; see the README).
 """
 
 from __future__ import annotations
