@@ -43,6 +43,22 @@ def _x(r: float) -> str:
     return f"{r:.2f}x"
 
 
+def _targets(targets: list[dict]) -> str:
+    """The line listing a benchmark's targets, each met or missed."""
+    return "Targets: " + "; ".join(f"{t['target']}: {t['value']} ({'met' if t['met'] else 'missed'})"
+                                   for t in targets) + "."
+
+
+def _slower_than_naive(size: dict) -> tuple[list[dict], float, float, float] | None:
+    """Pairs where the naive store restarted faster, ours' worst ratio, max restore and min first-batch seconds."""
+    slower = [r for r in size["summary"] if r["ours_vs_naive"] < 1]
+    if not slower:
+        return None
+    ours = [r for r in size["runs"] if r["system"] == "keyed_count"]
+    return (slower, min(r["ours_vs_naive"] for r in slower), max(r["max_restore_seconds"] for r in ours),
+            min(r["first_batch_seconds"] for r in ours))
+
+
 def _span(values: list[float]) -> str:
     low, high = min(values), max(values)
     return f"{low:.2f} for every pair" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}"
@@ -105,8 +121,7 @@ def rescale_s3_section(data: dict, file: str) -> list[str]:
                 f"| {_x(r['naive_vs_ours_total_bytes_read'])} "
                 f"| {per['keyed_count'] / 1e6:.2f} / {per['naive_hash_mod'] / 1e6:.2f} "
                 f"| {req['keyed_count']} / {req['naive_hash_mod']} |")
-    out += ["", "Targets: " + "; ".join(
-        f"{t['target']}: {t['value']} ({'met' if t['met'] else 'missed'})" for t in data["targets"]) + ".", "",
+    out += ["", _targets(data["targets"]), "",
         f"![rescale on S3](benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
@@ -216,8 +231,7 @@ def time_section(data: dict, file: str) -> list[str]:
             f"time {t['seconds_last_vs_batch_10']:.2f}. Timers: {m['timer_keys']:,} registered, "
             f"{m['fired_per_batch_target']:,} firing per batch: the median steady batch takes "
             f"{_x(m['ratio'])} the same batch with no timers registered.", "",
-            "Targets: " + "; ".join(f"{x['target']}: {x['value']} ({'met' if x['met'] else 'missed'})"
-                                    for x in data["targets"]) + ".", "",
+            _targets(data["targets"]), "",
             f"![time](benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
@@ -239,8 +253,7 @@ def manifest_section(data: dict, file: str) -> list[str]:
             f"{f['commit_seconds']['median']:.4f} | {d['warm_load_seconds']['median']:.4f} / "
             f"{f['warm_load_seconds']['median']:.4f} | {d['cold_load_seconds']['median']:.3f} / "
             f"{f['cold_load_seconds']['median']:.3f} |")
-    out += ["", "Targets: " + "; ".join(f"{t['target']}: {t['value']} ({'met' if t['met'] else 'missed'})"
-                                        for t in data["targets"]) + ".", "",
+    out += ["", _targets(data["targets"]), "",
             f"![manifest](benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
@@ -264,8 +277,7 @@ def reader_section(data: dict, file: str) -> list[str]:
            f"`spark-state verify` read and checked {_mb(cli['verify_bytes'])} in {cli['verify_seconds']:.2f} s; "
            f"`spark-state plan -p 7` planned {cli['plan_requests']:,} ranged reads in {cli['plan_seconds']:.2f} s "
            "(console script wall time, Python start-up included).", "",
-           "Targets: " + "; ".join(f"{t['target']}: {t['value']} ({'met' if t['met'] else 'missed'})"
-                                   for t in data["targets"]) + ".", "",
+           _targets(data["targets"]), "",
            f"![reader](benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
@@ -313,12 +325,8 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                        + (f" (pairs {', '.join(target['slower_pairs'])})" if target.get("slower_pairs") else "") + ".")
     if rescale_s3 is not None:
         for size in rescale_s3["sizes"]:
-            slower = [r for r in size["summary"] if r["ours_vs_naive"] < 1]
-            if slower:
-                worst = min(r["ours_vs_naive"] for r in slower)
-                ours = [r for r in size["runs"] if r["system"] == "keyed_count"]
-                restore = max(r["max_restore_seconds"] for r in ours)
-                batch = min(r["first_batch_seconds"] for r in ours)
+            if (naive := _slower_than_naive(size)) is not None:
+                slower, worst, restore, batch = naive
                 out.append(f"- Rescale on S3 at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
                            f"{len(slower)} of {len(size['summary'])} pairs (ours takes up to {1 / worst:.2f}x its "
                            f"time), although it reads far more. Our restores, S3 reads included, take at most "
@@ -344,12 +352,8 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
             out.append(f"- Rescale at {size['keys']:,} keys: our restart at the new parallelism takes up to "
                        f"{1 / worst:.2f}x Spark's restart without rescaling ({len(slower_pinned)} of {len(rows)} "
                        "pairs slower than that floor).")
-        slower_naive = [r for r in rows if r["ours_vs_naive"] < 1]
-        if slower_naive:
-            worst = min(r["ours_vs_naive"] for r in slower_naive)
-            ours = [r for r in size["runs"] if r["system"] == "keyed_count"]
-            restore = max(r["max_restore_seconds"] for r in ours)
-            batch = min(r["first_batch_seconds"] for r in ours)
+        if (naive := _slower_than_naive(size)) is not None:
+            slower_naive, worst, restore, batch = naive
             out.append(f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
                        f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). "
                        f"Our restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s: "
