@@ -19,6 +19,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def driver_session(work: Path, parallelism: int):
+    """The test drivers' Spark session: ``local[2]``, UI and AQE off, state in WORK/state at ``parallelism``."""
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.state.parallelism", str(parallelism))
+        .config("spark.state.store", str(work / "state"))
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("work")
@@ -27,8 +45,6 @@ def main() -> None:
     parser.add_argument("--function", choices=("count", "apply"), default="count")
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-    from pyspark.sql import SparkSession
 
     from spark_state import keyed
     from spark_state.microbatch import MicroBatch
@@ -42,17 +58,7 @@ def main() -> None:
 
         MicroBatch._fault = die
     work = Path(args.work)
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.state.parallelism", str(args.parallelism))
-        .config("spark.state.store", str(work / "state"))
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session(work, args.parallelism)
     events = spark.readStream.schema("user string, amount long").option("maxFilesPerTrigger", 1).parquet(
         str(work / "input")
     )

@@ -41,27 +41,12 @@ def kill_when_created(process: subprocess.Popen, directory: str, pattern: str, t
     None when ``timeout`` seconds passed or the process exited first (the
     group is killed either way).
     """
-    wanted = re.compile(pattern)
-    fd = _LIBC.inotify_init1(os.O_NONBLOCK)
-    if fd < 0:
-        raise OSError(ctypes.get_errno(), "inotify_init1 failed")
-    try:
-        if _LIBC.inotify_add_watch(fd, os.fsencode(directory), IN_CREATE | IN_MOVED_TO) < 0:
-            raise OSError(ctypes.get_errno(), f"inotify_add_watch({directory}) failed")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and process.poll() is None:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if not ready:
-                continue
-            for name in _names(os.read(fd, 65536)):
-                if wanted.fullmatch(name):
-                    os.killpg(process.pid, signal.SIGSTOP)
-                    kill_group(process)
-                    return name
-        kill_group(process)
-        return None
-    finally:
-        os.close(fd)
+    deadline = time.monotonic() + timeout
+    name = wait_for_created(directory, pattern, lambda: time.monotonic() >= deadline or process.poll() is not None)
+    if name is not None:
+        os.killpg(process.pid, signal.SIGSTOP)
+    kill_group(process)
+    return name
 
 
 def _names(data: bytes):

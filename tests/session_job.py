@@ -34,10 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-    from pyspark.sql import SparkSession
-
     from spark_state import keyed
     from spark_state.microbatch import MicroBatch
+    from tests.driver_job import driver_session
 
     work = Path(args.work)
     stage = batch = change = None
@@ -54,17 +53,7 @@ def main() -> None:
             holder["query"].set_parallelism(change[0])
 
     MicroBatch._fault = fault
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.state.parallelism", str(args.parallelism))
-        .config("spark.state.store", str(work / "state"))
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session(work, args.parallelism)
     events = (
         spark.readStream.format("replayable").option("path", str(work / "events"))
         .option("maxRecordsPerBatch", 800).load()
