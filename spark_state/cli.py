@@ -375,7 +375,6 @@ def cleanup(store: str, dry_run: bool, grace_seconds: float | None, as_json: boo
     from spark_state.manifestlog import DEFAULT_ORPHAN_GRACE_SECONDS, ManifestLog, manifest_path
 
     grace = DEFAULT_ORPHAN_GRACE_SECONDS if grace_seconds is None else grace_seconds
-
     log = ManifestLog(_storage(store))
     latest = log.latest()
     if latest is None:
@@ -389,7 +388,7 @@ def cleanup(store: str, dry_run: bool, grace_seconds: float | None, as_json: boo
         except SparkStateError:
             continue
     if not dry_run:
-        paths = log.cleanup(latest, grace_seconds=grace)
+        paths = log.execute_cleanup(plan)  # exactly what was listed and sized above
     data = {"store": store, "dry_run": dry_run, "after_checkpoint": latest.checkpoint_id, "records": list(plan.records),
             "files": list(plan.files), "bytes": size}
     if as_json:

@@ -331,6 +331,10 @@ class ManifestLog(ManifestReader):
         except CorruptBlobError as exc:
             _LOG.warning("cleanup of %s skipped: %s", self.storage.uri, exc)
             return []
+        return self.execute_cleanup(plan)
+
+    def execute_cleanup(self, plan: CleanupPlan) -> list[str]:
+        """Delete what ``plan`` names, records first, then files; return the deleted paths."""
         deleted: list[str] = []
         for checkpoint_id in plan.records:
             self._log.delete(checkpoint_id)
