@@ -28,6 +28,9 @@ key                                    default                     meaning
                                                                    zombie attempts) are deleted once this old
 ``spark.state.restoreFrom``            unset                       recovery: a new checkpointLocation starts from this
                                                                    retained checkpoint id instead of the latest
+``spark.state.sharedLocalStore``       ``false``                   ``true``: the local store path is one shared
+                                                                   filesystem mounted at the same place on every
+                                                                   executor (NFS, or a cluster on this one machine)
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
@@ -37,7 +40,8 @@ every process takes them from the standard AWS chain (environment, config
 and credentials files, instance or container role).
 
 The store must be reachable from every executor: a local path (or
-``memory://``) is refused on a non-local master (``check_store_reachable``).
+``memory://``) is refused on a non-local master (``check_store_reachable``)
+unless ``spark.state.sharedLocalStore`` says the path is a shared mount.
 
 Spark hands options over as strings: ``StateConf.parse`` converts them once
 and raises ``ConfigError`` naming the key, the value and the valid range.
@@ -67,8 +71,9 @@ FROM_SAVEPOINT = PREFIX + "fromSavepoint"
 ALLOW_NON_RESTORED = PREFIX + "allowNonRestoredState"
 ORPHAN_GRACE = PREFIX + "orphanGraceSeconds"
 RESTORE_FROM = PREFIX + "restoreFrom"
+SHARED_LOCAL_STORE = PREFIX + "sharedLocalStore"
 KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
-              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, *S3_KEYS)
+              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, SHARED_LOCAL_STORE, *S3_KEYS)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -109,6 +114,7 @@ class StateConf:
     allow_non_restored: bool = False
     orphan_grace_seconds: int = 3600
     restore_from: int | None = None
+    shared_local_store: bool = False
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -144,9 +150,12 @@ class StateConf:
             text = get(key)
             return None if text is None or str(text).strip() == "" else str(text).strip()
 
-        allow = (value(ALLOW_NON_RESTORED) or "false").lower()
-        if allow not in ("true", "false"):
-            raise ConfigError(f"{ALLOW_NON_RESTORED}={allow!r} is not true or false")
+        def flag(key: str) -> bool:
+            text = (value(key) or "false").lower()
+            if text not in ("true", "false"):
+                raise ConfigError(f"{key}={text!r} is not true or false")
+            return text == "true"
+
         compression = (value(COMPRESSION) or "none").lower()
         if compression not in COMPRESSIONS:
             raise ConfigError(f"{COMPRESSION}={compression!r} is not one of {', '.join(COMPRESSIONS)}")
@@ -164,9 +173,10 @@ class StateConf:
             max_chain_length=_int(MAX_CHAIN_LENGTH, value(MAX_CHAIN_LENGTH), 1) if value(MAX_CHAIN_LENGTH) else 8,
             compression=None if compression == "none" else compression,
             from_savepoint=value(FROM_SAVEPOINT),
-            allow_non_restored=allow == "true",
+            allow_non_restored=flag(ALLOW_NON_RESTORED),
             orphan_grace_seconds=_int(ORPHAN_GRACE, value(ORPHAN_GRACE), 0) if value(ORPHAN_GRACE) else 3600,
             restore_from=_int(RESTORE_FROM, value(RESTORE_FROM), 0) if value(RESTORE_FROM) else None,
+            shared_local_store=flag(SHARED_LOCAL_STORE),
         )
 
     @classmethod
@@ -209,19 +219,23 @@ def is_local_store(store: str) -> bool:
     return scheme in ("", "file", "memory") or len(scheme) == 1  # one letter: a Windows drive
 
 
-def check_store_reachable(store: str, master: str) -> None:
+def check_store_reachable(store: str, master: str, *, shared: bool = False) -> None:
     """Refuse a store that executors of ``master`` cannot reach: a local one on a non-``local`` master.
 
     ``local``, ``local[N]`` and ``local-cluster[...]`` run every executor on
     this machine; any other master (standalone, YARN, Kubernetes) may run
-    them elsewhere, where a local path names another disk.
+    them elsewhere, where a local path names another disk, unless ``shared``
+    (``spark.state.sharedLocalStore``) says the path is one shared mount.
+    ``memory://`` lives in one process and is refused whatever ``shared`` says.
     """
-    if is_local_store(store) and not str(master).startswith("local"):
+    if is_local_store(store) and not str(master).startswith("local") and not (
+            shared and not store.startswith("memory:")):
         raise ConfigError(
             f"{STORE}={store!r} is on local disk, but the master {master!r} runs executors on other machines, "
             "which would each write state to their own disk and lose it on a rescale or a restart. Set "
             f"{STORE} to storage every executor reaches: s3://BUCKET/PREFIX (with {S3_PREFIX}endpoint for an "
-            "S3-compatible store) or webhdfs://NAMENODE:HTTP_PORT/path"
+            "S3-compatible store) or webhdfs://NAMENODE:HTTP_PORT/path, or, if the path is one shared filesystem "
+            f"mounted at the same place on every executor (NFS), set {SHARED_LOCAL_STORE}=true"
         )
 
 

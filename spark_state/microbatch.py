@@ -112,7 +112,7 @@ class MicroBatch:
     def conf(self) -> StateConf:
         """Settings for the next batch, from the session that started the query."""
         conf = StateConf.from_session(self.session, default_store=lambda: default_store(self.checkpoint_location))
-        check_store_reachable(conf.store, self.session.sparkContext.master)
+        check_store_reachable(conf.store, self.session.sparkContext.master, shared=conf.shared_local_store)
         if self.parallelism_override is not None:
             conf = replace(conf, parallelism=self.parallelism_override)
         return conf

@@ -86,6 +86,28 @@ def test_a_local_store_is_refused_on_a_non_local_master(store, master, refused):
         check_store_reachable(store, master)
 
 
+@pytest.mark.parametrize("store, refused", [("/mnt/nfs/state", False), ("file:///mnt/nfs/state", False),
+                                            ("memory://x", True)])
+def test_a_shared_local_store_is_accepted_on_a_cluster_when_declared(store, refused):
+    assert StateConf.from_mapping({"spark.state.store": store, "spark.state.sharedLocalStore": "TRUE"},
+                                  default_store="/unused", default_parallelism=2).shared_local_store
+    if refused:
+        with pytest.raises(ConfigError, match="on local disk"):
+            check_store_reachable(store, "spark://10.0.0.1:7077", shared=True)
+    else:
+        check_store_reachable(store, "spark://10.0.0.1:7077", shared=True)
+
+
+def test_the_error_for_a_local_store_on_a_cluster_names_the_shared_mount_setting():
+    with pytest.raises(ConfigError, match="spark.state.sharedLocalStore=true"):
+        check_store_reachable("/data/state", "yarn")
+
+
+def test_shared_local_store_must_be_true_or_false():
+    with pytest.raises(ConfigError, match="spark.state.sharedLocalStore='yes' is not true or false"):
+        StateConf.from_mapping({"spark.state.sharedLocalStore": "yes"}, default_store="/s", default_parallelism=2)
+
+
 @pytest.mark.parametrize("location, store", [
     ("/chk/q1", "/chk/q1/state"),
     ("/chk/q1/", "/chk/q1/state"),

@@ -19,7 +19,12 @@ and inject at most one fault (``FAULT_KINDS``); then check:
   has the size and CRC-32 it recorded;
 - refusals (a deleted newest record, a second checkpoint location on the
   store) stop the driver with the typed error, and change nothing;
-- a storage fault stops what it hit with a typed error naming the path.
+- a storage fault stops what it hit with a typed error naming the path;
+- a driver that stops with an error no injected fault explains is a problem.
+
+A scheduled fault a cycle could not inject (a refusal needs a batch Spark
+committed, a kill its moment) is owed: the next cycle scheduled without a
+fault injects it instead, so every kind reaches its count.
 
 A cycle past ``--cycle-timeout`` is a hang: the stacks of the driver's JVM
 (``jstack``) and Python processes (SIGUSR1, see ``site/sitecustomize.py``)
@@ -169,6 +174,9 @@ class Campaign:
         self.shapes = shapes
         self.schedule = self._schedule() if kinds is None else (
             [None if k == "none" else k for k in kinds] + [None] * cycles)[:cycles]
+        self.owed: list[str] = []
+        """Scheduled kinds a cycle could not inject (a refusal needs a committed batch, a kill its moment):
+        each takes the next cycle scheduled without a fault, so every kind reaches its count."""
 
     # -- choices -------------------------------------------------------------------------------
 
@@ -211,6 +219,7 @@ class Campaign:
         if cluster is not None:
             conf.update(cluster.driver_conf())
             conf["spark.task.maxFailures"] = "4"
+            conf["spark.state.sharedLocalStore"] = "true"  # the cluster's workers run on this machine
         conf.update({
             "spark.state.parallelism": str(parallelism),
             "spark.state.maxParallelism": str(MAX_PARALLELISM),
@@ -499,6 +508,10 @@ class Campaign:
                 injected.clear()
         if kind is not None and injected:
             self.faults[kind] += 1
+        elif process.returncode not in (0, None, -signal.SIGKILL):
+            self.counts["unexplained_failures"] += 1
+            self.problems.append(f"{cycle_dir.name}: the driver stopped with exit {process.returncode} and no "
+                                 f"injected fault explains it: {self.driver_error(cycle_dir)}")
         if first_commit and query.runs > 0:
             self.recoveries.append(first_commit[0])
         (cycle_dir / "cycle.json").write_text(json.dumps({
@@ -697,7 +710,12 @@ class Campaign:
             for number, kind in enumerate(self.schedule):
                 if number < self.done:
                     continue
+                if kind is None and self.owed:
+                    kind = self.owed.pop(0)
+                injected_before = self.faults[kind] if kind else 0
                 self.run_cycle(number, kind)
+                if kind and self.faults[kind] == injected_before:
+                    self.owed.append(kind)
                 self.done = number + 1
                 self.elapsed = _now() - started
                 self.save()
@@ -759,6 +777,7 @@ class Campaign:
             "duplicated": self.counts["duplicated"],
             "hangs": self.counts["hangs"],
             "untyped_faults": self.counts["untyped_faults"],
+            "unexplained_failures": self.counts["unexplained_failures"],
             "corrupt_commits": self.counts["corrupt_commits"],
             "log_problems": self.counts["log_problems"],
             "longest_recovery_s": round(max(self.recoveries), 1) if self.recoveries else None,
@@ -812,8 +831,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(line + "\n")
     if not summary.get("complete", True):
         return 2
-    failed = any(summary[k] for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "corrupt_commits",
-                                       "log_problems")) or summary["problems"]
+    failed = any(summary[k] for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures",
+                                       "corrupt_commits", "log_problems")) or summary["problems"]
     return 1 if failed else 0
 
 
