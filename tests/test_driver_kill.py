@@ -114,10 +114,15 @@ def _matches_some_batching(outputs: dict[int, dict[str, int]], files: list[list[
 
 def test_killed_driver_restarts_to_exact_output(tmp_path):
     files = _write_inputs(tmp_path, 4)
-    # Dies after the tasks wrote their blobs, before output and commit.
-    assert _run(tmp_path, 2, die_at="tasks_done:1") == 41
-    # Restarted at 3: dies after committing batch 2, before Spark records it as done.
-    assert _run(tmp_path, 3, die_at="committed:2") == 41
+    # Dies after the tasks of batch 0 wrote their blobs, before output and commit: offsets/0 is complete.
+    assert _run(tmp_path, 2, die_at="tasks_done:0") == 41
+    first = (tmp_path / "chk" / "offsets" / "0").read_bytes()
+    # Restarted at 3: replays batch 0 from its complete offsets entry (never repaired: only a first write's
+    # leftovers are), then dies after committing batch 2, before Spark records it as done.
+    restarted = _run_logged(tmp_path, 3, die_at="committed:2")
+    assert restarted.returncode == 41, restarted.stderr[-3000:]
+    assert "removed" not in restarted.stderr
+    assert (tmp_path / "chk" / "offsets" / "0").read_bytes() == first
     # Restarted at 1: replays batch 2 from the checkpoint before it, then finishes.
     assert _run(tmp_path, 1) == 0
     assert _outputs(tmp_path) == _expected(files)
@@ -140,14 +145,3 @@ def test_a_driver_killed_while_writing_its_first_offsets_restarts_by_itself(tmp_
     assert "removed " in removed and all(name in removed for name in left), restarted.stderr[-3000:]
     assert _matches_some_batching(_outputs(work), files)
     assert not _matches_some_batching({**_outputs(work), 99: {"u0": 1}}, files)  # the check can fail
-
-
-def test_a_complete_first_offsets_entry_is_never_touched(tmp_path):
-    files = _write_inputs(tmp_path, 3)
-    assert _run(tmp_path, 2, die_at="tasks_done:0") == 41
-    first = (tmp_path / "chk" / "offsets" / "0").read_bytes()
-    restarted = _run_logged(tmp_path, 2)
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert "removed" not in restarted.stderr
-    assert (tmp_path / "chk" / "offsets" / "0").read_bytes() == first
-    assert _outputs(tmp_path) == _expected(files)
