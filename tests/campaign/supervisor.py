@@ -182,7 +182,7 @@ class Campaign:
 
     def _schedule(self) -> list[str | None]:
         """Fault kinds by cycle: every kind at least ``per_kind`` times when cycles allow, the rest random or none."""
-        kinds = [k for k in FAULT_KINDS if self.cluster_cycles or k != "kill_executor"]
+        kinds = self.kinds()
         per_kind = max(0, min(6, self.cycles // len(kinds)))
         plan: list[str | None] = [k for k in kinds for _ in range(per_kind)]
         while len(plan) < self.cycles:
@@ -698,6 +698,7 @@ class Campaign:
         (that cycle runs again, with fresh choices)."""
         campaign = pickle.loads((root / cls.STATE).read_bytes())
         campaign.stop_requested = False
+        campaign.resumes = getattr(campaign, "resumes", 0) + 1
         taken = campaign.events.reconcile()
         if taken:
             print(f"resume: {taken} appends of an interrupted cycle taken into the record", file=sys.stderr)
@@ -763,11 +764,27 @@ class Campaign:
             self.problems.append(f"{query.name}: final state differs from the model ({len(stored)} vs "
                                  f"{len(expected)} keys), e.g. {diff}")
 
+    def kinds(self) -> list[str]:
+        """The fault kinds this run may inject."""
+        return [k for k in FAULT_KINDS if self.cluster_cycles or k != "kill_executor"]
+
+    def command(self) -> str:
+        """The command that runs this campaign's schedule from the start."""
+        options = [f"--cycles {len(self.schedule)}", f"--seed {self.seed}"]
+        options += [] if self.cluster_cycles else ["--no-cluster"]
+        options += [] if self.max_parallelism == 9 else [f"--max-parallelism {self.max_parallelism}"]
+        options += [] if self.shapes == SHAPES else [f"--shapes {','.join(self.shapes)}"]
+        return "./run campaign " + " ".join(options)
+
     def summary(self, elapsed: float) -> dict:
         return {
+            "command": self.command(),
             "seed": self.seed,
+            "scheduled_cycles": len(self.schedule),
             "cycles": self.counts["cycles"],
+            "resumes": getattr(self, "resumes", 0),
             "queries": len(self.queries),
+            "fault_kinds": self.kinds(),
             "faults": dict(sorted(self.faults.items())),
             "batches_checked": self.counts["batches_checked"],
             "keys_checked": len(self.keys_checked),
