@@ -177,7 +177,10 @@ class KeyedStream:
         """Emit the first row of each key; drop repeats until the watermark passes its event time + ``horizon``.
 
         The output has the input's columns. A key's state expires after the
-        horizon (event time), so the state of quiet keys goes away.
+        horizon (event time), so the state of quiet keys goes away. "First"
+        is the earliest event time among a batch's rows of the key (ties: the
+        smallest by the other columns in order), never arrival order, so a
+        replayed batch emits the same row (``timed`` module docstring).
         """
         self._require_event_time("deduplicate()")
         function = deduplicate_function(parse_duration(horizon, "deduplicate horizon"))

@@ -6,7 +6,12 @@ timers, time to live), as a user could write them.
 **Deduplication** (``deduplicate``): the first row of a key is emitted; the
 key then remembers it until the watermark passes the row's event time plus
 the horizon (an event-time time to live), so a repeat within the horizon is
-dropped and the state of quiet keys goes away.
+dropped and the state of quiet keys goes away. "First" is by event time, not
+by arrival: among a batch's rows of a new key, the one with the earliest
+event time is emitted, ties broken by the row's other columns in order
+(nested columns aside). Spark's shuffle delivers a key's rows in any order
+(on a cluster, the order blocks are fetched in), so a replayed batch emits
+the same row and stores the same event time as its first attempt.
 
 **Session windows** (``sessions``): rows of a key whose event times are at
 most ``gap`` apart belong to one session ``[first, last + gap)``; a row that
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from spark_state.errors import ConfigError
 from spark_state.functions import EVENT_MS_COLUMN, KeyState, PythonFunction, TimeToLive
@@ -39,18 +45,32 @@ def _timestamp(milliseconds: int) -> _dt.datetime:
 
 @dataclass(frozen=True)
 class Deduplicate:
-    """``fn`` of ``deduplicate``: emit a key's first row, remember the key for ``horizon_ms`` of event time."""
+    """``fn`` of ``deduplicate``: emit a key's first row by event time (see the module docstring), remember the
+    key for ``horizon_ms`` of event time."""
 
     horizon_ms: int
 
     def __call__(self, key: tuple, rows, state: KeyState):
         if state.exists:
             return None
-        first = rows.slice(0, 1)
+        first = rows.slice(first_by_event_time(rows), 1)
         event_ms = first.column(EVENT_MS_COLUMN)[0].as_py()
         state.update((event_ms,))
         state.expires = event_ms + self.horizon_ms
         return first.drop_columns([EVENT_MS_COLUMN])
+
+
+def first_by_event_time(rows: pa.RecordBatch | pa.Table) -> int:
+    """Index of the row with the earliest event time, ties broken by the other columns in order (ascending,
+    nulls last; nested and dictionary columns, which do not sort, are skipped): the same row whatever order
+    ``rows`` arrive in, unless rows differ in skipped columns only."""
+    if rows.num_rows == 1:
+        return 0
+    sortable = [name for name, field in zip(rows.schema.names, rows.schema) if name != EVENT_MS_COLUMN and not (
+        pa.types.is_nested(field.type) or pa.types.is_dictionary(field.type) or pa.types.is_null(field.type)
+        or isinstance(field.type, pa.ExtensionType))]
+    order = pc.sort_indices(rows, sort_keys=[(name, "ascending") for name in [EVENT_MS_COLUMN, *sortable]])
+    return order[0].as_py()
 
 
 def deduplicate_function(horizon_ms: int) -> PythonFunction:

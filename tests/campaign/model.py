@@ -143,8 +143,14 @@ def _clusters(points: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return groups
 
 
+def _dedup_order(e: Event) -> tuple[int, int, int]:
+    return e.event_ms, e.value, e.seq
+
+
 class DedupModel(Model):
-    """The first on-time row of a key is emitted; the key is remembered until the watermark passes event + horizon."""
+    """A new key's first on-time row by event time is emitted (ties: the smaller value, then the smaller seq: the
+    operator orders ties by the other columns, ``key, value, event_time, seq``); the key is remembered until the
+    watermark passes that event time + horizon. Arrival order does not count: on a cluster it is the shuffle's."""
 
     event_time = True
 
@@ -153,13 +159,17 @@ class DedupModel(Model):
         self.first: dict[str, int] = {}  # key -> event ms of the row emitted
 
     def apply(self, events, watermark, processing_ms, drained):
-        out = []
+        first: dict[str, Event] = {}
         for e in events:
             remembered = self.first.get(e.key)
             if remembered is not None and (watermark is None or remembered + HORIZON_MS > watermark):
                 continue
-            self.first[e.key] = e.event_ms
-            out.append((e.key, e.seq))
+            if e.key not in first or _dedup_order(e) < _dedup_order(first[e.key]):
+                first[e.key] = e
+        out = []
+        for key, e in first.items():
+            self.first[key] = e.event_ms
+            out.append((key, e.seq))
         if watermark is not None:
             self.first = {k: t for k, t in self.first.items() if t + HORIZON_MS > watermark}
         return out
