@@ -403,6 +403,42 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
     return out + [""]
 
 
+CAMPAIGN_CYCLES, CAMPAIGN_PER_KIND = 200, 5
+"""What a committed fault campaign must reach: scheduled cycles, and injections of every fault kind."""
+
+
+def campaign_section(data: dict, file: str) -> list[str]:
+    kinds = data.get("fault_kinds") or sorted(data["faults"])
+    faults = {k: data["faults"].get(k, 0) for k in kinds}
+    scheduled = data.get("scheduled_cycles", data["cycles"] - data["queries"])
+    bad = {k: data.get(k, 0) for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults",
+                                        "unexplained_failures", "corrupt_commits", "log_problems")}
+    fewest = min(faults, key=faults.get)
+    resumed = data.get("resumes", 0)
+    out = ["### Fault campaign", "",
+           f"From `benchmarks/results/{file}` (`{data.get('command', 'seed ' + str(data['seed']))}`"
+           + (f", stopped and resumed {resumed} time{'s' if resumed > 1 else ''} with `--resume`" if resumed else "")
+           + (")." if data.get("complete", True) else "; NOT complete)."), "",
+           f"{data['cycles']} cycles ({scheduled} scheduled, then the final drains of its {data['queries']} queries) "
+           f"in {data['elapsed_s'] / 3600:.1f} h: {sum(faults.values())} faults of {len(kinds)} kinds injected; "
+           f"{data['batches_checked']:,} micro-batches, {data['keys_checked']:,} distinct keys and "
+           f"{data['states_checked']} drained final states checked against the model over {data['events']:,} "
+           "events. " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in bad.items())
+           + f". The longest recovery (restart to the first committed batch) took {data['longest_recovery_s']} s.", "",
+           "| fault | injected |", "| --- | ---: |"]
+    out += [f"| `{k}` | {n} |" for k, n in faults.items()]
+    clean = not any(bad.values()) and not data["problems"]
+    out += ["", _targets([
+        {"target": f"at least {CAMPAIGN_CYCLES} scheduled cycles", "value": scheduled,
+         "met": scheduled >= CAMPAIGN_CYCLES},
+        {"target": f"every fault kind at least {CAMPAIGN_PER_KIND} times", "value": f"fewest {fewest} {faults[fewest]}",
+         "met": faults[fewest] >= CAMPAIGN_PER_KIND},
+        {"target": "nothing wrong, lost, duplicated, hung or untyped", "value": "none" if clean else
+         f"{sum(bad.values())} ({'; '.join(data['problems'][:3])})", "met": clean},
+    ]), ""]
+    return out
+
+
 def render(results: Path = RESULTS) -> str:
     rescale, keyed, checkpoint = load("rescale", results), load("keyed", results), load("checkpoint", results)
     keygroups, source, restore = load("keygroups", results), load("source", results), load("restore", results)
@@ -423,6 +459,7 @@ def render(results: Path = RESULTS) -> str:
     time = load("time", results)
     lines += time_section(*time)
     lines += reader_section(*reader)
+    lines += campaign_section(*load("campaign", results, "./run campaign --cycles 200 --seed 20261123"))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
                             time[0])

@@ -185,7 +185,7 @@ def test_manifest_benchmark_runs(tmp_path):
 @pytest.mark.spark
 def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result):
     """The README section renders from the smoke runs' files (plus the committed others)."""
-    for name in ("keygroups.json", "source.json", "restore.json", "manifest.json"):
+    for name in ("keygroups.json", "source.json", "restore.json", "manifest.json", "campaign.json"):
         shutil.copy(report.RESULTS / name, results / name)
     text = report.render(results)
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
@@ -194,6 +194,29 @@ def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, resca
     assert "### Where we are behind" in text
     assert "### Reading state out" in text and "20,000 keys" in text
     assert "### Time: sessions, time to live, timers" in text
+    assert "### Fault campaign" in text
+
+
+def _campaign(**changes) -> dict:
+    summary = {"command": "./run campaign --cycles 200 --seed 1", "seed": 1, "scheduled_cycles": 200, "cycles": 206,
+               "resumes": 0, "queries": 6, "fault_kinds": ["kill_random", "stall"],
+               "faults": {"kill_random": 9, "stall": 5}, "batches_checked": 900, "keys_checked": 12_000,
+               "states_checked": 6, "wrong": 0, "lost": 0, "duplicated": 0, "hangs": 0, "untyped_faults": 0,
+               "unexplained_failures": 0, "corrupt_commits": 0, "log_problems": 0, "longest_recovery_s": 40.1,
+               "events": 90_000, "elapsed_s": 7200, "problems": [], "complete": True}
+    return {**summary, **changes}
+
+
+def test_the_campaign_section_meets_its_targets_only_when_every_kind_reached_five_and_nothing_went_wrong():
+    def targets(data):
+        line = next(line for line in report.campaign_section(data, "campaign.json") if line.startswith("Targets"))
+        return line.count("(met)"), line.count("(missed)")
+
+    assert targets(_campaign()) == (3, 0)
+    assert targets(_campaign(faults={"kill_random": 9})) == (2, 1)  # a kind never injected counts as 0
+    assert targets(_campaign(wrong=1, problems=["q01 batch 3: 1 row missing"])) == (2, 1)
+    assert targets(_campaign(scheduled_cycles=120)) == (2, 1)
+    assert "NOT complete" in report.campaign_section(_campaign(complete=False), "campaign.json")[2]
 
 
 @pytest.mark.spark

@@ -174,6 +174,7 @@ class Campaign:
         self.shapes = shapes
         self.schedule = self._schedule() if kinds is None else (
             [None if k == "none" else k for k in kinds] + [None] * cycles)[:cycles]
+        self.explicit_kinds = kinds
         self.owed: list[str] = []
         """Scheduled kinds a cycle could not inject (a refusal needs a committed batch, a kill its moment):
         each takes the next cycle scheduled without a fault, so every kind reaches its count."""
@@ -774,6 +775,8 @@ class Campaign:
         options += [] if self.cluster_cycles else ["--no-cluster"]
         options += [] if self.max_parallelism == 9 else [f"--max-parallelism {self.max_parallelism}"]
         options += [] if self.shapes == SHAPES else [f"--shapes {','.join(self.shapes)}"]
+        kinds = getattr(self, "explicit_kinds", None)
+        options += [] if kinds is None else [f"--kinds {','.join(kinds)}"]
         return "./run campaign " + " ".join(options)
 
     def summary(self, elapsed: float) -> dict:
