@@ -311,7 +311,9 @@ class PythonFunction:
 
     ``key`` is a tuple of the key column values; ``rows`` a pandas DataFrame
     (``style="pandas"``) or a ``pyarrow.Table`` (``style="arrow"``) of that
-    key's new rows, in arrival order within their input partition;
+    key's new rows, in the order Spark's shuffle delivered them, which a
+    replayed batch may not repeat (on a cluster, the order blocks are
+    fetched in): for exactly-once output, ``fn`` must not depend on it;
     ``state`` a ``KeyState``. It returns the output rows for that key: a
     pandas DataFrame, a pyarrow Table, a list of dicts, or None.
     ``on_timer(key, timer, state) -> output`` is called for each due timer of
