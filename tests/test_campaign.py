@@ -38,6 +38,30 @@ def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record
     assert resumed.events.verify() != []
 
 
+def test_batches_whose_offsets_spark_purged_are_not_stray_but_a_late_sink_write_is_wrong(tmp_path):
+    campaign = Campaign(tmp_path, seed=5, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
+    query = campaign.new_query()
+    truth = []
+    for batch_id, appended in enumerate((5, 6, 0)):
+        start = campaign.events.end_offsets()
+        if appended:
+            campaign.events.append(appended)
+        _spark_batch(query, campaign, batch_id)
+        counts = Counter(e.key for e in campaign.events.events_between(query.starting, campaign.events.end_offsets()))
+        truth.append(sorted((k, counts[k]) for k in {e.key for e in campaign.events.events_between(
+            start, campaign.events.end_offsets())}))
+    _sink_batch(query, 0, truth[0])
+    _sink_batch(query, 1, truth[1])  # batch 2 has no rows: nothing in the sink
+    campaign.check_batches(query, "test")
+    assert campaign.counts["batches_checked"] == 3 and campaign.problems == []
+    (query.checkpoint / "offsets" / "0").unlink()  # Spark keeps the offsets of its last 100 batches only
+    campaign.check_batches(query, "test")
+    assert campaign.problems == []
+    _sink_batch(query, 2, [("late", 1)])  # a sink write for a batch Spark committed as empty
+    campaign.check_batches(query, "test")
+    assert campaign.counts["wrong"] == 1 and "after Spark committed it" in campaign.problems[0]
+
+
 def _sink_batch(query, batch_id: int, rows: list[tuple[str, int]], *, again: bool = False) -> None:
     """Append ``rows`` to ``query``'s sink as batch ``batch_id``, the way the replayable sink does (``again``:
     as a broken sink would, past the log's check that the batch is not in it yet)."""
