@@ -216,6 +216,7 @@ def test_the_campaign_section_meets_its_targets_only_when_every_kind_reached_fiv
     assert targets(_campaign(faults={"kill_random": 9})) == (2, 1)  # a kind never injected counts as 0
     assert targets(_campaign(wrong=1, problems=["q01 batch 3: 1 row missing"])) == (2, 1)
     assert targets(_campaign(scheduled_cycles=120)) == (2, 1)
+    assert targets(_campaign(complete=False, cycles=60)) == (2, 1)
     assert "NOT complete" in report.campaign_section(_campaign(complete=False), "campaign.json")[2]
 
 
