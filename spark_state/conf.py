@@ -228,15 +228,17 @@ def check_store_reachable(store: str, master: str, *, shared: bool = False) -> N
     (``spark.state.sharedLocalStore``) says the path is one shared mount.
     ``memory://`` lives in one process and is refused whatever ``shared`` says.
     """
-    if is_local_store(store) and not str(master).startswith("local") and not (
-            shared and not store.startswith("memory:")):
-        raise ConfigError(
-            f"{STORE}={store!r} is on local disk, but the master {master!r} runs executors on other machines, "
-            "which would each write state to their own disk and lose it on a rescale or a restart. Set "
-            f"{STORE} to storage every executor reaches: s3://BUCKET/PREFIX (with {S3_PREFIX}endpoint for an "
-            "S3-compatible store) or webhdfs://NAMENODE:HTTP_PORT/path, or, if the path is one shared filesystem "
-            f"mounted at the same place on every executor (NFS), set {SHARED_LOCAL_STORE}=true"
-        )
+    if not is_local_store(store) or str(master).startswith("local"):
+        return
+    if shared and not store.startswith("memory:"):
+        return
+    raise ConfigError(
+        f"{STORE}={store!r} is on local disk, but the master {master!r} runs executors on other machines, "
+        "which would each write state to their own disk and lose it on a rescale or a restart. Set "
+        f"{STORE} to storage every executor reaches: s3://BUCKET/PREFIX (with {S3_PREFIX}endpoint for an "
+        "S3-compatible store) or webhdfs://NAMENODE:HTTP_PORT/path, or, if the path is one shared filesystem "
+        f"mounted at the same place on every executor (NFS), set {SHARED_LOCAL_STORE}=true"
+    )
 
 
 def default_store(checkpoint_location: str) -> str:

@@ -41,15 +41,7 @@ def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record
 def test_batches_whose_offsets_spark_purged_are_not_stray_but_a_late_sink_write_is_wrong(tmp_path):
     campaign = Campaign(tmp_path, seed=5, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
     query = campaign.new_query()
-    truth = []
-    for batch_id, appended in enumerate((5, 6, 0)):
-        start = campaign.events.end_offsets()
-        if appended:
-            campaign.events.append(appended)
-        _spark_batch(query, campaign, batch_id)
-        counts = Counter(e.key for e in campaign.events.events_between(query.starting, campaign.events.end_offsets()))
-        truth.append(sorted((k, counts[k]) for k in {e.key for e in campaign.events.events_between(
-            start, campaign.events.end_offsets())}))
+    truth = _count_batches(campaign, query, (5, 6, 0))
     _sink_batch(query, 0, truth[0])
     _sink_batch(query, 1, truth[1])  # batch 2 has no rows: nothing in the sink
     campaign.check_batches(query, "test")
@@ -84,6 +76,21 @@ def _sink_batch(query, batch_id: int, rows: list[tuple[str, int]], *, again: boo
     log.commits.create(commit.commit_id, commit.to_json())
 
 
+def _count_batches(campaign, query, appends: tuple[int, ...]) -> list[list[tuple[str, int]]]:
+    """Append ``appends[i]`` events (none for 0) as Spark's batch ``i`` of the ``count`` query; each batch's
+    expected output: the running count of every key the batch holds."""
+    truth = []
+    for batch_id, appended in enumerate(appends):
+        start = campaign.events.end_offsets()
+        if appended:
+            campaign.events.append(appended)
+        _spark_batch(query, campaign, batch_id)
+        end = campaign.events.end_offsets()
+        counts = Counter(e.key for e in campaign.events.events_between(query.starting, end))
+        truth.append(sorted((k, counts[k]) for k in {e.key for e in campaign.events.events_between(start, end)}))
+    return truth
+
+
 def _spark_batch(query, campaign, batch_id: int) -> None:
     """Spark's offsets and commit entries for ``batch_id``, ending at the log's end."""
     import json
@@ -99,14 +106,7 @@ def _spark_batch(query, campaign, batch_id: int) -> None:
 def test_the_checks_find_a_wrong_a_lost_and_a_duplicated_batch(tmp_path):
     campaign = Campaign(tmp_path, seed=4, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
     query = campaign.new_query()
-    truth = []
-    for batch_id, appended in enumerate((5, 6, 7)):
-        start = campaign.events.end_offsets()
-        campaign.events.append(appended)
-        _spark_batch(query, campaign, batch_id)
-        end = campaign.events.end_offsets()
-        counts = Counter(e.key for e in campaign.events.events_between({s: 0 for s in start}, end))
-        truth.append(sorted((k, counts[k]) for k in {e.key for e in campaign.events.events_between(start, end)}))
+    truth = _count_batches(campaign, query, (5, 6, 7))
     _sink_batch(query, 0, truth[0])  # right
     _sink_batch(query, 1, truth[1][:-1] + [(truth[1][-1][0], truth[1][-1][1] + 1)])  # one count off: wrong
     # batch 2 is never written: lost (its output is not empty)
