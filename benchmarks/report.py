@@ -442,6 +442,18 @@ def campaign_section(data: dict, file: str) -> list[str]:
     return out
 
 
+def campaign_s3_lines(data: dict, file: str) -> list[str]:
+    """A run with ``--s3`` (its stores partly on S3), in one paragraph under the committed run."""
+    bad = sum(data.get(k, 0) for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults",
+                                        "unexplained_failures", "corrupt_commits", "log_problems"))
+    faults = ", ".join(f"`{k}` {n}" for k, n in data["faults"].items() if n)
+    return [f"**On S3** (`benchmarks/results/{file}`, `{data['command']}`): {data['cycles']} cycles, "
+            f"{data['queries_on_s3']} of {data['queries']} queries with their state store on SeaweedFS; faults "
+            f"{faults}; {data['batches_checked']:,} micro-batches and {data['states_checked']} drained final states "
+            f"checked: {'nothing' if not bad and not data['problems'] else bad} wrong, lost, duplicated, hung or "
+            "untyped.", ""]
+
+
 def render(results: Path = RESULTS) -> str:
     rescale, keyed, checkpoint = load("rescale", results), load("keyed", results), load("checkpoint", results)
     keygroups, source, restore = load("keygroups", results), load("source", results), load("restore", results)
@@ -463,6 +475,8 @@ def render(results: Path = RESULTS) -> str:
     lines += time_section(*time)
     lines += reader_section(*reader)
     lines += campaign_section(*load("campaign", results, "./run campaign --cycles 200 --seed 20261123"))
+    if (results / "campaign_s3.json").exists():
+        lines += campaign_s3_lines(*load("campaign_s3", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
                             time[0])

@@ -250,3 +250,12 @@ def test_readme_results_match_the_results_files():
 def test_report_refuses_missing_results(tmp_path):
     with pytest.raises(report.MissingResults, match="run ./run bench bench_rescale"):
         report.render(tmp_path)
+
+
+def test_an_s3_campaign_renders_as_one_paragraph_naming_its_queries_on_s3():
+    lines = report.campaign_s3_lines(_campaign(command="./run campaign --cycles 30 --seed 5 --s3", queries_on_s3=3),
+                                     "campaign_s3.json")
+    assert "3 of 6 queries with their state store on SeaweedFS" in lines[0] and "nothing wrong" in lines[0]
+    assert "`kill_random` 9" in lines[0]
+    lines = report.campaign_s3_lines(_campaign(queries_on_s3=3, lost=2, problems=["x"]), "campaign_s3.json")
+    assert "2 wrong, lost" in lines[0]

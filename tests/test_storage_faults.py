@@ -51,6 +51,17 @@ def test_the_nth_matching_write_fails_with_a_typed_error_naming_the_path_and_wri
     assert backend.read("blobs/c") == b"3"
 
 
+def test_rules_match_a_store_uri_without_its_parameters(tmp_path):
+    """An s3:// store's URI carries its endpoint as parameters; a rule names the bucket and prefix only."""
+    inner = MemoryStorage()
+    inner.uri = "s3://bucket/q/state?endpoint=http://127.0.0.1:8333&path_style=true"
+    storage = FaultStorage(inner, plan(tmp_path, {"op": "create", "path": r"^s3://bucket/q/state/checkpoints/",
+                                                  "nth": 1, "fault": "error"}))
+    storage.create("blobs/a", b"1")
+    with pytest.raises(InjectedStorageError, match="'checkpoints/1.json'"):
+        storage.create("checkpoints/1.json", b"{}")
+
+
 def test_a_read_fault_and_no_space_left(tmp_path, backend):
     backend.create("d/x", b"data")
     storage = FaultStorage(backend, plan(tmp_path, {"op": "read", "path": "d/x", "nth": 1, "fault": "error"},

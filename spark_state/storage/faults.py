@@ -17,7 +17,8 @@ A plan is JSON::
 
 A rule counts the calls of its ``op`` (``create``, ``read``, ``size``,
 ``exists``, ``list``, ``delete``, or ``any``) whose ``<storage uri>/<path>``
-matches its ``path`` regular expression (``re.search``), over all processes
+(the URI without its ``?`` parameters) matches its ``path`` regular
+expression (``re.search``), over all processes
 that share the plan, and acts on the ``nth`` one (1-based), once:
 
 - ``error``: raise ``InjectedStorageError`` naming the path; nothing happens;
@@ -203,7 +204,7 @@ class FaultStorage(ForwardingStorage):
         return getattr(self.inner, name)
 
     def _before(self, op: str, path: str) -> FaultRule | None:
-        where = f"{self.uri}/{path}"
+        where = f"{self.uri.split('?', 1)[0]}/{path}"  # an s3:// store's parameters (endpoint...) are not matched
         rule = self.plan.due(op, where)
         if rule is None:
             return None

@@ -1,6 +1,6 @@
 """The fault campaign's supervisor: no Spark in this process; it keeps the truth and checks every cycle.
 
-    ./run campaign --cycles N --seed S [--root DIR] [--out FILE] [--cycle-timeout SECONDS]
+    ./run campaign --cycles N --seed S [--root DIR] [--out FILE] [--cycle-timeout SECONDS] [--s3]
     ./run campaign --resume DIR [--out FILE]      continue a run (after its last finished cycle)
 
 One cycle: pick a query (one of the shapes of ``model``, each with its own
@@ -25,6 +25,13 @@ and inject at most one fault (``FAULT_KINDS``); then check:
 A scheduled fault a cycle could not inject (a refusal needs a batch Spark
 committed, a kill its moment) is owed: the next cycle scheduled without a
 fault injects it instead, so every kind reaches its count.
+
+With ``--s3``, every other new query keeps its state store on a SeaweedFS
+S3 server on loopback (``tests/s3_server.py``, started by the supervisor,
+its data under the run's directory): the same faults, storage faults
+included, hit the S3 backend, and the checks read the store through
+``open_storage``. Spark's checkpoint, the events log and the sinks stay on
+local disk.
 
 A cycle past ``--cycle-timeout`` is a hang: the stacks of the driver's JVM
 (``jstack``) and Python processes (SIGUSR1, see ``site/sitecustomize.py``)
@@ -59,7 +66,7 @@ from datasources.logindex import Commit
 from spark_state.blobstore import BlobStore
 from spark_state.manifestlog import ManifestReader, manifest_path
 from spark_state.resident import restore_instance
-from spark_state.storage import LocalStorage
+from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
 from tests.campaign.events import NUM_SPLITS, EventLog
 from tests.campaign.model import MODELS, SHAPES, Model
@@ -75,6 +82,8 @@ STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
 FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + ("delete_newest_record",
                                                                            "second_checkpoint")
 STORAGE_TIMEOUT_S = 4.0
+S3_BUCKET = "campaign"
+AWS_FILES = ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 TYPED_ERRORS = ("InjectedStorageError", "StorageError", "StorageTimeoutError", "CommitFailedError")
 
 
@@ -98,10 +107,23 @@ class Query:
     sink_commits: int = 0
     sink: dict[int, list[tuple]] = field(default_factory=dict)
     runs: int = 0
+    s3_prefix: str | None = None
+    """``<bucket>/<prefix>`` of its state store on the campaign's S3 server; None: on local disk."""
 
     @property
     def store(self) -> Path:
         return self.root / "state"
+
+    def store_uri(self, s3=None) -> str:
+        """Its state store: the local path, or the ``s3://`` URI on ``s3`` (the campaign's ``SeaweedS3``)."""
+        if self.s3_prefix is None:
+            return str(self.store)
+        bucket, prefix = self.s3_prefix.split("/", 1)
+        return s3.uri(bucket, prefix)
+
+    def store_location(self) -> str:
+        """Its state store as storage faults match it (``<storage uri>/<path>``): no URI parameters."""
+        return str(self.store) if self.s3_prefix is None else f"s3://{self.s3_prefix}"
 
     @property
     def checkpoint(self) -> Path:
@@ -143,6 +165,19 @@ def read_offsets(checkpoint: Path) -> dict[int, tuple[dict[int, int], int]]:
     return entries
 
 
+def store_files(storage, path: str = "") -> list[str]:
+    """Every file below ``path`` of ``storage``, walked through the storage API (local disk and S3 alike).
+
+    A path with children is a directory (an empty local directory counts as a file).
+    """
+    found = []
+    for name in storage.list(path):
+        child = f"{path}/{name}" if path else name
+        below = store_files(storage, child)
+        found.extend(below if below else [child])
+    return sorted(found)
+
+
 def committed_batches(checkpoint: Path) -> set[int]:
     directory = checkpoint / "commits"
     return {int(n) for n in os.listdir(directory) if n.isdigit()} if directory.is_dir() else set()
@@ -150,8 +185,11 @@ def committed_batches(checkpoint: Path) -> set[int]:
 
 class Campaign:
     def __init__(self, root: Path, seed: int, cycles: int, cycle_timeout: float, *, cluster_cycles: bool = True,
-                 max_parallelism: int = 9, shapes: tuple[str, ...] = SHAPES, kinds: list[str] | None = None):
+                 max_parallelism: int = 9, shapes: tuple[str, ...] = SHAPES, kinds: list[str] | None = None,
+                 s3: bool = False):
         self.root = root
+        self.use_s3 = s3
+        self.s3 = None
         self.seed = seed
         self.cycles = cycles
         self.cycle_timeout = cycle_timeout
@@ -200,7 +238,8 @@ class Campaign:
         shape = shapes[len(self.queries) % len(shapes)] if len(self.queries) < len(shapes) else self.rng.choice(shapes)
         name = f"q{len(self.queries):02d}-{shape}"
         query = Query(name, shape, self.root / name, self.events.end_offsets(), MODELS[shape](),
-                      retained=self.rng.randint(2, 5), max_chain=self.rng.randint(2, 6))
+                      retained=self.rng.randint(2, 5), max_chain=self.rng.randint(2, 6),
+                      s3_prefix=f"{S3_BUCKET}/{name}/state" if self.use_s3 and len(self.queries) % 2 else None)
         self.queries.append(query)
         return query
 
@@ -217,6 +256,9 @@ class Campaign:
             "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
             "spark.sql.streaming.stopTimeout": "30s",
         }
+        if query.s3_prefix is not None:  # the executors find the server's credentials as the driver does
+            self.ensure_s3()
+            conf.update({f"spark.executorEnv.{k}": os.environ[k] for k in AWS_FILES})
         if cluster is not None:
             conf.update(cluster.driver_conf())
             conf["spark.task.maxFailures"] = "4"
@@ -224,7 +266,7 @@ class Campaign:
         conf.update({
             "spark.state.parallelism": str(parallelism),
             "spark.state.maxParallelism": str(MAX_PARALLELISM),
-            "spark.state.store": str(query.store),
+            "spark.state.store": query.store_uri(self.ensure_s3() if query.s3_prefix else None),
             "spark.state.checkpointsRetained": str(query.retained),
             "spark.state.maxChainLength": str(query.max_chain),
             "spark.state.orphanGraceSeconds": "60",
@@ -313,10 +355,14 @@ class Campaign:
         query.runs += 1
         self.check(query, cycle_dir)
 
+    def storage(self, query: Query):
+        """The query's state store, as the checks read it."""
+        return open_storage(query.store_uri(self.ensure_s3() if query.s3_prefix else None))
+
     def refusal_applies(self, query: Query) -> bool:
         """Whether the store's newest checkpoint is of a batch Spark committed (so a start must be refused)."""
         try:
-            latest = ManifestReader(LocalStorage(query.store)).latest()
+            latest = ManifestReader(self.storage(query)).latest()
         except Exception:  # noqa: BLE001 - a damaged store is for the checks to report
             return False
         commits = committed_batches(query.checkpoint)
@@ -324,13 +370,13 @@ class Campaign:
 
     def refusal(self, query: Query, cycle_dir: Path, kind: str) -> None:
         """Delete the newest state record, or start a second checkpoint location on the store: a typed refusal."""
-        reader = ManifestReader(LocalStorage(query.store))
-        latest = reader.latest()
-        record = query.store / manifest_path(latest.checkpoint_id)
-        saved = record.read_bytes()
-        files_before = sorted(p.relative_to(query.store) for p in query.store.rglob("*") if p.is_file())
+        storage = self.storage(query)
+        latest = ManifestReader(storage).latest()
+        record = manifest_path(latest.checkpoint_id)
+        saved = storage.read(record)
+        files_before = store_files(storage)
         if kind == "delete_newest_record":
-            record.unlink()
+            storage.delete(record)
             spec = self.spec(query, cycle_dir, self.rng.randint(1, self.max_parallelism))
             expected = "StateBehindQueryError"
         else:
@@ -348,13 +394,13 @@ class Campaign:
             code = None
         finally:
             if kind == "delete_newest_record":
-                record.write_bytes(saved)
+                storage.create(record, saved, overwrite=True)
         error = self.driver_error(cycle_dir)
         if code == 0 or expected not in error:
             self.problems.append(f"{cycle_dir.name}: expected {expected}, the driver exited {code}: {error[-600:]}")
         else:
             self.faults[kind] += 1
-        files_after = sorted(p.relative_to(query.store) for p in query.store.rglob("*") if p.is_file())
+        files_after = store_files(storage)
         if kind == "second_checkpoint" and files_after != files_before:
             self.problems.append(f"{cycle_dir.name}: the refused query changed the store: "
                                  f"{sorted(set(files_after) ^ set(files_before))[:5]}")
@@ -364,7 +410,8 @@ class Campaign:
         return json.loads(path.read_text())["message"] if path.exists() else ""
 
     def storage_plan(self, query: Query, cycle_dir: Path, kind: str) -> Path:
-        store, out, events = re.escape(str(query.store)), re.escape(str(query.out)), re.escape(str(self.root / "events"))
+        store, out = re.escape(query.store_location()), re.escape(str(query.out))
+        events = re.escape(str(self.root / "events"))
         writes = [f"{store}/blobs/", f"{store}/checkpoints/", f"{out}/data/", f"{out}/_commits/"]
         reads = [f"{store}/checkpoints/", f"{events}/data/", f"{events}/_commits/"]
         if kind in ("fail_write", "enospc"):
@@ -551,6 +598,23 @@ class Campaign:
         workers = [pid for pid, parent in parents.items() if parent in daemons]
         return self.rng.choice(workers) if workers else None
 
+    def ensure_s3(self):
+        """The campaign's S3 server (started on first use, and again after a resume, on the same ports and data)."""
+        if self.s3 is None:
+            from tests.s3_server import SeaweedS3
+
+            state = getattr(self, "s3_state", None)
+            (self.root / "s3").mkdir(parents=True, exist_ok=True)
+            self.s3 = SeaweedS3(self.root / "s3")
+            if state is not None:
+                self.s3.__dict__.update(state)
+            self.s3.start()
+            self.s3_state = {k: v for k, v in self.s3.__dict__.items() if k != "_proc"}
+            os.environ.update({name: str(self.root / "s3" / f"aws-{name.lower()}") for name in AWS_FILES})
+            self.s3.write_aws_files(Path(os.environ["AWS_CONFIG_FILE"]), Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"]))
+            self.s3.create_bucket(S3_BUCKET)
+        return self.s3
+
     def ensure_cluster(self):
         if self.cluster is None:
             from tests.cluster import StandaloneCluster
@@ -588,7 +652,7 @@ class Campaign:
             self.problems.append(f"{cycle_dir.name}: checking {query.name} failed: {type(exc).__name__}: {exc}")
 
     def record_drains(self, query: Query) -> None:
-        reader = ManifestReader(LocalStorage(query.store))
+        reader = ManifestReader(self.storage(query))
         latest = reader.latest()
         if latest is None:
             return
@@ -601,7 +665,7 @@ class Campaign:
         """New commits of the query's sink: rows per batch id; a batch id twice is a duplicate."""
         if not (query.out / "_log.json").exists():
             return
-        log = ReplayableLog.open(LocalStorage(query.out))
+        log = ReplayableLog.open(open_storage(str(query.out)))
         while True:
             body = log.commits.load_if_exists(query.sink_commits)
             if body is None:
@@ -661,7 +725,7 @@ class Campaign:
             query.next_batch += 1
 
     def check_store(self, query: Query, where: str) -> None:
-        storage = LocalStorage(query.store)
+        storage = self.storage(query)
         reader = ManifestReader(storage)
         latest = reader.latest()
         if latest is None:
@@ -679,7 +743,7 @@ class Campaign:
                                              "which does not match its recorded size and CRC-32")
 
     def final_state(self, query: Query) -> dict:
-        storage = LocalStorage(query.store)
+        storage = self.storage(query)
         latest = ManifestReader(storage).latest()
         component = latest.components[query.shape]
         state, _ = restore_instance(BlobStore(storage), component, component.keyed_schema, 0, 1,
@@ -691,7 +755,7 @@ class Campaign:
     STATE = "campaign-state.pickle"
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "cluster": None}
+        return {**self.__dict__, "cluster": None, "s3": None}
 
     def save(self) -> None:
         """Everything the next cycle needs, so ``--resume`` continues this run in another process."""
@@ -740,6 +804,8 @@ class Campaign:
         finally:
             if self.cluster is not None:
                 self.cluster.stop()
+            if self.s3 is not None:
+                self.s3.stop()
         return {**self.summary(_now() - started), "complete": True}
 
     def finish(self, query: Query) -> None:
@@ -784,6 +850,7 @@ class Campaign:
         options += [] if self.shapes == SHAPES else [f"--shapes {','.join(self.shapes)}"]
         kinds = getattr(self, "explicit_kinds", None)
         options += [] if kinds is None else [f"--kinds {','.join(kinds)}"]
+        options += ["--s3"] if getattr(self, "use_s3", False) else []
         return "./run campaign " + " ".join(options)
 
     def summary(self, elapsed: float) -> dict:
@@ -794,6 +861,7 @@ class Campaign:
             "cycles": self.counts["cycles"],
             "resumes": getattr(self, "resumes", 0),
             "queries": len(self.queries),
+            "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
             "fault_kinds": self.kinds(),
             "faults": dict(sorted(self.faults.items())),
             "batches_checked": self.counts["batches_checked"],
@@ -826,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"query shapes to use, of {','.join(SHAPES)}")
     parser.add_argument("--kinds", default=None,
                         help="the fault kind of each cycle, comma-separated ('none' for none); default: random")
+    parser.add_argument("--s3", action="store_true",
+                        help="keep every other new query's state store on a SeaweedFS S3 server on loopback")
     parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
                         help="continue the run whose working directory is ROOT after its last finished cycle")
     args = parser.parse_args(argv)
@@ -838,7 +908,8 @@ def main(argv: list[str] | None = None) -> int:
             args.root = Path(tempfile.mkdtemp(prefix="campaign-"))
         campaign = Campaign(args.root.resolve(), args.seed, args.cycles, args.cycle_timeout,
                             cluster_cycles=not args.no_cluster, max_parallelism=args.max_parallelism,
-                            shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None)
+                            shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None,
+                            s3=args.s3)
     def stop(*_) -> None:
         """First SIGTERM: finish the cycle, save, stop (resumable). Second: stop now (the cluster too)."""
         if campaign.stop_requested:
