@@ -437,7 +437,7 @@ def campaign_section(data: dict, file: str) -> list[str]:
         {"target": f"every fault kind at least {CAMPAIGN_PER_KIND} times", "value": f"fewest {fewest} {faults[fewest]}",
          "met": faults[fewest] >= CAMPAIGN_PER_KIND},
         {"target": "nothing wrong, lost, duplicated, hung or untyped", "value": "none" if clean else
-         f"{sum(bad.values())} ({'; '.join(data['problems'][:3])})", "met": clean},
+         f"{sum(bad.values())} ({'; '.join(p[:160] + ('...' if len(p) > 160 else '') for p in data['problems'][:3])})", "met": clean},
     ]), ""]
     return out
 

@@ -85,6 +85,8 @@ FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + ("del
                                                                            "second_checkpoint")
 STORAGE_TIMEOUT_S = 4.0
 S3_BUCKET = "campaign"
+FINAL_DRAIN_RECORDS = 4000  # records per batch of the final drains
+FINAL_DRAIN_EVENTS_PER_S = 500  # the final drain's bound: the cycle's, plus a second per this many events of backlog
 AWS_FILES = ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 TYPED_ERRORS = ("InjectedStorageError", "StorageError", "StorageTimeoutError", "CommitFailedError")
 
@@ -248,7 +250,7 @@ class Campaign:
     # -- the driver ----------------------------------------------------------------------------
 
     def spec(self, query: Query, cycle_dir: Path, parallelism: int, *, live_change=None, checkpoint=None,
-             out=None, cluster=None) -> Path:
+             out=None, cluster=None, max_records: int | None = None) -> Path:
         conf = {
             "spark.master": "local[2,4]",
             "spark.ui.enabled": "false",
@@ -257,6 +259,9 @@ class Campaign:
             "spark.sql.adaptive.enabled": "false",
             "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
             "spark.sql.streaming.stopTimeout": "30s",
+            # Every batch's offsets stay until the supervisor has checked it: Spark keeps its last 100 by
+            # default, and one long run (a final drain of a large backlog) could purge unchecked ones.
+            "spark.sql.streaming.minBatchesToRetain": "100000",
         }
         if query.s3_prefix is not None:  # the executors find the server's credentials as the driver does
             self.ensure_s3()
@@ -281,7 +286,7 @@ class Campaign:
             "checkpoint": str(checkpoint or query.checkpoint),
             "out": str(out or query.out),
             "starting_offsets": {str(s): o for s, o in query.starting.items()},
-            "max_records_per_batch": self.rng.choice([500, 1500, 4000]),
+            "max_records_per_batch": max_records or self.rng.choice([500, 1500, 4000]),
             "live_change": live_change,
             "control": str(control),
             "conf": conf,
@@ -440,7 +445,8 @@ class Campaign:
                                     "protect_session": os.getsid(0)}))
         return plan
 
-    def run_driver(self, query: Query, cycle_dir: Path, kind: str | None) -> None:
+    def run_driver(self, query: Query, cycle_dir: Path, kind: str | None, *, max_records: int | None = None,
+                   bound: float | None = None) -> None:
         parallelism = self.rng.randint(1, self.max_parallelism)
         live = None
         if self.rng.random() < 0.3:
@@ -453,7 +459,7 @@ class Campaign:
                 (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
         plan = self.storage_plan(query, cycle_dir, kind) if kind in STORAGE or kind in (
             "kill_after_blob", "kill_after_manifest", "kill_after_sink_commit") else None
-        spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster)
+        spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster, max_records=max_records)
         before = committed_batches(query.checkpoint)
         control = cycle_dir / "control"
         started = _now()
@@ -493,7 +499,7 @@ class Campaign:
         for thread in threads:
             thread.start()
         run_for = self.rng.uniform(1.0, 6.0)
-        deadline = started + self.cycle_timeout
+        deadline = started + (bound or self.cycle_timeout)
         early = self.rng.random() < 0.2  # a timed fault during start-up, else while batches run
         fault_delay = self.rng.uniform(1.0, 8.0) if early else self.rng.uniform(0.0, run_for + 2.0)
         timed = ("kill_random", "kill_worker", "kill_executor", "clean_stop")
@@ -817,7 +823,13 @@ class Campaign:
         for attempt in range(3):
             cycle_dir = self.root / "cycles" / f"final-{query.name}-{attempt}"
             cycle_dir.mkdir(parents=True)
-            self.run_driver(query, cycle_dir, "drain")
+            # The whole backlog of a query last run long ago, in the largest batches, within a bound that grows
+            # with it: a drain that keeps committing batches is not a hang.
+            offsets = read_offsets(query.checkpoint)
+            done = offsets[query.next_batch - 1][0] if query.next_batch - 1 in offsets else query.starting
+            backlog = sum(self.events.end_offsets().values()) - sum(done.values())
+            self.run_driver(query, cycle_dir, "drain", max_records=FINAL_DRAIN_RECORDS,
+                            bound=self.cycle_timeout + backlog / FINAL_DRAIN_EVENTS_PER_S)
             self.faults["drain"] -= 1 if json.loads((cycle_dir / "cycle.json").read_text())["injected"] else 0
             query.runs += 1
             self.check(query, cycle_dir)
