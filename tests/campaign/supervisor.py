@@ -779,6 +779,8 @@ class Campaign:
         """The run saved in ``root``; appends of a cycle interrupted after the save are taken into the record
         (that cycle runs again, with fresh choices)."""
         campaign = pickle.loads((root / cls.STATE).read_bytes())
+        campaign.__dict__.setdefault("use_s3", False)  # a run saved before --s3 existed
+        campaign.s3 = None
         campaign.stop_requested = False
         campaign.resumes = getattr(campaign, "resumes", 0) + 1
         taken = campaign.events.reconcile()
