@@ -404,6 +404,9 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
 
 
 CAMPAIGN_CYCLES, CAMPAIGN_PER_KIND = 200, 5
+CAMPAIGN_PROBLEM_COUNTS = ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures",
+                           "corrupt_commits", "log_problems")
+"""A campaign summary's counters of what went wrong (all must be 0)."""
 """What a committed fault campaign must reach: scheduled cycles, and injections of every fault kind."""
 
 
@@ -411,8 +414,7 @@ def campaign_section(data: dict, file: str) -> list[str]:
     kinds = data.get("fault_kinds") or sorted(data["faults"])
     faults = {k: data["faults"].get(k, 0) for k in kinds}
     scheduled = data.get("scheduled_cycles", data["cycles"] - data["queries"])
-    bad = {k: data.get(k, 0) for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults",
-                                        "unexplained_failures", "corrupt_commits", "log_problems")}
+    bad = {k: data.get(k, 0) for k in CAMPAIGN_PROBLEM_COUNTS}
     fewest = min(faults, key=faults.get)
     resumed = data.get("resumes", 0)
     complete = data.get("complete", True)
@@ -444,8 +446,7 @@ def campaign_section(data: dict, file: str) -> list[str]:
 
 def campaign_s3_lines(data: dict, file: str) -> list[str]:
     """A run with ``--s3`` (its stores partly on S3), in one paragraph under the committed run."""
-    bad = sum(data.get(k, 0) for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults",
-                                        "unexplained_failures", "corrupt_commits", "log_problems"))
+    bad = sum(data.get(k, 0) for k in CAMPAIGN_PROBLEM_COUNTS)
     faults = ", ".join(f"`{k}` {n}" for k, n in data["faults"].items() if n)
     return [f"**On S3** (`benchmarks/results/{file}`, `{data['command']}`): {data['cycles']} cycles, "
             f"{data['queries_on_s3']} of {data['queries']} queries with their state store on SeaweedFS; faults "

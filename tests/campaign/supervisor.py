@@ -273,7 +273,7 @@ class Campaign:
         conf.update({
             "spark.state.parallelism": str(parallelism),
             "spark.state.maxParallelism": str(MAX_PARALLELISM),
-            "spark.state.store": query.store_uri(self.ensure_s3() if query.s3_prefix else None),
+            "spark.state.store": self.store_uri(query),
             "spark.state.checkpointsRetained": str(query.retained),
             "spark.state.maxChainLength": str(query.max_chain),
             "spark.state.orphanGraceSeconds": "60",
@@ -362,9 +362,13 @@ class Campaign:
         query.runs += 1
         self.check(query, cycle_dir)
 
+    def store_uri(self, query: Query) -> str:
+        """The query's state store URI (starting the S3 server if the store is on it)."""
+        return query.store_uri(self.ensure_s3() if query.s3_prefix else None)
+
     def storage(self, query: Query):
         """The query's state store, as the checks read it."""
-        return open_storage(query.store_uri(self.ensure_s3() if query.s3_prefix else None))
+        return open_storage(self.store_uri(query))
 
     def refusal_applies(self, query: Query) -> bool:
         """Whether the store's newest checkpoint is of a batch Spark committed (so a start must be refused)."""
