@@ -36,7 +36,8 @@ exactly there (``replayable``: ``option("startingOffsets", "checkpoint")``
 with ``option("stateStore", <the new store>)``; other sources: their starting
 offsets set to the values ``spark-state savepoint list`` prints). A restart
 of the same query (the new store's state has this ``origin``) does nothing
-here; a non-empty store of other origin is refused.
+here, also once the savepoint is deleted (the copy allows that); a non-empty
+store of other origin is refused.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from spark_state.errors import (
     IncompatibleSchemaError,
     SavepointError,
     SavepointMismatchError,
+    SavepointNotFoundError,
 )
 from spark_state.evolution import plan_evolution
 from spark_state.keygroups import HASH_VERSION
@@ -70,7 +72,8 @@ _LOG = logging.getLogger(__name__)
 class StartReport:
     """What a start from a savepoint did: the checkpoint committed (None on a restart), files and bytes copied."""
 
-    savepoint: Savepoint
+    savepoint: Savepoint | None
+    """None on a restart of the query the savepoint started after the savepoint was deleted."""
     checkpoint_id: int | None
     files_copied: int
     bytes_copied: int
@@ -145,9 +148,17 @@ def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: Componen
         from spark_state.storage import open_storage
     store_uri, name = parse_savepoint_uri(savepoint_uri)
     source = open_storage(store_uri)
-    savepoint = Savepoints(source).get(name)
-    savepoint = replace(savepoint, store=source.uri)
     latest = target.latest()
+    try:
+        savepoint = Savepoints(source).get(name)
+    except SavepointNotFoundError:
+        if latest is not None and latest.origin is not None and (
+                latest.origin.get("store"), latest.origin.get("savepoint")) == (source.uri, name):
+            # A restart of the query this savepoint started, deleted since (as the copy allows): the state
+            # is in the query's own store.
+            return StartReport(None, None, 0, 0, (), ())
+        raise
+    savepoint = replace(savepoint, store=source.uri)
     if latest is not None:
         if latest.origin is not None and _same(latest.origin, origin_of(savepoint)):
             return StartReport(savepoint, None, 0, 0, (), ())

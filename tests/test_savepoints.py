@@ -310,6 +310,9 @@ def test_a_new_store_starts_from_a_savepoint_by_copying_what_it_needs(tmp_path):
     assert again.checkpoint_id is None and b.latest().origin == first.origin
     # the old store is untouched and its savepoint still pins checkpoint 5
     assert a.manifests.restorable()[5] == ["sp"]
+    # a restart once the savepoint is deleted: the new store holds its state, the record is not needed
+    Savepoints(a.storage).delete("sp")
+    assert start_from_savepoint(b, uri, _spec()).checkpoint_id is None
 
 
 def _next(log, checkpoint_id):
