@@ -11,19 +11,21 @@ import pytest
 
 from tests.campaign.supervisor import Campaign
 
-KINDS = ["kill_after_manifest", "delete_newest_record", "kill_worker", "drain"]  # truncation: test_storage_faults
+# truncation: test_storage_faults; a savepoint taken while the query runs, and a query forked from it
+KINDS = ["kill_after_manifest", "savepoint", "delete_newest_record", "fork", "kill_worker", "drain"]
 
 
 @pytest.mark.spark
 def test_a_short_seeded_campaign_finds_every_batch_and_the_final_state_exact(tmp_path):
     campaign = Campaign(tmp_path, seed=20261123, cycles=len(KINDS), cycle_timeout=300, cluster_cycles=False,
-                        max_parallelism=3, shapes=("timers",), kinds=KINDS)
+                        max_parallelism=3, shapes=("timers",), kinds=KINDS, savepoints=True)
     summary = campaign.run()
     assert summary["problems"] == []
     checked = ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures")
     assert {k: summary[k] for k in checked} == dict.fromkeys(checked, 0)
-    assert summary["cycles"] == len(KINDS) + 1 and summary["states_checked"] == 1
-    assert summary["batches_checked"] >= len(KINDS) and sum(summary["faults"].values()) >= 3
+    assert summary["queries_forked"] == 1 and summary["faults"]["savepoint"] == summary["faults"]["fork"] == 1
+    assert summary["cycles"] == len(KINDS) + 2 and summary["states_checked"] == 2
+    assert summary["batches_checked"] >= len(KINDS) and sum(summary["faults"].values()) >= 5
 
 
 def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record(tmp_path):

@@ -2,9 +2,11 @@
 
     python -m tests.campaign.driver SPEC_JSON
 
-The spec (written by the supervisor) names the shape, the events log, the
-state store, Spark's checkpoint location, the sink (a replayable log), the
-parallelism and an optional live change, Spark's master and settings. The
+The spec (written by the supervisor) names the shape, the events log and
+where its source starts (offsets, or ``checkpoint``: a query started from a
+savepoint reads from its store's first checkpoint), the state store, Spark's
+checkpoint location, the sink (a replayable log), the parallelism and an
+optional live change, Spark's master and settings. The
 query runs with the default trigger; the driver watches the files the
 supervisor drops into ``control/``:
 
@@ -88,10 +90,14 @@ def run(spec: dict) -> int:
     spark.sparkContext.setLogLevel("WARN")
     query = None
     try:
+        reader = (spark.readStream.format("replayable").option("path", spec["events"])
+                  .option("maxRecordsPerBatch", spec["max_records_per_batch"]))
+        if spec["starting_offsets"] == "checkpoint":  # a fork: where its store's first checkpoint says
+            reader = reader.option("startingOffsets", "checkpoint").option("stateStore", spec["state_store"])
+        else:
+            reader = reader.option("startingOffsets", json.dumps(spec["starting_offsets"]))
         events = (
-            spark.readStream.format("replayable").option("path", spec["events"])
-            .option("maxRecordsPerBatch", spec["max_records_per_batch"])
-            .option("startingOffsets", json.dumps(spec["starting_offsets"])).load()
+            reader.load()
             .selectExpr("key", "value", "event_time", "seq", "split AS src_split", "offset AS src_offset")
         )
         query = (

@@ -1,6 +1,6 @@
 """The fault campaign's supervisor: no Spark in this process; it keeps the truth and checks every cycle.
 
-    ./run campaign --cycles N --seed S [--root DIR] [--out FILE] [--cycle-timeout SECONDS] [--s3]
+    ./run campaign --cycles N --seed S [--root DIR] [--out FILE] [--cycle-timeout SECONDS] [--s3] [--savepoints]
     ./run campaign --resume DIR [--out FILE]      continue a run (after its last finished cycle)
 
 One cycle: pick a query (one of the shapes of ``model``, each with its own
@@ -35,6 +35,19 @@ included, hit the S3 backend, and the checks read the store through
 ``open_storage``. Spark's checkpoint, the events log and the sinks stay on
 local disk.
 
+With ``--savepoints``, two more kinds join (``SAVEPOINT_KINDS``):
+``savepoint`` runs ``spark-state savepoint create`` on a query's store at a
+random moment while the query runs (retrying when the command says the
+checkpoint fell out of retention meanwhile); ``fork`` starts a new query from
+one of those savepoints into a new, empty store (``spark.state.fromSavepoint``,
+the source at ``startingOffsets=checkpoint``), half the time killed while it
+starts (during the copy or just after) and started again. A fork is a query
+like the others from then on: every start names its savepoint, faults hit it,
+its batches are checked against the parent's model replayed to the
+savepoint's batch and continued, and it is drained at the end. Half the
+forks' savepoints are deleted after the fork's first run (the fork must not
+need them). Every checkpoint a savepoint pins must stay loadable and intact.
+
 A cycle past ``--cycle-timeout`` is a hang: the stacks of the driver's JVM
 (``jstack``) and Python processes (SIGUSR1, see ``site/sitecustomize.py``)
 are dumped into the cycle's directory, then its processes are killed. At the
@@ -45,6 +58,7 @@ the whole log. The summary is one JSON line (also written to ``--out``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import pickle
@@ -68,6 +82,7 @@ from datasources.logindex import Commit
 from spark_state.blobstore import BlobStore
 from spark_state.manifestlog import ManifestReader, manifest_path
 from spark_state.resident import restore_instance
+from spark_state.savepoints import Savepoints
 from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
 from tests.campaign.events import NUM_SPLITS, EventLog
@@ -83,6 +98,8 @@ KILLS = ("kill_random", "kill_after_blob", "kill_after_manifest", "kill_after_of
 STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
 FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + ("delete_newest_record",
                                                                            "second_checkpoint")
+SAVEPOINT_KINDS = ("savepoint", "fork")
+"""With ``--savepoints``: a savepoint created while the query runs, and a new query forked from one."""
 STORAGE_TIMEOUT_S = 4.0
 S3_BUCKET = "campaign"
 FINAL_DRAIN_RECORDS = 4000  # records per batch of the final drains
@@ -113,6 +130,10 @@ class Query:
     runs: int = 0
     s3_prefix: str | None = None
     """``<bucket>/<prefix>`` of its state store on the campaign's S3 server; None: on local disk."""
+    origin: str | None = None
+    """The savepoint URI a fork started from (its every start names it, as a user's code would)."""
+    base: Model | None = None
+    """A fork's model at its start (the parent's after the savepoint's batch); None: an empty model."""
 
     @property
     def store(self) -> Path:
@@ -190,9 +211,12 @@ def committed_batches(checkpoint: Path) -> set[int]:
 class Campaign:
     def __init__(self, root: Path, seed: int, cycles: int, cycle_timeout: float, *, cluster_cycles: bool = True,
                  max_parallelism: int = 9, shapes: tuple[str, ...] = SHAPES, kinds: list[str] | None = None,
-                 s3: bool = False):
+                 s3: bool = False, savepoints: bool = False):
         self.root = root
         self.use_s3 = s3
+        self.use_savepoints = savepoints
+        self.pending: list[dict] = []
+        """Savepoints made by ``savepoint`` cycles that no fork started from yet."""
         self.s3 = None
         self.seed = seed
         self.cycles = cycles
@@ -237,15 +261,39 @@ class Campaign:
             head += [None] * (self.cycles - len(head))
         return head
 
-    def new_query(self) -> Query:
+    def new_query(self, fork: dict | None = None) -> Query:
+        """A new query of the next shape; with ``fork`` (a pending savepoint), one started from that savepoint."""
         shapes = self.shapes
-        shape = shapes[len(self.queries) % len(shapes)] if len(self.queries) < len(shapes) else self.rng.choice(shapes)
+        if fork is not None:
+            parent = self.query(fork["parent"])
+            shape = parent.shape
+            model, starting = self.model_at(parent, fork["batch"], fork["drained"])
+        else:
+            shape = shapes[len(self.queries) % len(shapes)] if len(self.queries) < len(shapes) else self.rng.choice(shapes)
+            model, starting = MODELS[shape](), self.events.end_offsets()
         name = f"q{len(self.queries):02d}-{shape}"
-        query = Query(name, shape, self.root / name, self.events.end_offsets(), MODELS[shape](),
+        query = Query(name, shape, self.root / name, starting, model,
                       retained=self.rng.randint(2, 5), max_chain=self.rng.randint(2, 6),
                       s3_prefix=f"{S3_BUCKET}/{name}/state" if self.use_s3 and len(self.queries) % 2 else None)
+        if fork is not None:
+            query.origin, query.base = fork["uri"], copy.deepcopy(model)
         self.queries.append(query)
         return query
+
+    def query(self, name: str) -> Query:
+        return next(q for q in self.queries if q.name == name)
+
+    def model_at(self, query: Query, batch: int | None, drained: bool) -> tuple[Model, dict[int, int]]:
+        """The query's model after Spark's batch ``batch`` (None: at its start), replayed from its start, and
+        the offsets where that batch ended (what a fork from a savepoint of that batch starts at)."""
+        model = copy.deepcopy(query.base) if query.base is not None else MODELS[query.shape]()
+        offsets, start = read_offsets(query.checkpoint), query.starting
+        for b in range(0 if batch is None else batch + 1):
+            end, processing_ms = offsets[b]
+            model.batch(self.events.events_between(start, end), processing_ms,
+                        b in query.drained or (b == batch and drained))
+            start = end
+        return model, start
 
     # -- the driver ----------------------------------------------------------------------------
 
@@ -278,6 +326,8 @@ class Campaign:
             "spark.state.maxChainLength": str(query.max_chain),
             "spark.state.orphanGraceSeconds": "60",
         })
+        if query.origin is not None:  # every start names the savepoint, as a user's code would
+            conf["spark.state.fromSavepoint"] = query.origin
         control = cycle_dir / "control"
         control.mkdir(parents=True, exist_ok=True)
         spec = {
@@ -285,7 +335,9 @@ class Campaign:
             "events": str(self.root / "events"),
             "checkpoint": str(checkpoint or query.checkpoint),
             "out": str(out or query.out),
-            "starting_offsets": {str(s): o for s, o in query.starting.items()},
+            # A fork's source starts where its store's first checkpoint (the savepoint's) says.
+            "starting_offsets": "checkpoint" if query.origin else {str(s): o for s, o in query.starting.items()},
+            "state_store": self.store_uri(query),
             "max_records_per_batch": max_records or self.rng.choice([500, 1500, 4000]),
             "live_change": live_change,
             "control": str(control),
@@ -341,8 +393,15 @@ class Campaign:
     # -- one cycle -----------------------------------------------------------------------------
 
     def run_cycle(self, number: int, kind: str | None) -> None:
-        if kind == "kill_first_offsets" or not self.queries or (len(self.queries) < len(self.shapes) and number % 2 == 0):
+        if kind == "fork" and not self.pending:
+            kind = None  # owed until a savepoint cycle made one
+        if kind == "fork":
+            query = self.new_query(self.pending.pop(self.rng.randrange(len(self.pending))))
+        elif kind == "kill_first_offsets" or not self.queries or (
+                len(self.queries) < len(self.shapes) and number % 2 == 0):
             query = self.new_query()
+        elif kind == "savepoint" and any(q.runs for q in self.queries):
+            query = self.rng.choice([q for q in self.queries if q.runs])
         else:
             query = self.rng.choice(self.queries)
         cycle_dir = self.root / "cycles" / f"{number:04d}-{query.name}-{kind or 'none'}"
@@ -360,7 +419,14 @@ class Campaign:
         else:
             self.run_driver(query, cycle_dir, kind)
         query.runs += 1
+        if kind == "fork" and json.loads((cycle_dir / "cycle.json").read_text())["exit"] == -signal.SIGKILL:
+            self.run_driver(query, cycle_dir / "restart", None)  # a fork killed while it starts: start it again
+            query.runs += 1
+        if kind == "fork":
+            self.check_fork_started(query, cycle_dir)
         self.check(query, cycle_dir)
+        if kind == "fork" and self.rng.random() < 0.5:
+            self.delete_savepoint(query, cycle_dir)
 
     def store_uri(self, query: Query) -> str:
         """The query's state store URI (starting the S3 server if the store is on it)."""
@@ -418,6 +484,51 @@ class Campaign:
             self.problems.append(f"{cycle_dir.name}: the refused query changed the store: "
                                  f"{sorted(set(files_after) ^ set(files_before))[:5]}")
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """``spark-state ARGS`` in a new process, as an operator runs it (beside a running query)."""
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return subprocess.run([sys.executable, "-m", "spark_state", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    def make_savepoint(self, query: Query, cycle_dir: Path) -> str | None:
+        """``spark-state savepoint create`` on the query's store while it runs; the savepoint joins ``pending``.
+
+        None when the store holds no checkpoint yet. Retried when the checkpoint fell out of retention while
+        the record was written (the query committed past it: the command says to retry); any other failure
+        is a problem."""
+        name = f"sp-{cycle_dir.name.split('-')[0]}"
+        for _ in range(3):
+            result = self.cli("savepoint", "create", self.store_uri(query), name, "--reason", cycle_dir.name, "--json")
+            if result.returncode == 0:
+                created = json.loads(result.stdout)
+                binding = created["binding"]
+                manifest = ManifestReader(self.storage(query)).load(created["checkpoint_id"])
+                self.pending.append({"parent": query.name, "uri": created["uri"], "drained": manifest.drained,
+                                     "batch": binding["batch_id"] if binding is not None else None})
+                return created["uri"]
+            if "holds no checkpoint" in result.stderr:
+                return None
+            if "fell out of retention" not in result.stderr:
+                break
+        self.problems.append(f"{cycle_dir.name}: savepoint create on {query.name} failed: {result.stderr[-400:]}")
+        return None
+
+    def check_fork_started(self, query: Query, cycle_dir: Path) -> None:
+        """A fork's store holds state from its savepoint (its first checkpoint's origin names it)."""
+        latest = ManifestReader(self.storage(query)).latest()
+        name = query.origin.rsplit("/", 1)[1]
+        if latest is not None and latest.origin is not None and latest.origin["savepoint"] == name:
+            self.faults["fork"] += 1
+        else:
+            self.problems.append(f"{cycle_dir.name}: {query.name} did not start from savepoint {query.origin}")
+
+    def delete_savepoint(self, fork: Query, cycle_dir: Path) -> None:
+        """``spark-state savepoint delete`` of the savepoint a fork started from: the fork must not need it."""
+        store, name = fork.origin.rsplit("/savepoints/", 1)
+        result = self.cli("savepoint", "delete", store, name)
+        if result.returncode != 0:
+            self.problems.append(f"{cycle_dir.name}: savepoint delete {fork.origin} failed: {result.stderr[-400:]}")
+
     def driver_error(self, cycle_dir: Path) -> str:
         path = cycle_dir / "control" / "error.json"
         return json.loads(path.read_text())["message"] if path.exists() else ""
@@ -463,6 +574,8 @@ class Campaign:
                 (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
         plan = self.storage_plan(query, cycle_dir, kind) if kind in STORAGE or kind in (
             "kill_after_blob", "kill_after_manifest", "kill_after_sink_commit") else None
+        if kind == "fork" and self.rng.random() < 0.5:  # killed at its store's 1st-3rd file: mostly in the copy
+            plan = self.storage_plan(query, cycle_dir, "kill_after_blob")
         spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster, max_records=max_records)
         before = committed_batches(query.checkpoint)
         control = cycle_dir / "control"
@@ -506,7 +619,7 @@ class Campaign:
         deadline = started + (bound or self.cycle_timeout)
         early = self.rng.random() < 0.2  # a timed fault during start-up, else while batches run
         fault_delay = self.rng.uniform(1.0, 8.0) if early else self.rng.uniform(0.0, run_for + 2.0)
-        timed = ("kill_random", "kill_worker", "kill_executor", "clean_stop")
+        timed = ("kill_random", "kill_worker", "kill_executor", "clean_stop", "savepoint")
         query_started = None
         finished = False
         while process.poll() is None and _now() < deadline:
@@ -518,6 +631,9 @@ class Campaign:
             if kind == "kill_random" and due:
                 kill_session(process.pid)
                 injected.append("random")
+            elif kind == "savepoint" and due:
+                made = self.make_savepoint(query, cycle_dir)
+                injected.append(made or "no savepoint")
             elif kind == "kill_worker" and due:
                 worker = self.python_worker(process.pid)
                 if worker is not None:
@@ -568,7 +684,9 @@ class Campaign:
             query.drained.update(drained)
             if not drained:
                 injected.clear()
-        if kind is not None and injected:
+        if kind == "savepoint" and injected == ["no savepoint"]:
+            injected.clear()
+        if kind is not None and injected and kind != "fork":  # a fork counts once it started (run_cycle)
             self.faults[kind] += 1
         elif process.returncode not in (0, None, -signal.SIGKILL):
             self.counts["unexplained_failures"] += 1
@@ -744,7 +862,8 @@ class Campaign:
         latest = reader.latest()
         if latest is None:
             return
-        for checkpoint_id in latest.consistent_checkpoints:
+        pinned = Savepoints(storage).pinned()  # what savepoints pin must stay loadable and intact too
+        for checkpoint_id in sorted(set(latest.consistent_checkpoints) | pinned):
             manifest = reader.load(checkpoint_id)
             for component in manifest.components.values():
                 refs = [(b.path, b.size, b.crc32) for b in component.blobs.values()]
@@ -784,6 +903,8 @@ class Campaign:
         (that cycle runs again, with fresh choices)."""
         campaign = pickle.loads((root / cls.STATE).read_bytes())
         campaign.__dict__.setdefault("use_s3", False)  # a run saved before --s3 existed
+        campaign.__dict__.setdefault("use_savepoints", False)  # ... or --savepoints
+        campaign.__dict__.setdefault("pending", [])
         campaign.s3 = None
         campaign.stop_requested = False
         campaign.resumes = getattr(campaign, "resumes", 0) + 1
@@ -862,7 +983,8 @@ class Campaign:
 
     def kinds(self) -> list[str]:
         """The fault kinds this run may inject."""
-        return [k for k in FAULT_KINDS if self.cluster_cycles or k != "kill_executor"]
+        kinds = [k for k in FAULT_KINDS if self.cluster_cycles or k != "kill_executor"]
+        return kinds + list(SAVEPOINT_KINDS) if getattr(self, "use_savepoints", False) else kinds
 
     def command(self) -> str:
         """The command that runs this campaign's schedule from the start."""
@@ -873,6 +995,7 @@ class Campaign:
         kinds = getattr(self, "explicit_kinds", None)
         options += [] if kinds is None else [f"--kinds {','.join(kinds)}"]
         options += ["--s3"] if getattr(self, "use_s3", False) else []
+        options += ["--savepoints"] if getattr(self, "use_savepoints", False) else []
         return "./run campaign " + " ".join(options)
 
     def summary(self, elapsed: float) -> dict:
@@ -884,6 +1007,7 @@ class Campaign:
             "resumes": getattr(self, "resumes", 0),
             "queries": len(self.queries),
             "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
+            "queries_forked": sum(1 for q in self.queries if getattr(q, "origin", None)),
             "fault_kinds": self.kinds(),
             "faults": dict(sorted(self.faults.items())),
             "batches_checked": self.counts["batches_checked"],
@@ -918,6 +1042,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the fault kind of each cycle, comma-separated ('none' for none); default: random")
     parser.add_argument("--s3", action="store_true",
                         help="keep every other new query's state store on a SeaweedFS S3 server on loopback")
+    parser.add_argument("--savepoints", action="store_true",
+                        help="also create savepoints while queries run and fork new queries from them")
     parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
                         help="continue the run whose working directory is ROOT after its last finished cycle")
     args = parser.parse_args(argv)
@@ -931,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
         campaign = Campaign(args.root.resolve(), args.seed, args.cycles, args.cycle_timeout,
                             cluster_cycles=not args.no_cluster, max_parallelism=args.max_parallelism,
                             shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None,
-                            s3=args.s3)
+                            s3=args.s3, savepoints=args.savepoints)
     def stop(*_) -> None:
         """First SIGTERM: finish the cycle, save, stop (resumable). Second: stop now (the cluster too)."""
         if campaign.stop_requested:
