@@ -404,10 +404,10 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
 
 
 CAMPAIGN_CYCLES, CAMPAIGN_PER_KIND = 200, 5
+"""What a committed fault campaign must reach: scheduled cycles, and injections of every fault kind."""
 CAMPAIGN_PROBLEM_COUNTS = ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures",
                            "corrupt_commits", "log_problems")
 """A campaign summary's counters of what went wrong (all must be 0)."""
-"""What a committed fault campaign must reach: scheduled cycles, and injections of every fault kind."""
 
 
 def campaign_section(data: dict, file: str) -> list[str]:
@@ -444,15 +444,31 @@ def campaign_section(data: dict, file: str) -> list[str]:
     return out
 
 
-def campaign_s3_lines(data: dict, file: str) -> list[str]:
-    """A run with ``--s3`` (its stores partly on S3), in one paragraph under the committed run."""
+def campaign_run_lines(data: dict, file: str, label: str, what: str) -> list[str]:
+    """A shorter run with more of the product in it (``--s3``, ``--savepoints``): one paragraph under the
+    committed run; ``what`` says what it adds."""
     bad = sum(data.get(k, 0) for k in CAMPAIGN_PROBLEM_COUNTS)
     faults = ", ".join(f"`{k}` {n}" for k, n in data["faults"].items() if n)
-    return [f"**On S3** (`benchmarks/results/{file}`, `{data['command']}`): {data['cycles']} cycles, "
-            f"{data['queries_on_s3']} of {data['queries']} queries with their state store on SeaweedFS; faults "
-            f"{faults}; {data['batches_checked']:,} micro-batches and {data['states_checked']} drained final states "
-            f"checked: {'nothing' if not bad and not data['problems'] else bad} wrong, lost, duplicated, hung or "
-            "untyped.", ""]
+    return [f"**{label}** (`benchmarks/results/{file}`, `{data['command']}`): {data['cycles']} cycles, {what}; "
+            f"faults {faults}; {data['batches_checked']:,} micro-batches and {data['states_checked']} drained final "
+            f"states checked: {'nothing' if not bad and not data['problems'] else bad} wrong, lost, duplicated, "
+            "hung or untyped.", ""]
+
+
+def campaign_s3_lines(data: dict, file: str) -> list[str]:
+    """A run with ``--s3``: its stores partly on S3."""
+    return campaign_run_lines(data, file, "On S3", f"{data['queries_on_s3']} of {data['queries']} queries with "
+                              "their state store on SeaweedFS")
+
+
+def campaign_savepoints_lines(data: dict, file: str) -> list[str]:
+    """A run with ``--savepoints``: savepoints taken while queries run, queries forked from them."""
+    on_s3 = data.get("queries_on_s3", 0)
+    return campaign_run_lines(
+        data, file, "With savepoints",
+        f"{data['faults'].get('savepoint', 0)} savepoints taken while their queries ran and "
+        f"{data['queries_forked']} of {data['queries']} queries forked from them"
+        + (f", {on_s3} queries with their state store on SeaweedFS" if on_s3 else ""))
 
 
 def render(results: Path = RESULTS) -> str:
@@ -478,6 +494,8 @@ def render(results: Path = RESULTS) -> str:
     lines += campaign_section(*load("campaign", results, "./run campaign --cycles 200 --seed 20261123"))
     if (results / "campaign_s3.json").exists():
         lines += campaign_s3_lines(*load("campaign_s3", results))
+    if (results / "campaign_savepoints.json").exists():
+        lines += campaign_savepoints_lines(*load("campaign_savepoints", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
                             time[0])

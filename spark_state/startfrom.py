@@ -70,7 +70,8 @@ _LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StartReport:
-    """What a start from a savepoint did: the checkpoint committed (None on a restart), files and bytes copied."""
+    """What a start from a savepoint did: the checkpoint committed (None on a restart), files and bytes copied,
+    and files an earlier, crashed start had copied intact already (not copied again)."""
 
     savepoint: Savepoint | None
     """None on a restart of the query the savepoint started after the savepoint was deleted."""
@@ -79,6 +80,7 @@ class StartReport:
     bytes_copied: int
     restored: tuple[str, ...]
     dropped: tuple[str, ...]
+    files_present: int = 0
 
 
 def origin_of(savepoint: Savepoint) -> dict:
@@ -171,7 +173,7 @@ def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: Componen
     restored = check_fits(savepoint, spec, allow_non_restored=allow_non_restored)
     manifest = ManifestReader(source).load(savepoint.checkpoint_id)
     components = {n: manifest.components[n] for n in restored}
-    files, copied = _copy_files(source, target.storage, list(components.values()), progress)
+    files, copied, present = _copy_files(source, target.storage, list(components.values()), progress)
     first = Manifest(
         checkpoint_id=savepoint.checkpoint_id, consistent_checkpoints=(), sources=dict(savepoint.sources),
         components=components, committed_at=time.time(), binding=None, drained=manifest.drained,
@@ -179,9 +181,10 @@ def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: Componen
     )
     committed = target.commit(first)
     dropped = tuple(sorted(set(savepoint.components) - set(restored)))
-    _LOG.warning("started %s from savepoint %s: checkpoint %d, %d files (%d bytes) copied, components %s, dropped %s",
-                 target.storage.uri, savepoint.uri, committed.checkpoint_id, files, copied, list(restored), list(dropped))
-    return StartReport(savepoint, committed.checkpoint_id, files, copied, restored, dropped)
+    _LOG.warning("started %s from savepoint %s: checkpoint %d, %d files (%d bytes) copied, %d there already, "
+                 "components %s, dropped %s", target.storage.uri, savepoint.uri, committed.checkpoint_id, files, copied,
+                 present, list(restored), list(dropped))
+    return StartReport(savepoint, committed.checkpoint_id, files, copied, restored, dropped, present)
 
 
 def _same(a, b) -> bool:
@@ -189,11 +192,12 @@ def _same(a, b) -> bool:
 
 
 def _copy_files(source: Storage, target: Storage, components: list[ComponentManifest],
-                progress: Callable[[int, int], None] | None) -> tuple[int, int]:
+                progress: Callable[[int, int], None] | None) -> tuple[int, int, int]:
+    """Copy what ``components`` reference; (files and bytes copied, files already there intact)."""
     wanted = [(ref.path, ref.size, ref.crc32) for c in components for ref in c.blobs.values()]
     wanted += [(ref.path, ref.size, ref.crc32) for c in components for ref in c.instance_items.values()]
     total = sum(size for _, size, _ in wanted)
-    done = 0
+    done = files = copied = 0
     for path, size, crc in wanted:
         data = source.read(path)
         if len(data) != size or zlib.crc32(data) != crc:
@@ -202,15 +206,19 @@ def _copy_files(source: Storage, target: Storage, components: list[ComponentMani
                 "and a CRC-32); the savepoint is damaged: verify it with `spark-state verify`, restore the file "
                 "from a replica, or start from another savepoint"
             )
+        written = True
         try:
             target.create(path, data)
         except BlobExistsError:
-            if not _intact(target, path, size, crc):
+            written = not _intact(target, path, size, crc)
+            if written:
                 target.create(path, data, overwrite=True)
+        if written:
+            files, copied = files + 1, copied + size
         done += size
         if progress is not None:
             progress(done, total)
-    return len(wanted), total
+    return files, copied, len(wanted) - files
 
 
 def _intact(storage: Storage, path: str, size: int, crc: int) -> bool:

@@ -259,3 +259,13 @@ def test_an_s3_campaign_renders_as_one_paragraph_naming_its_queries_on_s3():
     assert "`kill_random` 9" in lines[0]
     lines = report.campaign_s3_lines(_campaign(queries_on_s3=3, lost=2, problems=["x"]), "campaign_s3.json")
     assert "2 wrong, lost" in lines[0]
+
+
+def test_a_savepoints_campaign_renders_as_one_paragraph_naming_its_savepoints_and_forks():
+    data = _campaign(command="./run campaign --cycles 40 --seed 5 --savepoints", queries_forked=2,
+                     faults={"savepoint": 3, "fork": 2, "stall": 0})
+    (line, _) = report.campaign_savepoints_lines(data, "campaign_savepoints.json")
+    assert "3 savepoints taken while their queries ran and 2 of 6 queries forked from them;" in line
+    assert "`fork` 2" in line and "`stall`" not in line and "SeaweedFS" not in line and "nothing wrong" in line
+    (line, _) = report.campaign_savepoints_lines({**data, "queries_on_s3": 3, "hangs": 1}, "campaign_savepoints.json")
+    assert "3 queries with their state store on SeaweedFS" in line and "1 wrong, lost" in line

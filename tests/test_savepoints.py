@@ -376,5 +376,8 @@ def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_p
     # a copy that stopped half way (one file truncated in the new store) is finished by the next start
     (tmp_path / "b" / blobs[0]).parent.mkdir(parents=True)
     (tmp_path / "b" / blobs[0]).write_bytes(original[:10])
-    start_from_savepoint(b, uri, _spec())
+    (tmp_path / "b" / blobs[1]).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tmp_path / "a" / blobs[1], tmp_path / "b" / blobs[1])  # ... and one copied whole: not copied again
+    report = start_from_savepoint(b, uri, _spec())
+    assert (report.files_copied, report.files_present) == (len(blobs) - 1, 1)
     assert restore_all(Store(b.storage), 5, 3) == job.committed[5]
