@@ -269,3 +269,9 @@ def test_a_savepoints_campaign_renders_as_one_paragraph_naming_its_savepoints_an
     assert "`fork` 2" in line and "`stall`" not in line and "SeaweedFS" not in line and "nothing wrong" in line
     (line, _) = report.campaign_savepoints_lines({**data, "queries_on_s3": 3, "hangs": 1}, "campaign_savepoints.json")
     assert "3 queries with their state store on SeaweedFS" in line and "1 wrong, lost" in line
+
+
+def test_the_report_counts_what_the_campaign_counts_as_wrong():
+    from tests.campaign.supervisor import PROBLEM_COUNTS
+
+    assert report.CAMPAIGN_PROBLEM_COUNTS == PROBLEM_COUNTS

@@ -105,6 +105,9 @@ S3_BUCKET = "campaign"
 FINAL_DRAIN_RECORDS = 4000  # records per batch of the final drains
 FINAL_DRAIN_EVENTS_PER_S = 500  # the final drain's bound: the cycle's, plus a second per this many events of backlog
 AWS_FILES = ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+PROBLEM_COUNTS = ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures",
+                  "corrupt_commits", "log_problems")
+"""The summary's counters of what went wrong: a run is clean when all are 0 and it lists no problem."""
 TYPED_ERRORS = ("InjectedStorageError", "StorageError", "StorageTimeoutError", "CommitFailedError")
 
 
@@ -1009,7 +1012,7 @@ class Campaign:
             "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
             "queries_forked": sum(1 for q in self.queries if getattr(q, "origin", None)),
             "fault_kinds": self.kinds(),
-            "faults": dict(sorted(self.faults.items())),
+            "faults": {k: n for k, n in sorted(self.faults.items()) if n},
             "batches_checked": self.counts["batches_checked"],
             "keys_checked": len(self.keys_checked),
             "states_checked": self.counts["states_checked"],
@@ -1077,8 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(line + "\n")
     if not summary.get("complete", True):
         return 2
-    failed = any(summary[k] for k in ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures",
-                                       "corrupt_commits", "log_problems")) or summary["problems"]
+    failed = any(summary[k] for k in PROBLEM_COUNTS) or summary["problems"]
     return 1 if failed else 0
 
 
