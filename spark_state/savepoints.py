@@ -119,8 +119,10 @@ class Savepoint:
 
     @property
     def uri(self) -> str:
-        """What ``fromSavepoint`` (or ``spark.state.fromSavepoint``) takes: ``<store>/savepoints/<name>``."""
-        return f"{self.store.rstrip('/')}/{SAVEPOINTS_DIR}/{self.name}"
+        """What ``fromSavepoint`` (or ``spark.state.fromSavepoint``) takes: ``<store>/savepoints/<name>``, the
+        store's URI parameters (an S3 store's endpoint, say) after the name: ``s3://b/p/savepoints/n?endpoint=..``."""
+        base, marked, params = self.store.partition("?")
+        return f"{base.rstrip('/')}/{SAVEPOINTS_DIR}/{self.name}" + (f"?{params}" if marked else "")
 
     def to_json(self) -> dict:
         return {
@@ -297,4 +299,5 @@ def parse_savepoint_uri(uri: str) -> tuple[str, str]:
             "`spark-state savepoint create` and `spark-state savepoint list` print it"
         )
     store, name = uri.rsplit(marker, 1)
-    return store, check_savepoint_name(name.removesuffix(SUFFIX))
+    name, marked, params = name.partition("?")  # the store's URI parameters, after the name
+    return store + (f"?{params}" if marked else ""), check_savepoint_name(name.removesuffix(SUFFIX))

@@ -120,6 +120,17 @@ def test_savepoint_names_checkpoints_and_duplicates_are_checked():
         parse_savepoint_uri("/state/checkpoints/3")
 
 
+def test_a_savepoint_uri_puts_its_store_s_parameters_after_the_name():
+    from spark_state.savepoints import Savepoint
+
+    store = "s3://bucket/jobs/state?endpoint=http://127.0.0.1:9000&path_style=true"
+    savepoint = Savepoint("sp", 1, 0.0, 0.0, {}, {}, store=store)
+    assert savepoint.uri == "s3://bucket/jobs/state/savepoints/sp?endpoint=http://127.0.0.1:9000&path_style=true"
+    assert parse_savepoint_uri(savepoint.uri) == (store, "sp")
+    assert parse_savepoint_uri(f"{store}/savepoints/sp") == (store, "sp")  # the form earlier versions printed
+    assert parse_savepoint_uri("s3://bucket/state/savepoints/sp") == ("s3://bucket/state", "sp")
+
+
 def _history_more(store: Store, first: int, last: int) -> None:
     for checkpoint_id in range(first, last + 1):
         store.cleanup(store.commit(checkpoint_id, {}, {"src": {"offset": checkpoint_id}}))

@@ -82,7 +82,7 @@ from datasources.logindex import Commit
 from spark_state.blobstore import BlobStore
 from spark_state.manifestlog import ManifestReader, manifest_path
 from spark_state.resident import restore_instance
-from spark_state.savepoints import Savepoints
+from spark_state.savepoints import Savepoints, parse_savepoint_uri
 from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
 from tests.campaign.events import NUM_SPLITS, EventLog
@@ -519,7 +519,7 @@ class Campaign:
     def check_fork_started(self, query: Query, cycle_dir: Path) -> None:
         """A fork's store holds state from its savepoint (its first checkpoint's origin names it)."""
         latest = ManifestReader(self.storage(query)).latest()
-        name = query.origin.rsplit("/", 1)[1]
+        _, name = parse_savepoint_uri(query.origin)
         if latest is not None and latest.origin is not None and latest.origin["savepoint"] == name:
             self.faults["fork"] += 1
         else:
@@ -527,7 +527,7 @@ class Campaign:
 
     def delete_savepoint(self, fork: Query, cycle_dir: Path) -> None:
         """``spark-state savepoint delete`` of the savepoint a fork started from: the fork must not need it."""
-        store, name = fork.origin.rsplit("/savepoints/", 1)
+        store, name = parse_savepoint_uri(fork.origin)
         result = self.cli("savepoint", "delete", store, name)
         if result.returncode != 0:
             self.problems.append(f"{cycle_dir.name}: savepoint delete {fork.origin} failed: {result.stderr[-400:]}")
