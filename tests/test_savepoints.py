@@ -392,3 +392,19 @@ def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_p
     report = start_from_savepoint(b, uri, _spec())
     assert (report.files_copied, report.files_present) == (len(blobs) - 1, 1)
     assert restore_all(Store(b.storage), 5, 3) == job.committed[5]
+
+
+def test_a_savepoint_of_an_s3_store_starts_a_local_store_through_the_uri_it_prints(s3_uri, tmp_path):
+    from spark_state.manifestlog import ManifestLog
+    from spark_state.storage import open_storage
+    from spark_state.startfrom import start_from_savepoint
+
+    a = Store(open_storage(s3_uri("a")), retained=2)
+    job = _history(a, 3, savepoint_at={3: "sp"})
+    uri = Savepoints(a.storage).get("sp").uri
+    assert "/savepoints/sp?endpoint=" in uri  # the store's parameters after the name
+    b = ManifestLog(LocalStorage(tmp_path / "b"))
+    assert start_from_savepoint(b, uri, _spec()).checkpoint_id == 3
+    assert restore_all(Store(b.storage), 3, 5) == job.committed[3]
+    Savepoints(a.storage).delete("sp")  # the copy made it unneeded: a restart with the same setting goes on
+    assert start_from_savepoint(b, uri, _spec()).checkpoint_id is None
