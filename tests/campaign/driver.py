@@ -93,7 +93,8 @@ def run(spec: dict) -> int:
         reader = (spark.readStream.format("replayable").option("path", spec["events"])
                   .option("maxRecordsPerBatch", spec["max_records_per_batch"]))
         if spec["starting_offsets"] == "checkpoint":  # a fork: where its store's first checkpoint says
-            reader = reader.option("startingOffsets", "checkpoint").option("stateStore", spec["state_store"])
+            reader = reader.option("startingOffsets", "checkpoint").option("stateStore",
+                                                                           spec["conf"]["spark.state.store"])
         else:
             reader = reader.option("startingOffsets", json.dumps(spec["starting_offsets"]))
         events = (

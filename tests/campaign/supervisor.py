@@ -340,7 +340,6 @@ class Campaign:
             "out": str(out or query.out),
             # A fork's source starts where its store's first checkpoint (the savepoint's) says.
             "starting_offsets": "checkpoint" if query.origin else {str(s): o for s, o in query.starting.items()},
-            "state_store": self.store_uri(query),
             "max_records_per_batch": max_records or self.rng.choice([500, 1500, 4000]),
             "live_change": live_change,
             "control": str(control),
@@ -422,10 +421,10 @@ class Campaign:
         else:
             self.run_driver(query, cycle_dir, kind)
         query.runs += 1
-        if kind == "fork" and json.loads((cycle_dir / "cycle.json").read_text())["exit"] == -signal.SIGKILL:
-            self.run_driver(query, cycle_dir / "restart", None)  # a fork killed while it starts: start it again
-            query.runs += 1
         if kind == "fork":
+            if json.loads((cycle_dir / "cycle.json").read_text())["exit"] == -signal.SIGKILL:
+                self.run_driver(query, cycle_dir / "restart", None)  # killed while it started: start it again
+                query.runs += 1
             self.check_fork_started(query, cycle_dir)
         self.check(query, cycle_dir)
         if kind == "fork" and self.rng.random() < 0.5:
