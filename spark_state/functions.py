@@ -44,6 +44,10 @@ from spark_state.timers import (
 )
 
 KEY_GROUP_COLUMN = "_spark_state_key_group"
+PARTIAL_PREFIX = "_spark_state_partial_"
+"""Column ``PARTIAL_PREFIX + str(i)`` holds a key's partial ``i`` of a built-in aggregate, computed in the JVM."""
+ROWS_COLUMN = "_spark_state_rows"
+"""With partials computed in the JVM, the number of input rows each partial row stands for."""
 
 _MERGES: dict[str, Callable[[Any, Any], Any]] = {
     "sum": lambda a, b: a + b,
@@ -76,6 +80,19 @@ def _sum_type(kind: pa.DataType) -> pa.DataType:
     return pa.int64() if pa.types.is_integer(kind) else pa.float64()
 
 
+def _always(_: pa.DataType | None) -> bool:
+    return True
+
+
+def _jvm_sums(kind: pa.DataType | None) -> bool:
+    return kind is not None and (pa.types.is_integer(kind) or pa.types.is_floating(kind))
+
+
+def _jvm_orders(kind: pa.DataType | None) -> bool:
+    return kind is not None and (pa.types.is_integer(kind) or pa.types.is_string(kind)
+                                 or pa.types.is_date(kind) or pa.types.is_timestamp(kind))
+
+
 @dataclass(frozen=True)
 class AggregateDef:
     """One built-in aggregate.
@@ -86,6 +103,11 @@ class AggregateDef:
     over a batch; ``merges`` how each partial merges into its state column
     (``"sum"``, ``"min"``, ``"max"``; None is the identity); ``output`` the
     output type and ``finish`` the output value from a state tuple.
+    ``in_jvm(input_type)``: whether Spark's aggregate of each partial equals
+    Arrow's for that input type, so Spark may compute the partials per key
+    before rows cross into Python (not for floating-point min/max, where
+    Spark orders NaN above every number and Arrow skips it, nor for decimals,
+    whose sums Spark types differently).
     """
 
     name: str
@@ -96,20 +118,23 @@ class AggregateDef:
     merges: tuple[str, ...]
     output: Callable[[pa.DataType | None], pa.DataType]
     finish: Callable[[tuple], Any]
+    in_jvm: Callable[[pa.DataType | None], bool]
 
 
 AGGREGATES: dict[str, AggregateDef] = {
     d.name: d
     for d in (
         AggregateDef("count", False, lambda *_: None, lambda _: (pa.int64(),), ("count_all",), ("sum",),
-                     lambda _: pa.int64(), lambda s: s[0]),
+                     lambda _: pa.int64(), lambda s: s[0], _always),
         AggregateDef("sum", True, _numeric, lambda t: (_sum_type(t),), ("sum",), ("sum",), _sum_type,
-                     lambda s: s[0]),
-        AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, lambda s: s[0]),
-        AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, lambda s: s[0]),
+                     lambda s: s[0], _jvm_sums),
+        AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, lambda s: s[0],
+                     _jvm_orders),
+        AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, lambda s: s[0],
+                     _jvm_orders),
         AggregateDef("mean", True, _numeric, lambda _: (pa.float64(), pa.int64()), ("sum", "count"),
                      ("sum", "sum"), lambda _: pa.float64(),
-                     lambda s: None if not s[1] else s[0] / s[1]),
+                     lambda s: None if not s[1] else s[0] / s[1], _jvm_sums),
     )
 }
 
@@ -145,13 +170,29 @@ class Aggregate:
     def output_type(self) -> pa.DataType:
         return self.definition.output(self.input_type)
 
-    def apply(self, table: KeyGroupTable, rows: pa.Table, key_columns: tuple[str, ...]) -> pa.Table:
-        """Merge the batch's partial aggregates per key into the state; one output row per key seen."""
+    def partials_in_jvm(self) -> bool:
+        """Whether Spark may compute this aggregate's partials per key (``AggregateDef.in_jvm``)."""
+        return self.definition.in_jvm(self.input_type)
+
+    def partials(self, rows: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table, list[str]]:
+        """The batch's partials per key: a table with the key group, the key columns and the partials' names.
+
+        Rows that already carry partials (``PARTIAL_PREFIX`` columns, one row
+        per key, computed by Spark) are used as they are.
+        """
         definition = self.definition
+        given = [f"{PARTIAL_PREFIX}{i}" for i in range(len(definition.partials))]
+        if given[0] in rows.column_names:
+            return rows, given
         groups = rows.group_by([KEY_GROUP_COLUMN, *key_columns], use_threads=False)
         column = [] if self.column is None else self.column
         totals = groups.aggregate([(column, op) for op in definition.partials])
-        names = totals.column_names[-len(definition.partials):]
+        return totals, totals.column_names[-len(definition.partials):]
+
+    def apply(self, table: KeyGroupTable, rows: pa.Table, key_columns: tuple[str, ...]) -> pa.Table:
+        """Merge the batch's partial aggregates per key into the state; one output row per key seen."""
+        definition = self.definition
+        totals, names = self.partials(rows, key_columns)
         state_types = definition.state(self.input_type)
         partials = [totals.column(n).cast(t).to_pylist() for n, t in zip(names, state_types)]
         key_groups = totals.column(KEY_GROUP_COLUMN).to_pylist()

@@ -38,7 +38,7 @@ from spark_state.conf import StateConf, check_store_reachable, default_store
 from spark_state.coordinator import Coordinator, SparkBatch, check_reports
 from spark_state.drain import finish_request, pending_requests
 from spark_state.errors import CheckpointError
-from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
+from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
 from spark_state.manifest import ComponentSpec
 from spark_state.manifestlog import open_manifest_log
 from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
@@ -275,13 +275,35 @@ class MicroBatch:
             yield from run_instance(task, TaskContext.get().partitionId(), batches)
 
         out_schema = task_output_schema(task.output_schema)
-        return (
-            routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))
-            .drop(INSTANCE_COLUMN)
-            .mapInArrow(process, out_schema)
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
+        routed = routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))
+        if isinstance(task.function, Aggregate) and task.event_time is None and task.function.partials_in_jvm():
+            routed = _partials_in_jvm(routed, task.function, key_columns)
+        return routed.drop(INSTANCE_COLUMN).mapInArrow(process, out_schema).persist(StorageLevel.MEMORY_AND_DISK)
 
     def _fault(self, stage: str, batch_id: int) -> None:
         if self.fault_hook is not None:
             self.fault_hook(stage, batch_id)
+
+
+def _partials_in_jvm(routed, function: Aggregate, key_columns: list[str]):
+    """Each key's partials of ``function``, computed by Spark after the shuffle to the instances.
+
+    Grouping by the instance column too keeps Spark's aggregate on the
+    instance partitioning (no second shuffle); a task then receives one row
+    per key (``functions.PARTIAL_PREFIX`` columns and ``ROWS_COLUMN``)
+    instead of every row, and ``Aggregate.apply`` merges them as they are.
+    """
+    from pyspark.sql import functions as F
+
+    column = F.col(function.column) if function.column is not None else None
+    spark_partials = {  # the values Arrow's group_by computes for the same names
+        "count_all": lambda: F.count(F.lit(1)),
+        "count": lambda: F.count(column),
+        "sum": lambda: F.sum(column),
+        "min": lambda: F.min(column),
+        "max": lambda: F.max(column),
+    }
+    partials = [spark_partials[op]().alias(f"{PARTIAL_PREFIX}{i}")
+                for i, op in enumerate(function.definition.partials)]
+    return routed.groupBy(INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns).agg(
+        *partials, F.count(F.lit(1)).alias(ROWS_COLUMN))

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from spark_state.blobstore import BlobStore
 from spark_state.coordinator import InstanceReport
@@ -41,6 +42,7 @@ from spark_state.functions import (
     EVENT_MS_COLUMN,
     KEY_GROUP_COLUMN,
     LATE_COLUMN,
+    ROWS_COLUMN,
     Aggregate,
     BatchTime,
     PythonFunction,
@@ -245,7 +247,8 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     keep(task.store_uri, task.component, instance, state)
     report = InstanceReport(instance, blob, items, {
         **time_info,
-        "rows_in": 0 if table is None else table.num_rows,
+        "rows_in": _rows_in(table),
+        "rows_received": 0 if table is None else table.num_rows,  # fewer than rows_in: partials from the JVM
         "keys": len(state),
         "restore": restore_info,
         "pid": os.getpid(),
@@ -254,6 +257,15 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     })
     arrays = [pa.nulls(1, f.type) for f in task.output_schema] + [pa.array([json.dumps(report.to_json())], pa.string())]
     yield pa.RecordBatch.from_arrays(arrays, schema=out_with_meta)
+
+
+def _rows_in(table: pa.Table | None) -> int:
+    """Input rows of the task: rows of ``table``, or the rows its per-key partials (from the JVM) stand for."""
+    if table is None:
+        return 0
+    if ROWS_COLUMN in table.column_names:
+        return int(pa.compute.sum(table.column(ROWS_COLUMN)).as_py() or 0)
+    return table.num_rows
 
 
 def report_from_meta(meta: str | dict[str, Any]) -> InstanceReport:

@@ -511,3 +511,80 @@ def test_mean_min_and_max_per_key(spark, tmp_path):
         )
         query.awaitTermination()
         assert outputs == {user: expected(values) for user, values in seen.items()}, method
+
+
+def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_in_python(spark, tmp_path):
+    """Spark computes the partials per key where its aggregate equals Arrow's (``AggregateDef.in_jvm``).
+
+    Over ints, doubles with NaN, strings and timestamps with nulls, every
+    built-in emits what a plain Python model of its running value gives;
+    ``rows_received`` says where the partials were computed: one row per key
+    (the JVM) or every row (Python: floating min/max, where Spark orders NaN
+    above every number and Arrow skips it).
+    """
+    import datetime as dt
+    import math
+
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    directory = tmp_path / "typed"
+    directory.mkdir()
+    utc = dt.timezone.utc
+    batches = []
+    for index in range(2):
+        rows = [(f"k{i % 4}", None if i % 5 == 0 else i * (index + 1),
+                 math.nan if i % 7 == 3 else None if i % 6 == 0 else i / 4 - index,
+                 None if i % 3 == 0 else f"s{(i * 13 + index) % 9}",
+                 None if i % 4 == 1 else dt.datetime(2026, 1, 1 + i % 20, tzinfo=utc)) for i in range(40)]
+        batches.append(rows)
+        path = directory / f"part-{index:05d}.parquet"
+        pq.write_table(pa.table({
+            "k": [r[0] for r in rows], "n": pa.array([r[1] for r in rows], pa.int64()),
+            "x": pa.array([r[2] for r in rows], pa.float64()), "s": [r[3] for r in rows],
+            "t": pa.array([r[4] for r in rows], pa.timestamp("us", tz="UTC")),
+        }), path)
+        os.utime(path, (1_700_000_000 + index, 1_700_000_000 + index))
+
+    def model(method, column):
+        position = {"n": 1, "x": 2, "s": 3, "t": 4}[column]
+        seen: dict[str, list] = {}
+        for rows in batches:
+            for row in rows:
+                values = seen.setdefault(row[0], [])
+                if row[position] is not None:
+                    values.append(row[position])
+        if column == "x" and method in ("min", "max"):  # Arrow's min/max skip NaN unless a key has only NaN
+            seen = {k: [x for x in v if not math.isnan(x)] or v for k, v in seen.items()}
+        finish = {"sum": sum, "mean": lambda v: sum(v) / len(v), "min": min, "max": max}[method]
+        return {k: finish(v) if v else None for k, v in seen.items()}
+
+    def same(a, b):
+        if isinstance(a, float) and isinstance(b, float):
+            return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12)
+        return a == b
+
+    cases = [("count", None, True), ("sum", "n", True), ("sum", "x", True), ("mean", "n", True),
+             ("min", "s", True), ("max", "t", True), ("min", "n", True), ("max", "x", False), ("min", "x", False)]
+    for method, column, in_jvm in cases:
+        output = f"{method}_{column}" if column else "count"
+        outputs: dict = {}
+
+        def sink(out, batch_id):
+            outputs.update({r["k"]: r[output] for r in out.collect()})
+
+        spark.conf.set("spark.state.parallelism", "2")
+        spark.conf.set("spark.state.store", str(tmp_path / f"state-{output}"))
+        stream = keyed(spark.readStream.schema("k string, n long, x double, s string, t timestamp")
+                       .option("maxFilesPerTrigger", 1).parquet(str(directory)), "k", name="typed")
+        stream = stream.count() if column is None else getattr(stream, method)(column)
+        query = (stream.writeStream.foreachBatch(sink).option("checkpointLocation", str(tmp_path / f"chk-{output}"))
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        expected = {k: 40 * 2 // 4 for k in ("k0", "k1", "k2", "k3")} if column is None else model(method, column)
+        if column == "t":
+            outputs = {k: v.replace(tzinfo=utc) if v is not None and v.tzinfo is None else v
+                       for k, v in outputs.items()}
+        assert set(outputs) == set(expected), output
+        assert all(same(outputs[k], expected[k]) for k in expected), (output, outputs, expected)
+        instances = [i for b in query.batches for i in b["instances"]]
+        assert sum(i["rows_in"] for i in instances) == 80, output
+        assert sum(i["rows_received"] for i in instances) == (8 if in_jvm else 80), output
