@@ -11,7 +11,18 @@ It remembers which keys changed since ``take_changes`` was last called, so a
 checkpoint writes only those. Restoring is lazy: a key group whose chain was
 fetched stays Arrow record batches (``install``) and is folded into dicts by
 ``restore.apply_entries`` when first accessed, so a restart at a new
-parallelism pays per key group a batch touches, not per key of state. No I/O.
+parallelism pays per key group a batch touches, not per key of state.
+
+Lazier still, for a component with one state variable and one key column
+(the built-in aggregates, and user functions of that shape): ``get_many``
+and ``put_many`` (the built-ins' access) look the keys they are given up in
+the fetched chains with one Arrow ``index_in`` over the key groups they
+touch, and keep only those keys in the group's dict, an *overlay* over its
+chain; a key group is folded whole only when something needs all of it (a
+full entry, ``values``, ``items``) or a single-key access touches it. So a
+batch after a restart, a rescale or a task on a worker that did not hold the
+instance converts to Python objects the keys it touches, not the key groups
+they are in. No I/O.
 """
 
 from __future__ import annotations
@@ -20,11 +31,13 @@ from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
+import pyarrow.compute as pc
+
 from spark_state.blob import EntryKind
 from spark_state.errors import KeyGroupOwnershipError
 from spark_state.keygroups import KeyGroupRange
 from spark_state.restore import apply_entries, check_chain, fold_chain
-from spark_state.schema import DELETED_COLUMN, Key, KeyedSchema, Value
+from spark_state.schema import DELETED_COLUMN, Key, KeyedSchema, Value, struct_values
 
 Entries = Sequence[tuple[EntryKind, pa.RecordBatch]]
 
@@ -37,6 +50,13 @@ class FetchedChain:
         self.batches = batches
         self.schema = schema
         self._live: int | None = None
+        self._folded: pa.Table | None = None
+
+    def folded(self) -> pa.Table:
+        """The chain's live rows (``restore.fold_chain``), computed once."""
+        if self._folded is None:
+            self._folded = fold_chain(self.batches, self.schema.key_columns)
+        return self._folded
 
     def live_keys(self) -> int:
         """Keys the chain holds once folded (computed once, with Arrow kernels on the key columns)."""
@@ -56,6 +76,8 @@ class KeyGroupTable:
         self._groups: dict[int, list[dict[Key, Value]]] = {}
         self._unloaded: dict[int, FetchedChain] = {}
         self._dirty: dict[int, set[Key]] = {}
+        self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
+        self._overlays = self._width == 1 and len(schema.key_columns) == 1
 
     # Ownership and lazy folding ---------------------------------------------------------
 
@@ -74,19 +96,74 @@ class KeyGroupTable:
             self._check(next(g for g in key_groups if g not in self.key_group_range))
 
     def _group(self, key_group: int) -> list[dict[Key, Value]]:
-        """The key group's dicts, folding its fetched chain first if it has one (creates empty dicts)."""
+        """The key group's dicts, folding its fetched chain first if it has one (creates empty dicts).
+
+        A fetched chain is folded under its overlay: the overlay's values win.
+        """
         fetched = self._unloaded.pop(key_group, None)
         group = self._groups.get(key_group)
-        if group is None:
-            group = self._groups[key_group] = [{} for _ in range(self._width)]
         if fetched is not None:
+            overlay = group
+            group = self._groups[key_group] = [{} for _ in range(self._width)]
             apply_entries(group, fetched.batches, self.schema, whole_chain=True)
+            self._absent.pop(key_group, None)
+            if overlay is not None:
+                for values, written in zip(group, overlay):
+                    values.update(written)
+        elif group is None:
+            group = self._groups[key_group] = [{} for _ in range(self._width)]
         return group
 
-    def _fold_many(self, key_groups: Sequence[int]) -> None:
-        if self._unloaded:
+    def _fold_many(self, key_groups: Sequence[int], keys: Sequence[Key]) -> None:
+        """Make the ``value`` of every ``(key_groups[i], keys[i])`` readable from the dicts."""
+        if not self._unloaded:
+            return
+        if not self._overlays:
             for key_group in self._unloaded.keys() & set(key_groups):
                 self._group(key_group)
+            return
+        self._look_up(key_groups, keys)
+
+    def _look_up(self, key_groups: Sequence[int], keys: Sequence[Key]) -> None:
+        """Copy the chain values of the given keys of unloaded key groups into their overlays (one Arrow pass).
+
+        A key the overlay already holds is not looked up (the overlay wins);
+        one the chain does not hold is remembered in ``_absent`` (for
+        ``key_count``) once it is written.
+        """
+        unloaded, groups = self._unloaded, self._groups
+        wanted: dict[int, list[Key]] = {}
+        for g, k in zip(key_groups, keys):
+            if g in unloaded:
+                overlay = groups.get(g)
+                if overlay is None or k not in overlay[0]:
+                    wanted.setdefault(g, []).append(k)
+        if not wanted:
+            return
+        chains = [unloaded[g].folded() for g in wanted]
+        rows = pa.concat_tables(chains) if len(chains) > 1 else chains[0]
+        key_column = self.schema.key_columns[0]
+        asked = [k for g in wanted for k in wanted[g]]
+        position = pc.index_in(pa.array([k[0] for k in asked], rows.schema.field(key_column).type),
+                               value_set=rows.column(key_column).combine_chunks(), skip_nulls=False)
+        found = position.is_valid()
+        values = struct_values(rows.column(1).take(pc.drop_null(position)), len(self.schema.variables[0].fields))
+        found_values = iter(values)
+        found_flags = iter(found.to_pylist())
+        for g, asked_keys in wanted.items():
+            overlay = groups.get(g)
+            if overlay is None:
+                overlay = groups[g] = [{}]
+            absent = self._absent.setdefault(g, set())
+            for k in asked_keys:
+                if next(found_flags):
+                    value = next(found_values)
+                    if value is not None:
+                        overlay[0][k] = value
+                    else:
+                        absent.add(k)
+                else:
+                    absent.add(k)
 
     # Access -----------------------------------------------------------------------------
 
@@ -114,14 +191,14 @@ class KeyGroupTable:
     def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
         """``[get(g, k, default) for g, k in zip(key_groups, keys)]`` for the ``value`` variable."""
         self._check_all(key_groups)
-        self._fold_many(key_groups)
+        self._fold_many(key_groups, keys)
         groups, empty = self._groups, ({},)
         return [groups.get(g, empty)[0].get(k, default) for g, k in zip(key_groups, keys)]
 
     def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value]) -> None:
         """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences."""
         self._check_all(key_groups)
-        self._fold_many(key_groups)
+        self._fold_many(key_groups, keys)
         groups, dirty, width = self._groups, self._dirty, self._width
         for g, k, v in zip(key_groups, keys, values):
             group = groups.get(g)
@@ -148,8 +225,15 @@ class KeyGroupTable:
 
     def __len__(self) -> int:
         """Keys with any state."""
-        loaded = sum(len(_keys(group)) for group in self._groups.values())
-        return loaded + sum(f.live_keys() for f in self._unloaded.values())
+        unloaded = self._unloaded
+        loaded = sum(len(_keys(group)) for g, group in self._groups.items() if g not in unloaded)
+        return loaded + sum(self._unloaded_count(g) for g in unloaded)
+
+    def _unloaded_count(self, key_group: int) -> int:
+        """Keys of an unloaded key group: its chain's live keys, and the overlay's keys the chain lacks."""
+        absent = self._absent.get(key_group)
+        written = len(absent & self._groups[key_group][0].keys()) if absent and key_group in self._groups else 0
+        return self._unloaded[key_group].live_keys() + written
 
     # Checkpointing ----------------------------------------------------------------------
 
@@ -159,10 +243,20 @@ class KeyGroupTable:
         return changes
 
     def key_count(self, key_group: int) -> int:
-        return len(_keys(self._group(key_group))) if key_group in self._groups or key_group in self._unloaded else 0
+        if key_group in self._unloaded:
+            return self._unloaded_count(key_group)
+        return len(_keys(self._groups[key_group])) if key_group in self._groups else 0
 
     def rows(self, key_group: int, keys: Sequence[Key] | None = None) -> tuple[list[Key], list[list[Value | None]]]:
-        """The given keys (all keys when None) and, per variable, their values (None where absent)."""
+        """The given keys (all keys when None) and, per variable, their values (None where absent).
+
+        Keys an unloaded key group's overlay holds are served from it;
+        anything else folds the key group first.
+        """
+        overlay = self._groups.get(key_group) if key_group in self._unloaded else None
+        if overlay is not None and keys is not None and all(key in overlay[0] for key in keys):
+            chosen = list(keys)
+            return chosen, [[values.get(key) for key in chosen] for values in overlay]
         group = self._group(key_group)
         chosen = list(_keys(group)) if keys is None else list(keys)
         return chosen, [[values.get(key) for key in chosen] for values in group]
@@ -171,6 +265,7 @@ class KeyGroupTable:
         group = self._groups.get(key_group)
         if group is not None and not any(group):
             del self._groups[key_group]
+            self._absent.pop(key_group, None)
 
     # Restoring --------------------------------------------------------------------------
 
@@ -179,6 +274,7 @@ class KeyGroupTable:
         self._check(key_group)
         self._groups.pop(key_group, None)
         self._dirty.pop(key_group, None)
+        self._absent.pop(key_group, None)
         self._unloaded[key_group] = fetched
 
     def apply(self, key_group: int, batches: Entries) -> None:
@@ -191,6 +287,7 @@ class KeyGroupTable:
         self._groups.pop(key_group, None)
         self._unloaded.pop(key_group, None)
         self._dirty.pop(key_group, None)
+        self._absent.pop(key_group, None)
 
 
 def _keys(group: list[dict[Key, Value]]) -> dict[Key, None]:

@@ -154,7 +154,7 @@ class KeyedSchema:
         """The keys, per variable the values (None where the struct is null) and the tombstone flags of a batch."""
         n_keys = len(self.keys)
         keys = list(zip(*[batch.column(i).to_pylist() for i in range(n_keys)]))
-        values = [_struct_values(batch.column(n_keys + i), len(v.fields)) for i, v in enumerate(self.variables)]
+        values = [struct_values(batch.column(n_keys + i), len(v.fields)) for i, v in enumerate(self.variables)]
         deleted = batch.column(n_keys + len(self.variables)).to_pylist()
         return keys, values, deleted
 
@@ -171,7 +171,7 @@ class KeyedSchema:
         return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _struct_values(column: Any, width: int) -> list[Value | None]:
+def struct_values(column: Any, width: int) -> list[Value | None]:
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     children = [column.field(i).to_pylist() for i in range(width)]
