@@ -31,6 +31,10 @@ key                                    default                     meaning
 ``spark.state.sharedLocalStore``       ``false``                   ``true``: the local store path is one shared
                                                                    filesystem mounted at the same place on every
                                                                    executor (NFS, or a cluster on this one machine)
+``spark.state.instanceHosts``          ``true``                    each instance's state lives in one process per
+                                                                   executor that every task of the instance uses
+                                                                   (``hosts``); ``false``: in the Python worker that
+                                                                   runs the task (reloaded when Spark picks another)
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
@@ -72,8 +76,9 @@ ALLOW_NON_RESTORED = PREFIX + "allowNonRestoredState"
 ORPHAN_GRACE = PREFIX + "orphanGraceSeconds"
 RESTORE_FROM = PREFIX + "restoreFrom"
 SHARED_LOCAL_STORE = PREFIX + "sharedLocalStore"
+INSTANCE_HOSTS = PREFIX + "instanceHosts"
 KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
-              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, SHARED_LOCAL_STORE, *S3_KEYS)
+              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, SHARED_LOCAL_STORE, INSTANCE_HOSTS, *S3_KEYS)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -115,6 +120,7 @@ class StateConf:
     orphan_grace_seconds: int = 3600
     restore_from: int | None = None
     shared_local_store: bool = False
+    instance_hosts: bool = True
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -150,8 +156,8 @@ class StateConf:
             text = get(key)
             return None if text is None or str(text).strip() == "" else str(text).strip()
 
-        def flag(key: str) -> bool:
-            text = (value(key) or "false").lower()
+        def flag(key: str, default: str = "false") -> bool:
+            text = (value(key) or default).lower()
             if text not in ("true", "false"):
                 raise ConfigError(f"{key}={text!r} is not true or false")
             return text == "true"
@@ -177,6 +183,7 @@ class StateConf:
             orphan_grace_seconds=_int(ORPHAN_GRACE, value(ORPHAN_GRACE), 0) if value(ORPHAN_GRACE) else 3600,
             restore_from=_int(RESTORE_FROM, value(RESTORE_FROM), 0) if value(RESTORE_FROM) else None,
             shared_local_store=flag(SHARED_LOCAL_STORE),
+            instance_hosts=flag(INSTANCE_HOSTS, "true"),
         )
 
     @classmethod

@@ -39,6 +39,7 @@ from spark_state.coordinator import Coordinator, SparkBatch, check_reports
 from spark_state.drain import finish_request, pending_requests
 from spark_state.errors import CheckpointError
 from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
+from spark_state.hosts import run_hosted
 from spark_state.manifest import ComponentSpec
 from spark_state.manifestlog import open_manifest_log
 from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
@@ -179,7 +180,7 @@ class MicroBatch:
             processing_ms=spark_batch.timestamp_ms,
             drain=drain,
         )
-        result = self._run_tasks(batch_df, task)
+        result = self._run_tasks(batch_df, task, conf.instance_hosts)
         try:
             from pyspark.sql import functions as F
 
@@ -252,7 +253,7 @@ class MicroBatch:
         if self.query.isActive:
             self.query.stop()
 
-    def _run_tasks(self, batch_df, task: TaskSpec):
+    def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool):
         """Step 3: route every row to its instance's task and run the tasks; the persisted result."""
         from pyspark import StorageLevel
         from pyspark.sql import functions as F
@@ -269,10 +270,12 @@ class MicroBatch:
             INSTANCE_COLUMN, instance_column(F.col(KEY_GROUP_COLUMN), task.parallelism, task.max_parallelism)
         )
 
+        run = run_hosted if hosted else run_instance
+
         def process(batches):
             from pyspark import TaskContext
 
-            yield from run_instance(task, TaskContext.get().partitionId(), batches)
+            yield from run(task, TaskContext.get().partitionId(), batches)
 
         out_schema = task_output_schema(task.output_schema)
         routed = routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))

@@ -100,6 +100,12 @@ def _stores(uri: str) -> tuple[BlobStore, ManifestReader]:
         return stores
 
 
+def forget_stores() -> None:
+    """Drop this process's blob stores and manifest readers (a forked process opens its own)."""
+    with _LOCK:
+        _STORES.clear()
+
+
 def _base_component(task: TaskSpec, manifests: ManifestReader) -> ComponentManifest | None:
     if task.base_checkpoint_id is None:
         return None

@@ -237,6 +237,12 @@ def keep(store: str, component: str, instance: int, state: ResidentState) -> Non
         _RESIDENT.setdefault((store, component), {})[instance] = state
 
 
+def forget_all() -> None:
+    """Drop every state this process holds (a forked instance host starts empty)."""
+    with _LOCK:
+        _RESIDENT.clear()
+
+
 def resident_instances(store: str, component: str) -> list[int]:
     """The instances whose state this process holds (for reports and tests)."""
     with _LOCK:

@@ -588,3 +588,22 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
         instances = [i for b in query.batches for i in b["instances"]]
         assert sum(i["rows_in"] for i in instances) == 80, output
         assert sum(i["rows_received"] for i in instances) == (8 if in_jvm else 80), output
+
+
+def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, tmp_path):
+    """With instance hosts, every task after the first finds its instance's state resident: nothing is read.
+
+    Four instances on two task slots: Spark hands each task to whichever
+    Python worker is idle, so without hosts (``spark.state.instanceHosts``
+    false) some tasks land on a worker that holds another instance and
+    reload theirs from the store.
+    """
+    job = Job(spark, tmp_path)
+    for salt in range(6):
+        job.add_batch(300, keys=60, salt=salt)
+    query = job.run(4)
+    assert job.outputs == job.expected()
+    later = [i for b in query.batches[1:] for i in b["instances"]]
+    assert len(later) == 5 * 4
+    assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
+    assert len({i["pid"] for i in later}) == 4  # one host per instance

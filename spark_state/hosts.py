@@ -1,0 +1,333 @@
+"""Instance hosts: one long-lived process per instance and executor, so state survives Spark's task placement.
+
+Spark hands a task to whichever Python worker is idle, so the worker that
+ran instance i last batch is often not the one that runs it next; state kept
+in the worker (``resident``) then had to be reloaded from the store, costing
+a multiple of a normal batch at millions of keys. With hosts, the task's
+worker is only a courier: ``run_hosted(task, instance, batches)`` sends the
+task and its input rows to the host of (this executor, store, component,
+instance) over a Unix socket, and relays the output rows the host's
+``operator.run_instance`` produces. The host keeps the instance's state
+between batches, whichever worker carries the next task.
+
+Protocol (one connection per task; a host serves one connection at a time,
+so two attempts of one instance never run at once): the worker sends frames
+``TASK`` (the pickled task and instance), ``BATCH`` (one Arrow IPC stream per
+input record batch) and ``END``; the host answers ``BATCH`` frames of output
+and ``END``, or ``ERROR`` (the pickled exception, re-raised in the worker, so
+a typed error reaches the driver as it would without hosts). A worker that
+sees the connection close without ``END`` raises ``InstanceHostLostError``:
+the task fails and Spark retries it, which starts a new host.
+
+Lifetime: a worker forks the host when none answers (under a file lock, so
+two workers start one; forking skips an interpreter start-up, which would
+cost each new instance a third of a second); the host exits when the
+executor's Python daemon (its starter's parent, which lives as long as the
+executor) is gone, or after ``IDLE_SECONDS`` without a task. It keeps the
+worker's process group and environment, and none of its descriptors,
+resident states or storage clients. Sockets live in
+``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
+``cloudpickle`` for user functions.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import pickle
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+
+from spark_state.errors import SparkStateError
+
+IDLE_SECONDS = 300.0
+"""A host with no task for this long exits (its state is in the store; the next task reloads it)."""
+START_SECONDS = 60.0
+"""How long a worker waits for a host it started to listen."""
+
+TASK, BATCH, END, ERROR = b"T", b"B", b"E", b"X"
+_HEADER = struct.Struct("!cQ")
+
+
+class InstanceHostLostError(SparkStateError):
+    """The instance host died while it ran a task (killed, or out of memory); Spark retries the task."""
+
+
+def _socket_dir(daemon_pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"spark-state-{os.getuid()}" / str(daemon_pid)
+
+
+def host_address(daemon_pid: int, store: str, component: str, instance: int) -> Path:
+    """The socket of the host of ``instance`` of ``component`` in ``store``, for the executor of ``daemon_pid``."""
+    digest = hashlib.sha1(f"{store}\0{component}".encode()).hexdigest()[:16]
+    return _socket_dir(daemon_pid) / f"{digest}-{instance}.sock"
+
+
+# Frames -------------------------------------------------------------------------------------
+
+
+def _send(connection: socket.socket, kind: bytes, payload: bytes | memoryview = b"") -> None:
+    connection.sendall(_HEADER.pack(kind, len(payload)))
+    if payload:
+        connection.sendall(payload)
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes | None:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = connection.recv(min(remaining, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(connection: socket.socket) -> tuple[bytes, bytes] | None:
+    """The next frame, or None when the peer closed the connection."""
+    header = _receive_exactly(connection, _HEADER.size)
+    if header is None:
+        return None
+    kind, size = _HEADER.unpack(header)
+    payload = _receive_exactly(connection, size) if size else b""
+    return None if payload is None else (kind, payload)
+
+
+def _batch_bytes(batch: pa.RecordBatch) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def _batch(payload: bytes) -> pa.RecordBatch:
+    return pa.ipc.open_stream(payload).read_next_batch()
+
+
+# Worker side --------------------------------------------------------------------------------
+
+
+def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``operator.run_instance(task, instance, batches)``, run by the instance's host (see the module docstring)."""
+    from pyspark import cloudpickle
+
+    daemon_pid = os.getppid()
+    connection = _connect(host_address(daemon_pid, task.store_uri, task.component, instance), daemon_pid)
+    with connection:
+        _send(connection, TASK, cloudpickle.dumps((task, instance)))
+        for batch in batches:
+            _send(connection, BATCH, memoryview(_batch_bytes(batch)))
+        _send(connection, END)
+        while True:
+            frame = _receive(connection)
+            if frame is None:
+                raise InstanceHostLostError(
+                    f"the host of instance {instance} closed the connection during its task (it died: killed, or out "
+                    "of memory); Spark retries the task, which starts a new host from the committed state"
+                )
+            kind, payload = frame
+            if kind == BATCH:
+                yield _batch(payload)
+            elif kind == END:
+                return
+            else:
+                raise pickle.loads(payload)
+
+
+def _connect(address: Path, daemon_pid: int) -> socket.socket:
+    """A connection to the host at ``address``; starts the host first when none listens there."""
+    connection = _try_connect(address)
+    if connection is not None:
+        return connection
+    _remove_dead_executors(address.parent.parent)
+    address.parent.mkdir(parents=True, exist_ok=True)
+    with open(address.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        connection = _try_connect(address)
+        if connection is not None:
+            return connection
+        address.unlink(missing_ok=True)
+        log = address.with_suffix(".log")
+        host = _start_host(address, daemon_pid, log)
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            connection = _try_connect(address)
+            if connection is not None:
+                return connection
+            if not _alive(host):
+                break
+            time.sleep(0.005)
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise InstanceHostLostError(f"the instance host at {address} did not start; its log ends with:\n{tail}")
+
+
+def _start_host(address: Path, daemon_pid: int, log: Path) -> int:
+    """Fork the host from this worker (its modules are loaded: no interpreter start-up); its pid.
+
+    A double fork: the host is nobody's child that would have to reap it.
+    In the host, standard input is ``/dev/null``, output goes to ``log`` and
+    every other inherited descriptor (the worker's connection to the JVM
+    among them) is closed before it listens.
+    """
+    reader, writer = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(reader)
+            host = os.fork()
+            if host == 0:
+                os.close(writer)
+                _become_host(address, daemon_pid, log)
+            os.write(writer, str(host).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as answer:
+        host = int(answer.read() or b"0")
+    os.waitpid(middle, 0)
+    return host
+
+
+def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
+    status = 0
+    try:
+        output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        nothing = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(nothing, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        from spark_state.operator import forget_stores
+        from spark_state.resident import forget_all
+
+        forget_all()  # states this worker held stay with the worker; the host starts empty
+        forget_stores()  # storage clients (connection pools, threads) do not survive a fork
+        serve(address, daemon_pid)
+    except BaseException:  # noqa: BLE001  (the host must never return into the worker's code)
+        traceback.print_exc()
+        status = 1
+    finally:
+        os._exit(status)
+
+
+def _remove_dead_executors(root: Path) -> None:
+    """Remove the socket directories of executors whose Python daemon is gone (their hosts exited with it)."""
+    if not root.is_dir():
+        return
+    for directory in root.iterdir():
+        if directory.name.isdigit() and not _alive(int(directory.name)):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _try_connect(address: Path) -> socket.socket | None:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(str(address))
+    except (FileNotFoundError, ConnectionRefusedError):
+        connection.close()
+        return None
+    return connection
+
+
+# Host side ----------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS) -> None:
+    """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(address))
+    listener.listen(8)
+    listener.settimeout(1.0)
+    last_task = time.monotonic()
+    try:
+        while _alive(daemon_pid) and time.monotonic() - last_task < idle_seconds:
+            try:
+                connection, _ = listener.accept()
+            except socket.timeout:
+                continue
+            with connection:
+                connection.settimeout(None)
+                _serve_task(connection)
+            last_task = time.monotonic()
+    finally:
+        listener.close()
+        if address.exists():
+            address.unlink(missing_ok=True)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _serve_task(connection: socket.socket) -> None:
+    """Receive one task and its rows, run it, send its output (or its error)."""
+    from spark_state.operator import run_instance
+
+    frame = _receive(connection)
+    if frame is None or frame[0] != TASK:
+        return
+    task, instance = pickle.loads(frame[1])
+    batches = []
+    while True:
+        frame = _receive(connection)
+        if frame is None:
+            return  # the worker is gone: its task failed and will be retried
+        kind, payload = frame
+        if kind == END:
+            break
+        batches.append(_batch(payload))
+    try:
+        for batch in run_instance(task, instance, batches):
+            _send(connection, BATCH, memoryview(_batch_bytes(batch)))
+    except (BrokenPipeError, ConnectionResetError):
+        return
+    except Exception as error:  # noqa: BLE001  (handed to the worker, which raises it in the task)
+        if hasattr(error, "add_note"):
+            error.add_note("raised in the instance host:\n" + traceback.format_exc())
+        _send_error(connection, error)
+        return
+    try:
+        _send(connection, END)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def _send_error(connection: socket.socket, error: Exception) -> None:
+    from pyspark import cloudpickle
+
+    try:
+        payload = cloudpickle.dumps(error)
+        pickle.loads(payload)
+    except Exception:  # noqa: BLE001  (an exception that does not survive pickling is sent as its text)
+        payload = cloudpickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
+    try:
+        _send(connection, ERROR, payload)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]), int(sys.argv[2]))
