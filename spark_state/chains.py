@@ -9,9 +9,22 @@ it with the manifest (``restore.plan_instance_restore(have=...)``) to read
 only what differs.
 
 ``plan`` decides each changed key group's next entry: ``full`` (every key)
-when it has no stored base, its chain already has ``max_chain_length``
-entries (compaction: bounds what a restore reads), or at least half of its
-keys changed; else ``delta`` (the changed keys, deleted ones as tombstones).
+when it has no stored base, or at least half of its keys changed, or it is
+compacted; else ``delta`` (the changed keys, deleted ones as tombstones).
+
+Compaction bounds what a restore reads, and is spread over batches: a chain
+is *due* from ``compaction_due(L)`` entries (about half of
+``max_chain_length`` L) and *forced* at L, so no chain ever has more than L
+entries. A batch compacts every forced key group and, within a budget of
+``compaction_budget`` compactions (forced ones included), due ones, longest
+chain first (ties: lowest key group). The budget is the steady rate of the
+changed key groups, raised where chains would otherwise be forced together,
+so compaction writes about as much as when every chain waited for L; but
+when a stream touches every key group every batch, their chains no longer
+all reach L in the same batch (which made that batch rewrite the whole
+state): with L = 8 the first round compacts a fifth of them per batch, and
+every batch after an eighth.
+
 Planned key groups are unknown until ``record`` names the blob their entries
 went to; if that never happens, the next catch-up reloads them.
 """
@@ -19,13 +32,38 @@ went to; if that never happens, the next catch-up reloads them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from collections import Counter
+from typing import Callable, Mapping, Sequence
 
 from spark_state.blob import EntryKind
 from spark_state.errors import ConfigError
 
 Chain = tuple[str, ...]
 DEFAULT_MAX_CHAIN_LENGTH = 8
+
+
+def compaction_due(max_chain_length: int) -> int:
+    """The chain length (entries, >= 1) from which a key group may be compacted: half of ``max_chain_length``."""
+    return max(1, max_chain_length // 2)
+
+
+def compaction_budget(lengths: Sequence[int], max_chain_length: int) -> int:
+    """Compactions a batch makes unless more are forced, given the chain lengths of its changed key groups.
+
+    The steady rate ``len(lengths) // L`` (a chain grows by one entry per
+    change), or more where that would leave chains to be forced together:
+    ``#{length >= l} // (L - l + 1)`` for every due length ``l`` (the chains
+    at least ``l`` long, spread over the batches before they are forced).
+    Rounded down: a few changed key groups compact only when forced, as
+    without spreading.
+    """
+    budget = len(lengths) // max_chain_length
+    longer = 0
+    counts = Counter(lengths)
+    for length in range(max_chain_length - 1, compaction_due(max_chain_length) - 1, -1):
+        longer += counts.get(length, 0)
+        budget = max(budget, longer // (max_chain_length - length + 1))
+    return budget
 
 
 @dataclass(frozen=True)
@@ -66,17 +104,28 @@ class ChainTracker:
         """
         if max_chain_length < 1:
             raise ConfigError(f"max chain length must be >= 1, got {max_chain_length}")
+        compacted = self._compacted(changes, max_chain_length)
         planned = []
         for key_group in sorted(changes):
             chain = self._chains.get(key_group, ())
             keys = size(key_group)
             if chain == () and keys == 0:
                 continue
-            full = not chain or len(chain) >= max_chain_length or 2 * changes[key_group] >= max(keys, 1)
+            full = not chain or key_group in compacted or 2 * changes[key_group] >= max(keys, 1)
             planned.append(PlannedEntry(key_group, "full" if full else "delta", keys == 0, chain))
             self._chains[key_group] = None
         self._planned = planned
         return planned
+
+    def _compacted(self, changes: Mapping[int, int], max_chain_length: int) -> set[int]:
+        """The changed key groups this batch compacts: every forced one, then due ones within the budget."""
+        due_length = compaction_due(max_chain_length)
+        lengths = {g: len(chain) for g in changes if (chain := self._chains.get(g))}
+        forced = {g for g, length in lengths.items() if length >= max_chain_length}
+        room = compaction_budget(list(lengths.values()), max_chain_length) - len(forced)
+        due = sorted((g for g, length in lengths.items() if due_length <= length < max_chain_length),
+                     key=lambda g: (-lengths[g], g))
+        return forced | set(due[:max(room, 0)])
 
     def record(self, path: str) -> None:
         """The last plan's entries were written to blob ``path``: their chains now end with it."""

@@ -12,8 +12,10 @@ key                                    default                     meaning
                                                                    different value is refused on restore
 ``spark.state.checkpointsRetained``    3                           committed checkpoints kept (>= 2: a replayed batch
                                                                    recomputes from the one before it)
-``spark.state.maxChainLength``         8                           compaction: a key group's chain of delta entries is
-                                                                   rewritten as one full entry at this length
+``spark.state.maxChainLength``         8                           compaction: a key group's chain of entries is
+                                                                   rewritten as one full entry at this length at the
+                                                                   latest, spread over batches from half of it
+                                                                   (``chains``)
 ``spark.state.compression``            ``none``                    Arrow IPC codec of state blobs: none, lz4, zstd
 ``spark.state.s3.endpoint``            the AWS chain               an ``s3://`` store's endpoint (S3-compatible stores)
 ``spark.state.s3.region``              the AWS chain               an ``s3://`` store's signing region

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import random
 
-from spark_state.chains import ChainTracker
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spark_state.chains import ChainTracker, compaction_due
 from spark_state.errors import ConfigError
 
 
@@ -48,3 +52,58 @@ def test_a_key_group_never_stored_and_empty_again_writes_nothing():
 def test_the_chain_limit_must_be_positive():
     with pytest.raises(ConfigError, match="max chain length must be >= 1"):
         ChainTracker().plan({}, lambda g: 0, max_chain_length=0)
+
+
+def _fulls_per_batch(key_groups: int, max_chain_length: int, batches: int, touched=None) -> list[int]:
+    """Full entries per batch when ``touched(batch)`` (default: every key group) change one of 100 keys."""
+    chains, fulls = ChainTracker(), []
+    for batch in range(batches):
+        changed = touched(batch) if touched else range(key_groups)
+        plan = chains.plan({g: 1 for g in changed}, lambda g: 100, max_chain_length=max_chain_length)
+        fulls.append(sum(entry.kind == "full" for entry in plan))
+        chains.record(f"b{batch}")
+        assert all(len(chain) <= max_chain_length for chain in chains.held().values() if chain)
+    return fulls
+
+
+def test_a_stream_touching_every_key_group_compacts_a_share_of_them_per_batch_not_all_at_once():
+    """Chains growing in lockstep are compacted from half the limit on, longest first, a few per batch.
+
+    Without spreading, every key group would be written in full every 8th
+    batch (2048 full entries) and none in between; spread, the first round
+    compacts a fifth per batch and every batch after an eighth, the same
+    total.
+    """
+    fulls = _fulls_per_batch(2048, 8, 40)
+    assert fulls[0] == 2048  # new key groups
+    assert fulls[1:4] == [0, 0, 0]  # chains shorter than half the limit
+    assert max(fulls[1:]) <= -(-2048 // 5)
+    assert fulls[9:] == [256] * 31
+    assert sum(fulls[1:33]) == 2048 * 4  # as many compactions as every-8th-batch would make
+
+
+def test_one_key_group_compacts_only_at_the_chain_limit_and_a_few_take_turns():
+    assert _fulls_per_batch(1, 8, 18) == [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    assert _fulls_per_batch(3, 8, 17) == [3, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+
+
+@given(
+    key_groups=st.integers(1, 60),
+    max_chain_length=st.integers(1, 10),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=150, deadline=None)
+def test_chains_never_exceed_the_limit_and_are_compacted_only_when_due(key_groups, max_chain_length, seed):
+    rng = random.Random(seed)
+    chains = ChainTracker()
+    for batch in range(40):
+        changed = {g: 1 for g in rng.sample(range(key_groups), rng.randint(0, key_groups))}
+        before = dict(chains.held())
+        plan = chains.plan(changed, lambda g: 100, max_chain_length=max_chain_length)
+        for entry in plan:
+            previous = before.get(entry.key_group) or ()
+            if entry.kind == "full" and previous:
+                assert len(previous) >= compaction_due(max_chain_length)  # compacted, never before it is due
+            assert entry.kind == "full" or len(previous) < max_chain_length
+        chains.record(f"b{batch}")
+        assert all(len(chain) <= max_chain_length for chain in chains.held().values() if chain)
