@@ -2,10 +2,10 @@
 
 Run: ``./run bench bench_keyed [--full]``. Prints one JSON object, writes it
 to ``benchmarks/results/keyed.json`` and plots ``benchmarks/results/keyed.png``
-(``keyed_full.*`` with ``--full``). Quick mode (default) takes about a
-minute on the shared 2-core machine; ``--full`` (about 5 minutes) adds
-parallelism 4, Spark's HDFS-backed provider, two rounds, 100k and 10M keys
-of state and ten steady batches (one compaction of every key group).
+(``keyed_full.*`` with ``--full``). Quick mode (default) takes a few
+minutes on the shared 2-core machine; ``--full`` adds parallelism 4, two
+rounds, 100k and 10M keys of state and ten steady batches (a round of
+compaction of every key group).
 
 Input: Parquet files generated once from a seeded RNG, read by a file stream
 with ``maxFilesPerTrigger=1`` (file i has mtime BASE + i), so batch i has the
@@ -17,16 +17,21 @@ same rows in every run and for every system. Keys are strings ``k0000000``...
 
    - ``keyed_count``: ``keyed(df, "key", name=...).count()``, output to
      ``foreachBatch`` writing to the ``noop`` format;
-   - ``groupby_count_rocksdb``: ``df.groupBy("key").count()``, update mode,
-     RocksDB state store, ``noop`` sink (``groupby_count_hdfs`` in --full);
+   - ``groupby_count_rocksdb`` and ``groupby_count_hdfs``:
+     ``df.groupBy("key").count()``, update mode, ``noop`` sink, on Spark's
+     RocksDB state store and on its default HDFS-backed one;
    - ``apply_in_pandas_with_state``: the same count as a pandas function
-     (``applyInPandasWithState``, update mode, RocksDB state store).
+     (``applyInPandasWithState``, update mode, RocksDB state store);
+   - ``transform_with_state_in_pandas``: the same count in Spark's current
+     Python state API, a ``StatefulProcessor`` with one ``ValueState``
+     (``transformWithStateInPandas``, update mode, RocksDB, which it needs).
 
    Batch 0 is a small warm-up; rows/s = rows of batches 1..n / the sum of
    their ``triggerExecution`` times (Spark's per-batch wall time, which
-   includes all of our driver work). applyInPandasWithState costs 1-2 ms per
-   key, so it runs only the first measured batch (a "probe" batch of 10k
-   rows, 20k in full mode) and ratios use the batches both systems ran. Systems run in rotated order each round.
+   includes all of our driver work). The two pandas APIs call Python per key
+   (applyInPandasWithState costs 1-2 ms per key), so they run only the first
+   measured batch (a "probe" batch of 10k rows, 20k in full mode) and ratios
+   use the batches both systems ran. Systems run in rotated order each round.
 2. ``state_size``: one keyed count per state size (quick: 10k and 1M keys;
    full: 10k, 100k, 1M, 10M), run side by side, one batch each in turn: each
    is prefilled with its size (a first batch of distinct keys), then all get
@@ -36,7 +41,14 @@ same rows in every run and for every system. Keys are strings ``k0000000``...
    (resident, bytes and key groups read) shows which batches read state from
    the store, and full entries show compaction. The same steady batches
    change the same keys, so their checkpoint bytes must not grow with the
-   state (``same_change_bytes``).
+   state (``same_change_bytes``). Targets: the largest state's steady
+   batch at most 1.2x the 10k one, no steady batch reloading state, and no
+   steady batch above 1.5x the median at the largest state (compaction).
+3. ``memory``: resident bytes per key of state, the RSS growth of the
+   processes that hold the instances (the instance hosts) over the smallest
+   state's, per extra key, and the stored bytes per key; beside it
+   (``rocksdb_memory``) Spark's RocksDB store holding the largest state: its
+   ``memoryUsedBytes`` and SST bytes per key, from the query's progress.
 
 Checkpoint bytes and time against keys changed, with and without
 compaction, are ``bench_checkpoint``'s. Every ratio is measured side by side
@@ -65,10 +77,18 @@ import common  # noqa: E402
 WORK = common.WORK_DIR / "keyed"
 SCHEMA_DDL = "key string"
 TARGETS = {
-    "throughput_vs_groupby_rocksdb": 0.5,  # ours / Spark groupBy().count() on RocksDB, at least
-    "throughput_vs_apply_in_pandas_with_state": 1.0,  # ours / applyInPandasWithState, at least
-    "state_size_batch_time_ratio": 1.5,  # batch time with 1M keys / with 10k keys, at most
+    "throughput_vs_groupby_hdfs": 1.0,  # ours / Spark groupBy().count() on its default HDFS-backed store, at least
+    "throughput_vs_groupby_rocksdb": 1.5,  # ours / Spark groupBy().count() on RocksDB, at least
+    "throughput_vs_apply_in_pandas_with_state": 10.0,  # ours / applyInPandasWithState, at least
+    "state_size_batch_time_ratio": 1.2,  # steady batch time with the largest state / with 10k keys, at most
+    "steady_batches_reloading_state": 0,  # steady batches that read state from the store, at most
+    "steady_batch_max_over_median": 1.5,  # slowest steady batch / median steady batch, largest state, at most
 }
+THROUGHPUT_TARGETS = (
+    ("throughput_vs_groupby_hdfs", "groupby_count_hdfs"),
+    ("throughput_vs_groupby_rocksdb", "groupby_count_rocksdb"),
+    ("throughput_vs_apply_in_pandas_with_state", "apply_in_pandas_with_state"),
+)
 SAME_CHANGE_BYTES = 1.1  # bytes of the same change over 1M keys / over 10k keys of state, at most
 
 
@@ -91,6 +111,10 @@ class Config:
     steady_batches: int
 
 
+BATCH_LIMITS = {  # measured batches of the systems too slow to run them all (per key ~1-2 ms: minutes per batch)
+    "apply_in_pandas_with_state": 1,
+    "transform_with_state_in_pandas": 1,
+}
 QUICK = Config(
     mode="quick",
     rows_per_batch=100_000,
@@ -100,8 +124,9 @@ QUICK = Config(
     throughput_batches=4,
     rounds=1,
     parallelisms=(2,),
-    systems=("keyed_count", "groupby_count_rocksdb", "apply_in_pandas_with_state"),
-    batch_limits={"apply_in_pandas_with_state": 1},  # ~1-2 ms per key: a 100k-row batch takes 1-2 minutes
+    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
+             "transform_with_state_in_pandas"),
+    batch_limits=BATCH_LIMITS,
     state_sizes=(10_000, 1_000_000),
     steady_keys=10_000,
     steady_batches=5,
@@ -115,8 +140,9 @@ FULL = Config(
     throughput_batches=8,
     rounds=2,
     parallelisms=(2, 4),
-    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state"),
-    batch_limits={"apply_in_pandas_with_state": 1},
+    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
+             "transform_with_state_in_pandas"),
+    batch_limits=BATCH_LIMITS,
     state_sizes=(10_000, 100_000, 1_000_000, 10_000_000),
     steady_keys=10_000,
     steady_batches=10,  # covers one compaction of every key group (spark.state.maxChainLength = 8)
@@ -130,8 +156,9 @@ SMOKE = Config(  # tests/test_benchmarks.py: every code path, in seconds
     throughput_batches=2,
     rounds=1,
     parallelisms=(2,),
-    systems=("keyed_count", "groupby_count_rocksdb", "apply_in_pandas_with_state"),
-    batch_limits={"apply_in_pandas_with_state": 1},
+    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
+             "transform_with_state_in_pandas"),
+    batch_limits=BATCH_LIMITS,
     state_sizes=(1_000, 10_000),
     steady_keys=1_000,
     steady_batches=2,
@@ -181,6 +208,29 @@ def _spark_stateful(provider: str, build: Callable):
     return run
 
 
+def _transform_with_state_in_pandas(df):
+    import pandas as pd
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    class Count(StatefulProcessor):
+        """A running count of one key in a value state; emits (key, count) like groupBy().count()."""
+
+        def init(self, handle):
+            self.count = handle.getValueState("count", "count long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            total = self.count.get()[0] if self.count.exists() else 0
+            for frame in rows:
+                total += len(frame)
+            self.count.update((total,))
+            yield pd.DataFrame({"key": [key[0]], "count": [total]})
+
+        def close(self):
+            pass
+
+    return df.groupBy("key").transformWithStateInPandas(Count(), "key string, count long", "Update", "None")
+
+
 def _apply_in_pandas(df):
     from pyspark.sql.streaming.state import GroupStateTimeout
 
@@ -200,6 +250,9 @@ SYSTEMS: dict[str, tuple[Callable, str | None]] = {
         common.HDFS_PROVIDER,
     ),
     "apply_in_pandas_with_state": (_spark_stateful(common.ROCKSDB_PROVIDER, _apply_in_pandas), common.ROCKSDB_PROVIDER),
+    "transform_with_state_in_pandas": (
+        _spark_stateful(common.ROCKSDB_PROVIDER, _transform_with_state_in_pandas), common.ROCKSDB_PROVIDER,
+    ),
 }
 
 
@@ -295,11 +348,74 @@ def _steady_summary(reports: list[dict]) -> dict:
     seconds = [r["seconds"] for r in reports]
     return {
         "batch_seconds": common.summary(seconds),
+        "max_over_median": round(max(seconds) / statistics.median(seconds), 3),
         "max_task_seconds": common.summary([r["max_task_seconds"] for r in reports]),
         "batches_that_reloaded_state": [r["batch_id"] for r in reports if r["reloaded_state"]],
         "batches_with_full_entries": [r["batch_id"] for r in reports if r["full_entries"]],
         "bytes_read": sum(r["bytes_read"] for r in reports),
         "median_checkpoint_bytes": statistics.median(r["checkpoint_bytes"] for r in reports),
+    }
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident set size of process ``pid`` (None if it exited)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _resident_bytes(report: dict) -> dict:
+    """RSS of the processes holding the instances' state after a batch (the instance hosts, which outlive it)."""
+    by_pid = {i["pid"]: _rss_bytes(i["pid"]) for i in report["instances"]}
+    return {"pids": sorted(by_pid), "rss_bytes": sum(v for v in by_pid.values() if v is not None),
+            "processes_gone": sum(v is None for v in by_pid.values())}
+
+
+def _memory_per_key(runs: dict) -> dict:
+    """Resident bytes per key of state: RSS growth of the instance hosts over the smallest state's, per extra key.
+
+    The same processes' start-up and libraries are in both, so the
+    difference is the state; the stored bytes per key (prefill checkpoint)
+    are beside it.
+    """
+    smallest = runs[min(runs, key=int)]
+    out = {}
+    for label, run in runs.items():
+        extra_keys = run["state_keys"] - smallest["state_keys"]
+        growth = run["resident_bytes"]["rss_bytes"] - smallest["resident_bytes"]["rss_bytes"]
+        out[label] = {
+            "rss_bytes": run["resident_bytes"]["rss_bytes"],
+            "resident_bytes_per_key": round(growth / extra_keys, 1) if extra_keys > 0 else None,
+            "stored_bytes_per_key": round(run["prefill"]["checkpoint_bytes"] / run["state_keys"], 1),
+        }
+    return out
+
+
+def rocksdb_memory(spark, config: Config, keys: pa.Array, rng: np.random.Generator, parallelism: int = 2) -> dict:
+    """Spark's RocksDB state store holding the largest state size: its memory and SST bytes per key."""
+    n = max(config.state_sizes)
+    files = common.write_input(WORK / "rocksdb-memory-input", [common.batch_over(keys, rng.permutation(n))],
+                               SCHEMA_DDL)
+    run, _ = SYSTEMS["groupby_count_rocksdb"]
+    query = run(spark, files, parallelism, WORK / "rocksdb-memory")
+    operator = [p for p in query.recentProgress if p["numInputRows"] > 0][-1]["stateOperators"][0]
+    rows = operator["numRowsTotal"]
+    metrics = operator.get("customMetrics", {})
+    sst = metrics.get("rocksdbSstFileSize")
+    return {
+        "state_keys": n,
+        "num_rows_total": rows,
+        "memory_used_bytes": operator["memoryUsedBytes"],
+        "memory_bytes_per_key": round(operator["memoryUsedBytes"] / rows, 1) if rows else None,
+        "sst_file_bytes": sst,
+        "sst_bytes_per_key": round(sst / rows, 1) if rows and sst is not None else None,
+        "custom_metrics": metrics,
+        "note": "memoryUsedBytes is RocksDB's own estimate (memtables, block cache and pinned blocks) of the "
+                "executor's state store instances; ours is the measured RSS growth of the instance hosts",
     }
 
 
@@ -322,6 +438,7 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
             raise RuntimeError(f"state_size {label}: batches {[r['batch_id'] for r in reports]}")
         runs[label] = {
             "state_keys": int(label),
+            "resident_bytes": _resident_bytes(reports[-1]),
             "prefill": {k: v for k, v in reports[0].items() if k != "instances"},
             "steady": _steady_summary([reports[i] for i in steady_ids]),
             "batches": reports,
@@ -342,6 +459,7 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
         }
     return {
         "parallelism": parallelism,
+        "memory": _memory_per_key(runs),
         "rows_per_batch": config.rows_per_batch,
         "steady_batch_keys": config.steady_keys,
         "steady_batches": config.steady_batches,
@@ -361,22 +479,33 @@ def targets(result: dict) -> list[dict]:
     out = []
     versus = result["throughput"]["by_parallelism"]
     for parallelism, numbers in versus.items():
-        for name, system in (
-            ("throughput_vs_groupby_rocksdb", "groupby_count_rocksdb"),
-            ("throughput_vs_apply_in_pandas_with_state", "apply_in_pandas_with_state"),
-        ):
+        for name, system in THROUGHPUT_TARGETS:
+            if system not in numbers["keyed_count_vs"]:
+                continue
             measured = numbers["keyed_count_vs"][system]["ratio"]
             out.append({"target": name, "parallelism": int(parallelism), "at_least": TARGETS[name],
                         "measured": measured, "met": measured >= TARGETS[name]})
-    sizes = result["state_size"]["versus_smallest"]
-    if "10000" in result["state_size"]["runs"] and "1000000" in sizes:
-        ratio = sizes["1000000"]["batch_time_ratio"]
+    state = result["state_size"]
+    sizes = state["versus_smallest"]
+    if "10000" in state["runs"]:
+        largest = max(sizes, key=int)
+        compares = f"{int(largest):,} vs {int(min(state['runs'], key=int)):,} keys"
+        ratio = sizes[largest]["batch_time_ratio"]
         limit = TARGETS["state_size_batch_time_ratio"]
-        out.append({"target": "state_size_batch_time_ratio", "compares": "1M vs 10k keys", "at_most": limit,
+        out.append({"target": "state_size_batch_time_ratio", "compares": compares, "at_most": limit,
                     "measured": ratio, "met": ratio <= limit})
-        same = sizes["1000000"]["checkpoint_bytes_ratio"]
-        out.append({"target": "same_change_bytes", "rule": f"the same change writes at most {SAME_CHANGE_BYTES}x "
-                    "the bytes over 1M keys of state as over 10k", "measured": same, "met": same <= SAME_CHANGE_BYTES})
+        same = sizes[largest]["checkpoint_bytes_ratio"]
+        out.append({"target": "same_change_bytes", "compares": compares, "rule": f"the same change writes at most "
+                    f"{SAME_CHANGE_BYTES}x the bytes over the largest state as over 10k keys", "measured": same,
+                    "met": same <= SAME_CHANGE_BYTES})
+        reloads = sum(len(run["steady"]["batches_that_reloaded_state"]) for run in state["runs"].values())
+        limit = TARGETS["steady_batches_reloading_state"]
+        out.append({"target": "steady_batches_reloading_state", "compares": "every state size", "at_most": limit,
+                    "measured": reloads, "met": reloads <= limit})
+        spread = state["runs"][largest]["steady"]["max_over_median"]
+        limit = TARGETS["steady_batch_max_over_median"]
+        out.append({"target": "steady_batch_max_over_median", "compares": f"{int(largest):,} keys", "at_most": limit,
+                    "measured": spread, "met": spread <= limit})
     return out
 
 
@@ -386,7 +515,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
     ax = axes[0]
     by_p = result["throughput"]["by_parallelism"]
     systems = list(next(iter(by_p.values()))["rows_per_s"])
@@ -447,6 +576,30 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("Cost of the same batch as state grows")
     ax.legend(fontsize=8)
+
+    ax = axes[3]
+    memory, rocks = state.get("memory", {}), result.get("rocksdb_memory")
+    labels, values = [], []
+    for label, numbers in memory.items():
+        if numbers["resident_bytes_per_key"] is not None:
+            labels.append(f"ours, resident\n{int(label):,} keys")
+            values.append(numbers["resident_bytes_per_key"])
+    largest = max(memory, key=int) if memory else None
+    if largest:
+        labels.append(f"ours, stored\n{int(largest):,} keys")
+        values.append(memory[largest]["stored_bytes_per_key"])
+    if rocks:
+        for name, key in (("RocksDB memory", "memory_bytes_per_key"), ("RocksDB SST", "sst_bytes_per_key")):
+            if rocks.get(key) is not None:
+                labels.append(f"{name}\n{rocks['state_keys']:,} keys")
+                values.append(rocks[key])
+    ax.bar(range(len(values)), values)
+    for x, v in enumerate(values):
+        ax.annotate(f"{v:,.0f}", (x, v), ha="center", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(range(len(values)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("bytes per key of state")
+    ax.set_title("Memory and storage per key")
     common.save_figure(fig, path, "spark-state keyed count", result, dpi=110)
 
 
@@ -457,6 +610,7 @@ def run(spark, config: Config) -> dict:
     keys = common.key_space(max(max(config.state_sizes), config.throughput_keys))
     try:
         result = {"throughput": throughput(spark, config, keys, rng), "state_size": state_size(spark, config, keys, rng)}
+        result["rocksdb_memory"] = rocksdb_memory(spark, config, keys, rng)
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
     result["targets"] = targets(result)

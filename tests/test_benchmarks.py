@@ -138,12 +138,19 @@ def test_rescale_smoke(rescale):
 @pytest.mark.spark
 def test_keyed_smoke(keyed):
     rates = keyed["throughput"]["by_parallelism"]["2"]["rows_per_s"]
-    assert set(rates) == {"keyed_count", "groupby_count_rocksdb", "apply_in_pandas_with_state"}
+    assert set(rates) == {"keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
+                          "transform_with_state_in_pandas"}
     assert all(r > 0 for r in rates.values())
     sizes = keyed["state_size"]["versus_smallest"]
     assert sizes["1000"]["batch_time_ratio"] == 1.0 and set(sizes) == {"1000", "10000"}
     # the same change costs about the same bytes whatever the state size
     assert sizes["10000"]["checkpoint_bytes_ratio"] < 1.5
+    # the instance hosts hold the state after the run: their RSS is measured, and grows with the state
+    memory = keyed["state_size"]["memory"]
+    assert memory["1000"]["resident_bytes_per_key"] is None and memory["10000"]["rss_bytes"] > 0
+    assert keyed["rocksdb_memory"]["num_rows_total"] == 10_000 and keyed["rocksdb_memory"]["sst_bytes_per_key"] > 0
+    targets = {t["target"] for t in keyed["targets"]}
+    assert {"throughput_vs_groupby_hdfs", "steady_batches_reloading_state", "steady_batch_max_over_median"} <= targets
 
 
 @pytest.mark.spark
