@@ -202,6 +202,10 @@ class Aggregate:
         merges = definition.merges
         if olds.count(None) == len(olds) and len(merges) == 1:
             new = [(p,) for p in partials[0]]
+        elif len(merges) == 1:  # the common case, as one comprehension (the rule of ``_merge``)
+            merge = _MERGES[merges[0]]
+            new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
+                   for o, p in zip(olds, partials[0])]
         else:
             new = [
                 tuple(_merge(op, old[i] if old is not None else None, part[row])

@@ -100,6 +100,7 @@ class MicroBatch:
     query: Any = None  # the StreamingQuery, once started (to stop it after a drain)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
+    _task_plans: dict[tuple[int, int], "_TaskPlan"] = field(default_factory=dict)
     _stopper: threading.Thread | None = None
 
     def coordinator(self, conf: StateConf) -> Coordinator:
@@ -256,20 +257,8 @@ class MicroBatch:
     def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool):
         """Step 3: route every row to its instance's task and run the tasks; the persisted result."""
         from pyspark import StorageLevel
-        from pyspark.sql import functions as F
 
-        from spark_state.routing import instance_column, key_group_column
-
-        stream = self.stream
-        key_columns = list(task.schema.key_columns)
-        key_group = key_group_column(batch_df, key_columns, task.max_parallelism)
-        event_column = [task.event_time.column] if task.event_time is not None else []
-        inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
-        needed = list(dict.fromkeys(key_columns + inputs + event_column))
-        routed = batch_df.select(*needed, key_group.alias(KEY_GROUP_COLUMN)).withColumn(
-            INSTANCE_COLUMN, instance_column(F.col(KEY_GROUP_COLUMN), task.parallelism, task.max_parallelism)
-        )
-
+        plan = self._task_plan(task)
         run = run_hosted if hosted else run_instance
 
         def process(batches):
@@ -277,25 +266,74 @@ class MicroBatch:
 
             yield from run(task, TaskContext.get().partitionId(), batches)
 
-        out_schema = task_output_schema(task.output_schema)
-        routed = routed.repartitionById(task.parallelism, F.col(INSTANCE_COLUMN))
-        if isinstance(task.function, Aggregate) and task.event_time is None and task.function.partials_in_jvm():
-            routed = _partials_in_jvm(routed, task.function, key_columns)
-        return routed.drop(INSTANCE_COLUMN).mapInArrow(process, out_schema).persist(StorageLevel.MEMORY_AND_DISK)
+        routed = batch_df.select(*plan.routed).select(*plan.instance).repartitionById(task.parallelism, plan.by)
+        if plan.partials is not None:
+            routed = routed.groupBy(*plan.partials_keys).agg(*plan.partials)
+        return (routed.drop(INSTANCE_COLUMN).mapInArrow(process, plan.output_schema)
+                .persist(StorageLevel.MEMORY_AND_DISK))
+
+    def _task_plan(self, task: TaskSpec) -> "_TaskPlan":
+        """The Spark expressions of step 3 for ``task``'s parallelism, built once (each costs JVM round trips)."""
+        key = (task.parallelism, task.max_parallelism)
+        plan = self._task_plans.get(key)
+        if plan is None:
+            plan = self._task_plans[key] = _TaskPlan.build(self.stream, task)
+        return plan
 
     def _fault(self, stage: str, batch_id: int) -> None:
         if self.fault_hook is not None:
             self.fault_hook(stage, batch_id)
 
 
-def _partials_in_jvm(routed, function: Aggregate, key_columns: list[str]):
-    """Each key's partials of ``function``, computed by Spark after the shuffle to the instances.
+@dataclass(frozen=True)
+class _TaskPlan:
+    """Step 3's Spark expressions for one parallelism: the routed columns, the instance, the JVM partials.
 
-    Grouping by the instance column too keeps Spark's aggregate on the
-    instance partitioning (no second shuffle); a task then receives one row
-    per key (``functions.PARTIAL_PREFIX`` columns and ``ROWS_COLUMN``)
-    instead of every row, and ``Aggregate.apply`` merges them as they are.
+    With ``partials`` (built-in aggregates whose partials Spark computes,
+    ``functions.AggregateDef.in_jvm``, without event time), Spark groups the
+    routed rows by ``partials_keys`` right after the shuffle to the
+    instances: the instance column is among them, so Spark's aggregate keeps
+    the instance partitioning (no second shuffle), and a task receives one
+    row per key (``functions.PARTIAL_PREFIX`` columns and ``ROWS_COLUMN``)
+    instead of every row, which ``Aggregate.apply`` merges as they are.
     """
+
+    routed: tuple
+    instance: tuple
+    by: Any
+    output_schema: Any
+    partials_keys: tuple | None
+    partials: tuple | None
+
+    @classmethod
+    def build(cls, stream, task: TaskSpec) -> "_TaskPlan":
+        from pyspark.sql import functions as F
+
+        from spark_state.routing import instance_column, key_group_column
+
+        key_columns = list(task.schema.key_columns)
+        # The key types from the stream (its schema is resolved once), not from analysing every batch.
+        key_group = key_group_column(stream.keyed.df, key_columns, task.max_parallelism)
+        event_column = [task.event_time.column] if task.event_time is not None else []
+        inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
+        needed = list(dict.fromkeys(key_columns + inputs + event_column))
+        instance = instance_column(F.col(KEY_GROUP_COLUMN), task.parallelism, task.max_parallelism)
+        partials = None
+        function = task.function
+        if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():
+            partials = _spark_partials(function)
+        return cls(
+            routed=(*needed, key_group.alias(KEY_GROUP_COLUMN)),
+            instance=("*", instance.alias(INSTANCE_COLUMN)),
+            by=F.col(INSTANCE_COLUMN),
+            output_schema=task_output_schema(task.output_schema),
+            partials_keys=(INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns) if partials is not None else None,
+            partials=partials,
+        )
+
+
+def _spark_partials(function: Aggregate) -> tuple:
+    """Spark's aggregates of ``function``'s partials (see ``_TaskPlan``), and the row count."""
     from pyspark.sql import functions as F
 
     column = F.col(function.column) if function.column is not None else None
@@ -308,5 +346,4 @@ def _partials_in_jvm(routed, function: Aggregate, key_columns: list[str]):
     }
     partials = [spark_partials[op]().alias(f"{PARTIAL_PREFIX}{i}")
                 for i, op in enumerate(function.definition.partials)]
-    return routed.groupBy(INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns).agg(
-        *partials, F.count(F.lit(1)).alias(ROWS_COLUMN))
+    return (*partials, F.count(F.lit(1)).alias(ROWS_COLUMN))

@@ -150,7 +150,10 @@ class ResidentState:
             keys.extend(chosen)
             for column, part in zip(values, per_variable):
                 column.extend(part)
-            deleted.extend(all(part[row] is None for part in per_variable) for row in range(len(chosen)))
+            if len(per_variable) == 1:
+                deleted.extend(value is None for value in per_variable[0])
+            else:
+                deleted.extend(all(part[row] is None for part in per_variable) for row in range(len(chosen)))
             bounds.append((entry, start, len(chosen)))
             if self.timers_variable is not None:
                 self.earliest[entry.key_group] = minima(self.table.values(entry.key_group, self.timers_variable).values())
