@@ -15,7 +15,11 @@ and, when its component has timers, the index of its due timers
 2. the keyed function reads and changes it;
 3. ``checkpoint(blobs, ...)`` writes the changed key groups as the instance's
    blob for the checkpoint, and the items if they changed (step 1 of the
-   commit protocol in ``manifestlog``).
+   commit protocol in ``manifestlog``). A key group it compacts (``chains``)
+   is written as its stored chain (read back from the store, as a restore
+   would) folded with this batch's changes, in Arrow: what compaction costs
+   grows with the bytes of the key group, not with Python work per key, and
+   a key group kept as Arrow under an overlay stays so.
 
 Between batches the state stays in the process (``take``/``keep``), keyed by
 store, component and instance. Spark does not pin tasks to workers, so a
@@ -29,6 +33,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from spark_state.blob import EntryKind
@@ -39,7 +44,7 @@ from spark_state.instance_items import InstanceItems, redistribute_items
 from spark_state.keygroups import KeyGroupRange, key_group_range
 from spark_state.keyed_table import FetchedChain, KeyGroupTable
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
-from spark_state.restore import InstanceRestorePlan, plan_instance_restore
+from spark_state.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
 from spark_state.schema import KeyedSchema
 from spark_state.timers import TIMERS, TimerIndex, minima
 
@@ -69,6 +74,8 @@ class ResidentState:
         names = [v.name for v in schema.variables]
         self.timers_variable = names.index(TIMERS.name) if TIMERS.name in names else None
         self.timers = TimerIndex() if self.timers_variable is not None else None
+        self._component: ComponentManifest | None = None  # the committed component the last catch-up reached
+        self.compaction: dict = {}  # what the last checkpoint read to compact from the store
 
     def __len__(self) -> int:
         return len(self.table)
@@ -105,6 +112,7 @@ class ResidentState:
             self.chains.set(key_group, chain)
             if self.timers is not None:
                 self.timers.set_earliest(key_group, component.blobs[chain[-1]].index.entry_for(key_group).earliest)
+        self._component = component
         return CatchUp(plan, stats, self._catch_up_items(blobs, component, instance, parallelism))
 
     def _catch_up_items(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> int:
@@ -125,27 +133,33 @@ class ResidentState:
 
     # Step 3 -------------------------------------------------------------------------------
 
-    def snapshot(self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH) -> list[tuple[int, EntryKind, pa.Table]]:
+    def snapshot(self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH,
+                 stored: "StoredChains | None" = None) -> list[tuple[int, EntryKind, pa.Table]]:
         """Entries for the changes since the last snapshot, in key-group order (see ``chains``).
 
         The rows of all entries become one array per column, then each entry
         gets compact copies of its slices (a zero-copy slice would be padded
         differently in the blob); the cost is per row, not per key group.
         With timers, ``earliest`` then holds each written key group's earliest
-        timers, for its index entry.
+        timers, for its index entry. With ``stored``, a compacted key group
+        whose stored chain is the one this state reflects is written as that
+        chain folded with its changed keys (``StoredChains``).
         """
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
         planned = self.chains.plan(
             {g: len(keys) for g, keys in changes.items()}, self.table.key_count, max_chain_length
         )
+        from_store = {e.key_group for e in planned
+                      if stored is not None and e.kind == "full" and e.previous and not e.empty
+                      and stored.holds(e.key_group, e.previous)}
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []
         bounds: list[tuple[PlannedEntry, int, int]] = []
         for entry in planned:
             start = len(keys)
-            wanted = None if entry.kind == "full" else changes[entry.key_group]
+            wanted = None if entry.kind == "full" and entry.key_group not in from_store else changes[entry.key_group]
             chosen, per_variable = self.table.rows(entry.key_group, wanted)
             keys.extend(chosen)
             for column, part in zip(values, per_variable):
@@ -164,11 +178,16 @@ class ResidentState:
             return []
         table = self.schema.rows_to_columns(keys, values, deleted)
         arrays = [column.combine_chunks() for column in table.columns]
-        return [
+        entries = [
             (entry.key_group, entry.kind,
              pa.Table.from_arrays([pa.concat_arrays([a.slice(start, n)]) for a in arrays], schema=table.schema))
             for entry, start, n in bounds
         ]
+        self.compaction = {}
+        if from_store:
+            entries = stored.compact(entries, from_store)
+            self.compaction = stored.last
+        return entries
 
     def checkpoint(
         self,
@@ -181,7 +200,8 @@ class ResidentState:
         compression: str | None = None,
     ) -> tuple[BlobRef | None, ItemsRef | None]:
         """Write this checkpoint's blob (None when no key group changed) and items (None when unchanged)."""
-        entries = self.snapshot(max_chain_length=max_chain_length)
+        stored = StoredChains(blobs, self._component, self.schema, self.key_group_range) if self._component else None
+        entries = self.snapshot(max_chain_length=max_chain_length, stored=stored)
         blob = None
         if entries:
             blob = blobs.write_blob(
@@ -195,6 +215,47 @@ class ResidentState:
             self.items.changed = False
             self._items_ref = items
         return blob, items
+
+
+class StoredChains:
+    """The stored chains of ``component`` (the committed state a catch-up reached), to compact from.
+
+    ``holds(g, chain)``: whether the store's chain of key group ``g`` is
+    ``chain`` (then the state's content of ``g`` is that chain plus the keys
+    changed since). ``compact(entries, key_groups)`` replaces the delta
+    entries of ``key_groups`` (their changed keys, deletions as tombstones)
+    by full ones: each key group's chain, read with one coalesced plan,
+    folded with its delta (``restore.fold_chains``' rule). ``last`` says what
+    that read.
+    """
+
+    def __init__(self, blobs: BlobStore, component: ComponentManifest, schema: KeyedSchema,
+                 key_group_range: KeyGroupRange):
+        self.blobs, self.component, self.schema, self.key_group_range = blobs, component, schema, key_group_range
+        self.last: dict = {}
+
+    def holds(self, key_group: int, chain: tuple[str, ...]) -> bool:
+        return self.component.chains.get(key_group) == tuple(chain)
+
+    def compact(self, entries: list[tuple[int, EntryKind, pa.Table]],
+                key_groups: set[int]) -> list[tuple[int, EntryKind, pa.Table]]:
+        plan = plan_links({g: chain_links(self.component, g) for g in sorted(key_groups)},
+                          max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
+        fetched, stats = self.blobs.fetch(self.component, plan, self.schema)
+        self.last = {"key_groups": len(key_groups), "bytes_read": stats.bytes_read, "requests": stats.requests,
+                     "seconds": round(stats.seconds, 4)}
+        blob_schema = self.schema.blob_schema
+        key_columns = list(self.schema.key_columns)
+        order = sorted(key_groups)
+        deltas = {g: t for g, _, t in entries if g in key_groups}
+        folded = {}
+        for g in order:
+            chain = list(fetched[g])
+            chain += [("delta", b) for b in deltas[g].cast(chain[0][1].schema).to_batches()]
+            live = fold_chain(chain, key_columns)
+            kept = pa.array(np.zeros(live.num_rows, bool))
+            folded[g] = pa.Table.from_arrays([c.combine_chunks() for c in live.columns] + [kept], schema=blob_schema)
+        return [(g, "full", folded[g]) if g in key_groups else (g, kind, table) for g, kind, table in entries]
 
 
 def restore_instance(

@@ -209,9 +209,26 @@ def fold_chain(batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Seque
     """Fold one key group's entries (oldest first, the first ``full``) into its live rows, without ``_deleted``.
 
     A key's last occurrence wins; a last occurrence with ``_deleted = true``
-    removes the key. Rows keep the order of their last occurrence.
+    removes the key. Rows keep the order of their last occurrence. Under one
+    key column the fold needs no ``group_by``: walking from the newest entry,
+    each entry keeps the rows whose key no newer entry holds (``is_in``), and
+    the kept rows, oldest entry first, are in that order already.
     """
-    return fold_chains([batches], key_columns)
+    if len(key_columns) != 1 or len(batches) == 1:
+        return fold_chains([batches], key_columns)
+    check_chain([kind for kind, _ in batches], "fold_chain")
+    key = key_columns[0]
+    kept: list[pa.RecordBatch] = []
+    newer: pa.Array | None = None
+    for _, batch in reversed(batches):
+        keys = batch.column(key)
+        kept.append(batch if newer is None else batch.filter(pc.invert(pc.is_in(keys, value_set=newer,
+                                                                                  skip_nulls=False))))
+        newer = keys if newer is None else pa.concat_arrays([newer, keys])
+    table = pa.Table.from_batches(list(reversed(kept)))
+    deleted = table.column(DELETED_COLUMN)
+    live = table.filter(pc.invert(deleted)) if pc.any(deleted).as_py() else table
+    return live.drop_columns([DELETED_COLUMN])
 
 
 def fold_chains(chains: Sequence[Sequence[tuple[str, pa.RecordBatch]]], key_columns: Sequence[str]) -> pa.Table:

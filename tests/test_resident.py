@@ -156,3 +156,42 @@ def test_a_process_drops_resident_states_of_another_parallelism():
     assert resident_instances(store, component) == []  # instance 0 at 4 owns another range than at 2
     keep(store, component, 1, state)
     assert take(store, component, 1, 2, M, SCHEMA) is state
+
+
+@pytest.mark.parametrize("overlay", [False, True])
+def test_compaction_folds_the_stored_chain_with_the_changes_and_restores_exactly(store, overlay):
+    """Batches as Spark runs them (catch up, change, checkpoint); chains of at most 2 entries compact.
+
+    A compacted key group is written from its stored chain read back and
+    folded with the batch's changes (deletions included); every checkpoint
+    restores to the model, and the state need not fold a key group kept as
+    Arrow under an overlay (``get_many``/``put_many``).
+    """
+    state, model, compacted = _dense_state(), {f"k{n}": n for n in range(200)}, 0
+    spec = ComponentSpec("c", M, 1, SCHEMA)
+    blob, _ = state.checkpoint(store.blobs, "c", 1, 0, max_chain_length=2)
+    component = store.commit(1, {"c": (spec, [blob])}, {}).components["c"]
+    if overlay:  # a new process: its key groups are restored as Arrow and stay so under overlays
+        state = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    for checkpoint_id in range(2, 12):
+        state.catch_up(store.blobs, component, 0, 1)
+        changed = [f"k{(checkpoint_id * 7 + i) % 220}" for i in range(9)]
+        groups = [key_group_for(k, M) for k in changed]
+        olds = state.table.get_many(groups, [(k,) for k in changed])
+        state.table.put_many(groups, [(k,) for k in changed], [((o[0] if o else 0) + 1,) for o in olds])
+        for key, old in zip(changed, olds):
+            model[key] = (old[0] if old else 0) + 1
+        gone = f"k{checkpoint_id * 11 % 200}"
+        if not overlay:
+            state.table.delete(key_group_for(gone, M), (gone,))
+            model.pop(gone, None)
+        blob, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=2)
+        compacted += state.compaction.get("key_groups", 0)
+        component = store.commit(checkpoint_id, {"c": (spec, [blob] if blob else [])}, {}).components["c"]
+        restored = ResidentState(SCHEMA, key_group_range(0, 1, M))
+        restored.catch_up(store.blobs, component, 0, 1)
+        assert _contents(restored) == model, checkpoint_id
+        assert all(len(chain) <= 2 for chain in component.chains.values())
+    assert compacted > 0  # the store path ran
+    if overlay:
+        assert state.table._unloaded  # compaction did not fold the restored key groups
