@@ -68,12 +68,18 @@ def compaction_budget(lengths: Sequence[int], max_chain_length: int) -> int:
 
 @dataclass(frozen=True)
 class PlannedEntry:
-    """The entry a checkpoint writes for a key group; ``previous`` is the chain it extends."""
+    """The entry a checkpoint writes for a key group; ``previous`` is the chain it extends.
+
+    ``compacted``: a full entry written only to bound the chain (few of its
+    keys changed), as opposed to a new key group or one whose keys mostly
+    changed.
+    """
 
     key_group: int
     kind: EntryKind
     empty: bool
     previous: Chain | None
+    compacted: bool = False
 
 
 class ChainTracker:
@@ -111,8 +117,10 @@ class ChainTracker:
             keys = size(key_group)
             if chain == () and keys == 0:
                 continue
-            full = not chain or key_group in compacted or 2 * changes[key_group] >= max(keys, 1)
-            planned.append(PlannedEntry(key_group, "full" if full else "delta", keys == 0, chain))
+            mostly_changed = 2 * changes[key_group] >= max(keys, 1)
+            full = not chain or key_group in compacted or mostly_changed
+            planned.append(PlannedEntry(key_group, "full" if full else "delta", keys == 0, chain,
+                                        compacted=bool(chain) and key_group in compacted and not mostly_changed))
             self._chains[key_group] = None
         self._planned = planned
         return planned

@@ -1,4 +1,4 @@
-"""The state of one instance kept in a Python worker between micro-batches, and how it meets the store.
+"""The state of one instance kept in a process between micro-batches, and how it meets the store.
 
 ``ResidentState`` is one instance's keyed state (``KeyGroupTable``), the
 chains it reflects (``ChainTracker``), its instance items (``InstanceItems``)
@@ -22,10 +22,12 @@ and, when its component has timers, the index of its due timers
    a key group kept as Arrow under an overlay stays so.
 
 Between batches the state stays in the process (``take``/``keep``), keyed by
-store, component and instance. Spark does not pin tasks to workers, so a
-task may find no resident state (a cold catch-up) or state left behind by an
-older attempt (a catch-up that reloads what diverged); states of another
-parallelism are dropped when a task of the new one arrives.
+store, component and instance: the instance's host (``hosts``), or with
+``spark.state.instanceHosts=false`` the Python worker that ran the task,
+which Spark does not pin to the instance. A task may find no resident state
+(a cold catch-up) or state left behind by an older attempt (a catch-up that
+reloads what diverged); states of another parallelism are dropped when a
+task of the new one arrives.
 """
 
 from __future__ import annotations
@@ -142,8 +144,10 @@ class ResidentState:
         differently in the blob); the cost is per row, not per key group.
         With timers, ``earliest`` then holds each written key group's earliest
         timers, for its index entry. With ``stored``, a compacted key group
-        whose stored chain is the one this state reflects is written as that
-        chain folded with its changed keys (``StoredChains``).
+        (few of its keys changed) whose stored chain is the one this state
+        reflects is written as that chain folded with its changed keys
+        (``StoredChains``); a key group whose keys mostly changed is written
+        from memory.
         """
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
@@ -151,8 +155,7 @@ class ResidentState:
             {g: len(keys) for g, keys in changes.items()}, self.table.key_count, max_chain_length
         )
         from_store = {e.key_group for e in planned
-                      if stored is not None and e.kind == "full" and e.previous and not e.empty
-                      and stored.holds(e.key_group, e.previous)}
+                      if stored is not None and e.compacted and not e.empty and stored.holds(e.key_group, e.previous)}
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []
