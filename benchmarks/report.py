@@ -188,6 +188,13 @@ def throughput_section(data: dict, file: str) -> list[str]:
                        f"| {_x(v['batch_time_ratio'])} | {_x(v['checkpoint_bytes_ratio'])} "
                        f"| {_x(run['steady']['max_over_median'])} | {len(run['steady']['batches_that_reloaded_state'])} "
                        f"| {per_key} | {m['stored_bytes_per_key']:,.0f} |")
+    largest = max(s["versus_smallest"], key=int)
+    if memory is not None and s["versus_smallest"][largest]["checkpoint_bytes_ratio"] > 1.1:
+        out += ["", f"Checkpoint bytes at {int(largest):,} keys include the share of compaction every steady batch "
+                "carries: compaction is spread over batches (a key group rewritten in full from half of "
+                "`maxChainLength` on, a budget per batch), so with much state each batch rewrites some key groups "
+                "instead of one batch in `maxChainLength` rewriting all of them; `bench_checkpoint` measures what a "
+                "change costs alone."]
     rocks = data.get("rocksdb_memory")
     if rocks is not None:
         out += ["", f"Resident B/key: the RSS growth of the processes holding the instances (the instance hosts) "
@@ -394,7 +401,7 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                        f"{len(slower_repartition)} of {len(rows)} pairs.")
     state = keyed["state_size"]
     for label, v in state["versus_smallest"].items():
-        if v["batch_time_ratio"] > 1.2:
+        if v["batch_time_ratio"] > 1.5 and "targets" not in keyed:
             out.append(f"- The same batch over {int(label):,} keys of state takes {_x(v['batch_time_ratio'])} "
                        "its time over the smallest state.")
     largest = max(state["versus_smallest"], key=int)
@@ -411,10 +418,16 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
         out.append(f"- With {int(largest):,} keys of state, {len(reloaded)} of {len(ratios)} steady batches "
                    f"reloaded an instance from the store; those batches took up to "
                    f"{_x(max(ratios[b] for b in reloaded))} the small-state batch.")
+    memory, rocks = state.get("memory"), keyed.get("rocksdb_memory")
+    if memory and rocks and memory[largest]["resident_bytes_per_key"] is not None:
+        out.append(f"- Memory: with {int(largest):,} keys of state our instance hosts hold "
+                   f"{memory[largest]['resident_bytes_per_key']:,.0f} B per key (Python objects, every key resident), "
+                   f"Spark's RocksDB store {rocks['memory_bytes_per_key']:,.1f} B per key in memory and "
+                   f"{rocks['sst_bytes_per_key']:,.1f} B on local disk; no memory bound evicts key groups yet.")
     for target in keyed.get("targets", []):
-        if not target["met"] and target["target"].startswith(("state_size", "same_change")):
+        if not target["met"] and "at_most" in target:
             out.append(f"- Keyed count, target missed: {target['target']} ({target.get('compares', target.get('rule'))}): "
-                       f"{target['measured']} (at most {target.get('at_most', '')}).")
+                       f"{target['measured']} (at most {target['at_most']}).")
     none = checkpoint["runs"]["no_compaction"]
     fewest = checkpoint["changed_keys"][0]
     out.append(f"- Sparse checkpoints pay about {none['bytes_model']['bytes_per_entry']:.0f} B per key group "
