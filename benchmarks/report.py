@@ -516,6 +516,12 @@ def campaign_savepoints_lines(data: dict, file: str) -> list[str]:
         + (f", {on_s3} queries with their state store on SeaweedFS" if on_s3 else ""))
 
 
+def campaign_hosts_lines(data: dict, file: str) -> list[str]:
+    """A run on instance hosts (the committed 200-cycle run predates them)."""
+    return campaign_run_lines(data, file, "On instance hosts", f"{data['queries']} queries with their state in "
+                              "instance hosts (a killed worker is a courier, a killed executor ends its hosts)")
+
+
 def render(results: Path = RESULTS) -> str:
     rescale, keyed, checkpoint = load("rescale", results), load("keyed", results), load("checkpoint", results)
     keygroups, source, restore = load("keygroups", results), load("source", results), load("restore", results)
@@ -541,6 +547,8 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_s3_lines(*load("campaign_s3", results))
     if (results / "campaign_savepoints.json").exists():
         lines += campaign_savepoints_lines(*load("campaign_savepoints", results))
+    if (results / "campaign_hosts.json").exists():
+        lines += campaign_hosts_lines(*load("campaign_hosts", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
                             time[0])
