@@ -77,6 +77,7 @@ class KeyGroupTable:
         self._unloaded: dict[int, FetchedChain] = {}
         self._dirty: dict[int, set[Key]] = {}
         self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
+        self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
         self._overlays = self._width == 1 and len(schema.key_columns) == 1
 
     # Ownership and lazy folding ---------------------------------------------------------
@@ -107,6 +108,7 @@ class KeyGroupTable:
             group = self._groups[key_group] = [{} for _ in range(self._width)]
             apply_entries(group, fetched.batches, self.schema, whole_chain=True)
             self._absent.pop(key_group, None)
+            self._looked_up.discard(key_group)
             if overlay is not None:
                 for values, written in zip(group, overlay):
                     values.update(written)
@@ -129,7 +131,9 @@ class KeyGroupTable:
 
         A key the overlay already holds is not looked up (the overlay wins);
         one the chain does not hold is remembered in ``_absent`` (for
-        ``key_count``) once it is written.
+        ``key_count``) once it is written. A key group whose chain a pass
+        already hashed is folded instead: a stream bringing new keys every
+        batch would otherwise hash the same chains every batch.
         """
         unloaded, groups = self._unloaded, self._groups
         wanted: dict[int, list[Key]] = {}
@@ -138,6 +142,10 @@ class KeyGroupTable:
                 overlay = groups.get(g)
                 if overlay is None or k not in overlay[0]:
                     wanted.setdefault(g, []).append(k)
+        for g in [g for g in wanted if g in self._looked_up]:
+            self._group(g)
+            del wanted[g]
+        self._looked_up.update(wanted)
         if not wanted:
             return
         chains = [unloaded[g].folded() for g in wanted]
@@ -275,6 +283,7 @@ class KeyGroupTable:
         self._groups.pop(key_group, None)
         self._dirty.pop(key_group, None)
         self._absent.pop(key_group, None)
+        self._looked_up.discard(key_group)
         self._unloaded[key_group] = fetched
 
     def apply(self, key_group: int, batches: Entries) -> None:
@@ -288,6 +297,7 @@ class KeyGroupTable:
         self._unloaded.pop(key_group, None)
         self._dirty.pop(key_group, None)
         self._absent.pop(key_group, None)
+        self._looked_up.discard(key_group)
 
 
 def _keys(group: list[dict[Key, Value]]) -> dict[Key, None]:
