@@ -96,6 +96,10 @@ class ChainTracker:
     def set(self, key_group: int, chain: Chain) -> None:
         self._chains[key_group] = tuple(chain)
 
+    def drop(self, key_group: int) -> None:
+        """The key group's content is no longer held (evicted): a catch-up neither reads nor clears it."""
+        self._chains.pop(key_group, None)
+
     def forget(self, key_groups) -> None:
         """Mark key groups unknown: their content no longer matches any stored chain."""
         for key_group in key_groups:

@@ -37,6 +37,11 @@ key                                    default                     meaning
                                                                    executor that every task of the instance uses
                                                                    (``hosts``); ``false``: in the Python worker that
                                                                    runs the task (reloaded when Spark picks another)
+``spark.state.residentMemory``         unset (no bound)            bound on the keyed state held in memory per
+                                                                   executor (``512m``, ``4g``, bytes), shared equally
+                                                                   by its instance hosts; least recently used key
+                                                                   groups are evicted and read again when touched
+                                                                   (components without timers; ``resident``)
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
@@ -79,8 +84,10 @@ ORPHAN_GRACE = PREFIX + "orphanGraceSeconds"
 RESTORE_FROM = PREFIX + "restoreFrom"
 SHARED_LOCAL_STORE = PREFIX + "sharedLocalStore"
 INSTANCE_HOSTS = PREFIX + "instanceHosts"
+RESIDENT_MEMORY = PREFIX + "residentMemory"
 KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
-              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, SHARED_LOCAL_STORE, INSTANCE_HOSTS, *S3_KEYS)
+              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, SHARED_LOCAL_STORE, INSTANCE_HOSTS, RESIDENT_MEMORY,
+              *S3_KEYS)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -107,6 +114,23 @@ def _int(key: str, text: str, low: int, high: int | None = None) -> int:
     return value
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30,
+               "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+
+
+def parse_bytes(key: str, text: str) -> int:
+    """A size as Spark writes it (``512m``, ``4g``, ``1048576``; binary units, case-insensitive), in bytes."""
+    cleaned = str(text).strip().lower()
+    digits = cleaned.rstrip("kmgtb")
+    unit = cleaned[len(digits):]
+    if not digits.isdigit() or unit not in _BYTE_UNITS:
+        raise ConfigError(f"{key}={text!r} is not a size; write it as bytes or with a unit, like 512m or 4g")
+    value = int(digits) * _BYTE_UNITS[unit]
+    if value < 1 << 20:
+        raise ConfigError(f"{key}={text!r} is below 1m; set at least 1m (or unset it for no bound)")
+    return value
+
+
 @dataclass(frozen=True)
 class StateConf:
     """Validated settings of one stateful query (see the module docstring for the keys)."""
@@ -123,6 +147,7 @@ class StateConf:
     restore_from: int | None = None
     shared_local_store: bool = False
     instance_hosts: bool = True
+    resident_memory: int | None = None
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -186,6 +211,7 @@ class StateConf:
             restore_from=_int(RESTORE_FROM, value(RESTORE_FROM), 0) if value(RESTORE_FROM) else None,
             shared_local_store=flag(SHARED_LOCAL_STORE),
             instance_hosts=flag(INSTANCE_HOSTS, "true"),
+            resident_memory=parse_bytes(RESIDENT_MEMORY, value(RESIDENT_MEMORY)) if value(RESIDENT_MEMORY) else None,
         )
 
     @classmethod

@@ -92,6 +92,14 @@ class KeyGroupOwnershipError(SparkStateError):
     """A row reached an instance that does not own its key group (routing disagrees with the store)."""
 
 
+class KeyGroupNotLoadedError(SparkStateError):
+    """A task touched a key group whose state it evicted and did not load again (a defect of spark-state).
+
+    Raised instead of reading an evicted key group as empty, which would
+    lose its state; the task fails and nothing it wrote is committed.
+    """
+
+
 class StateQueryMismatchError(CheckpointError):
     """The state store and Spark's checkpoint disagree about where the query is; nothing was run or committed.
 

@@ -261,6 +261,9 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
     listener.bind(str(address))
     listener.listen(8)
     listener.settimeout(1.0)
+    from spark_state import resident
+
+    resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob("*.sock"))))
     last_task = time.monotonic()
     try:
         while _alive(daemon_pid) and time.monotonic() - last_task < idle_seconds:

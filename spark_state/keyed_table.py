@@ -22,24 +22,39 @@ chain; a key group is folded whole only when something needs all of it (a
 full entry, ``values``, ``items``) or a single-key access touches it. So a
 batch after a restart, a rescale or a task on a worker that did not hold the
 instance converts to Python objects the keys it touches, not the key groups
-they are in. No I/O.
+they are in.
+
+Memory (``nbytes``, ``evict``, ``settle``): a key group is *loaded* (dicts,
+or a fetched chain with its overlay) or *cold* (evicted: its state is only
+in the store; ``install`` or ``mark_empty`` loads it again). Every access to
+a cold key group raises ``KeyGroupNotLoadedError``, never reads it as empty.
+With ``keep_arrow`` (a memory bound), a fetched chain is never folded on a
+second lookup, and ``settle`` appends the entry a checkpoint wrote to it and
+drops its overlay: the key group stays Arrow, a tenth of its bytes as dicts.
+No I/O.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import sys
+from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 
 import pyarrow.compute as pc
 
 from spark_state.blob import EntryKind
-from spark_state.errors import KeyGroupOwnershipError
+from spark_state.errors import KeyGroupNotLoadedError, KeyGroupOwnershipError
 from spark_state.keygroups import KeyGroupRange
 from spark_state.restore import apply_entries, check_chain, fold_chain
 from spark_state.schema import DELETED_COLUMN, Key, KeyedSchema, Value, struct_values
 
 Entries = Sequence[tuple[EntryKind, pa.RecordBatch]]
+
+DICT_ENTRY_BYTES = 64
+"""Bytes a dict spends per key beyond its key and value objects (entry, index slot and spare room)."""
+SAMPLED_KEYS = 32
+"""Keys whose objects are measured to estimate the bytes per key of a table's dicts."""
 
 
 class FetchedChain:
@@ -47,10 +62,22 @@ class FetchedChain:
 
     def __init__(self, key_group: int, batches: Entries, schema: KeyedSchema):
         check_chain([kind for kind, _ in batches], f"key group {key_group}")
-        self.batches = batches
+        self.batches = list(batches)
         self.schema = schema
         self._live: int | None = None
         self._folded: pa.Table | None = None
+
+    def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
+        """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it."""
+        batch = batch.cast(self.batches[0][1].schema) if batch.schema != self.batches[0][1].schema else batch
+        self.batches = [(kind, batch)] if kind == "full" else self.batches + [(kind, batch)]
+        self._live = None
+        self._folded = None
+
+    def nbytes(self) -> int:
+        """Bytes of the chain's Arrow buffers, and of its fold once computed."""
+        folded = self._folded.nbytes if self._folded is not None else 0
+        return sum(batch.nbytes for _, batch in self.batches) + folded
 
     def folded(self) -> pa.Table:
         """The chain's live rows (``restore.fold_chain``), computed once."""
@@ -69,7 +96,7 @@ class FetchedChain:
 class KeyGroupTable:
     """See the module docstring; ``variable`` arguments are indexes into ``schema.variables`` (0: ``value``)."""
 
-    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange):
+    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, keep_arrow: bool = False):
         self.schema = schema
         self.key_group_range = key_group_range
         self._width = len(schema.variables)
@@ -79,6 +106,9 @@ class KeyGroupTable:
         self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
         self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
         self._overlays = self._width == 1 and len(schema.key_columns) == 1
+        self._cold: set[int] = set()  # evicted key groups: state only in the store
+        self.keep_arrow = keep_arrow and self._overlays
+        self._bytes_per_key: float | None = None
 
     # Ownership and lazy folding ---------------------------------------------------------
 
@@ -88,6 +118,8 @@ class KeyGroupTable:
                 f"key group {key_group} is not owned by this instance (owns {self.key_group_range}); "
                 "rows were routed with a different parallelism or max parallelism than the store uses"
             )
+        if key_group in self._cold:
+            self._not_loaded(key_group)
 
     def _check_all(self, key_groups: Sequence[int]) -> None:
         if len(key_groups) == 0:
@@ -95,6 +127,14 @@ class KeyGroupTable:
         low, high = min(key_groups), max(key_groups)
         if low < self.key_group_range.start or high > self.key_group_range.end:
             self._check(next(g for g in key_groups if g not in self.key_group_range))
+        if self._cold and not self._cold.isdisjoint(key_groups):
+            self._not_loaded(next(g for g in key_groups if g in self._cold))
+
+    def _not_loaded(self, key_group: int) -> None:
+        raise KeyGroupNotLoadedError(
+            f"key group {key_group} was evicted from memory and not loaded again before this access; "
+            "nothing was read or written; this is a defect of spark-state, please report it"
+        )
 
     def _group(self, key_group: int) -> list[dict[Key, Value]]:
         """The key group's dicts, folding its fetched chain first if it has one (creates empty dicts).
@@ -142,7 +182,7 @@ class KeyGroupTable:
                 overlay = groups.get(g)
                 if overlay is None or k not in overlay[0]:
                     wanted.setdefault(g, []).append(k)
-        for g in [g for g in wanted if g in self._looked_up]:
+        for g in [g for g in wanted if g in self._looked_up and not self.keep_arrow]:
             self._group(g)
             del wanted[g]
         self._looked_up.update(wanted)
@@ -224,7 +264,9 @@ class KeyGroupTable:
         return self._group(key_group)[variable]
 
     def items(self, variable: int = 0) -> Iterator[tuple[int, Key, Value]]:
-        """Every ``(key_group, key, value)`` of one variable, by key group (folds everything)."""
+        """Every ``(key_group, key, value)`` of one variable, by key group (folds everything; none may be cold)."""
+        if self._cold:
+            self._not_loaded(min(self._cold))
         for key_group in list(self._unloaded):
             self._group(key_group)
         for key_group in sorted(self._groups):
@@ -232,7 +274,7 @@ class KeyGroupTable:
                 yield key_group, key, value
 
     def __len__(self) -> int:
-        """Keys with any state."""
+        """Keys with any state in the loaded key groups (a cold key group's keys are in the store only)."""
         unloaded = self._unloaded
         loaded = sum(len(_keys(group)) for g, group in self._groups.items() if g not in unloaded)
         return loaded + sum(self._unloaded_count(g) for g in unloaded)
@@ -279,7 +321,9 @@ class KeyGroupTable:
 
     def install(self, key_group: int, fetched: FetchedChain) -> None:
         """Replace a key group's content by a fetched whole chain, folded on first access."""
-        self._check(key_group)
+        if key_group not in self.key_group_range:
+            self._check(key_group)
+        self._cold.discard(key_group)
         self._groups.pop(key_group, None)
         self._dirty.pop(key_group, None)
         self._absent.pop(key_group, None)
@@ -293,11 +337,98 @@ class KeyGroupTable:
         self.drop_if_empty(key_group)
 
     def clear(self, key_group: int) -> None:
+        """Make the key group empty (loaded, no state)."""
+        self._cold.discard(key_group)
         self._groups.pop(key_group, None)
         self._unloaded.pop(key_group, None)
         self._dirty.pop(key_group, None)
         self._absent.pop(key_group, None)
         self._looked_up.discard(key_group)
+
+
+    # Memory -----------------------------------------------------------------------------
+
+    @property
+    def cold(self) -> set[int]:
+        """The evicted key groups (do not change the set: use ``evict``, ``install``, ``clear``)."""
+        return self._cold
+
+    def evict_all(self) -> None:
+        """Make every key group of the range cold (a state whose chains are loaded when touched)."""
+        if self._dirty:
+            raise KeyGroupNotLoadedError("cannot evict a table with changes not yet checkpointed (a defect)")
+        for key_group in list(self._groups) + list(self._unloaded):
+            self.evict(key_group)
+        self._cold = set(range(self.key_group_range.start, self.key_group_range.end + 1))
+
+    def evict(self, key_group: int) -> None:
+        """Drop a key group's content; it must have no change since ``take_changes`` (it is in the store)."""
+        if key_group in self._dirty:
+            raise KeyGroupNotLoadedError(
+                f"key group {key_group} has changes not yet checkpointed and cannot be evicted (a defect)"
+            )
+        self.clear(key_group)
+        self._cold.add(key_group)
+
+    def settle(self, key_group: int, kind: EntryKind, written: pa.Table) -> None:
+        """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.
+
+        A fetched chain gets the entry appended and its overlay dropped; a
+        folded key group whose entry is ``full`` becomes that entry. Other
+        folded key groups stay dicts. The key group must have no change since.
+        """
+        if key_group in self._dirty or key_group in self._cold:
+            return
+        fetched = self._unloaded.get(key_group)
+        if fetched is None and (kind != "full" or key_group not in self._groups):
+            return
+        batch = written.combine_chunks().to_batches()
+        batch = batch[0] if batch else pa.RecordBatch.from_pylist([], schema=written.schema)
+        if fetched is not None:
+            fetched.append(kind, batch)
+            self._groups.pop(key_group, None)
+            self._absent.pop(key_group, None)
+            self._looked_up.discard(key_group)
+        else:
+            self.install(key_group, FetchedChain(key_group, [("full", batch)], self.schema))
+
+    def nbytes(self) -> dict[int, int]:
+        """Estimated bytes per loaded key group: Arrow buffers of fetched chains, objects of dicts and overlays."""
+        per_key = self._estimate_bytes_per_key()
+        sizes = {g: fetched.nbytes() for g, fetched in self._unloaded.items()}
+        for g, group in self._groups.items():
+            sizes[g] = sizes.get(g, 0) + int(sum(len(values) for values in group) * per_key)
+        return sizes
+
+    def _estimate_bytes_per_key(self) -> float:
+        """Bytes per key of a dict, from the objects of up to ``SAMPLED_KEYS`` keys (measured once enough exist)."""
+        if self._bytes_per_key is not None:
+            return self._bytes_per_key
+        sample: list[float] = []
+        for group in self._groups.values():
+            for values in group:
+                for key, value in values.items():
+                    sample.append(DICT_ENTRY_BYTES + _object_bytes(key) + _object_bytes(value))
+                    if len(sample) >= SAMPLED_KEYS:
+                        break
+                if len(sample) >= SAMPLED_KEYS:
+                    break
+            if len(sample) >= SAMPLED_KEYS:
+                break
+        estimate = sum(sample) / len(sample) if sample else float(DICT_ENTRY_BYTES)
+        if len(sample) >= SAMPLED_KEYS:
+            self._bytes_per_key = estimate
+        return estimate
+
+
+def _object_bytes(value: Any) -> int:
+    """Bytes of a key or value object: a tuple, list or dict and what it holds, one level deep."""
+    size = sys.getsizeof(value)
+    if isinstance(value, (tuple, list)):
+        size += sum(sys.getsizeof(part) for part in value)
+    elif isinstance(value, dict):
+        size += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in value.items())
+    return size
 
 
 def _keys(group: list[dict[Key, Value]]) -> dict[Key, None]:

@@ -180,6 +180,7 @@ class MicroBatch:
             watermark_ms=base.watermark_ms if base is not None else None,
             processing_ms=spark_batch.timestamp_ms,
             drain=drain,
+            resident_memory=conf.resident_memory,
         )
         result = self._run_tasks(batch_df, task, conf.instance_hosts)
         try:

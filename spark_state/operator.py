@@ -4,7 +4,8 @@
 ``instance`` of micro-batch ``task.checkpoint_id``:
 
 1. take this process's resident state of the instance (``resident.take``)
-   and catch it up to the committed base checkpoint;
+   and catch it up to the committed base checkpoint; under a memory bound,
+   load the evicted key groups the rows touch;
 2. check that every row's key group (computed by the JVM) equals the one
    ``key_groups_for_columns`` computes, and that this instance owns it; with
    event time, set aside the rows older than the batch's watermark (late:
@@ -13,8 +14,10 @@
    timers and expire values past their time to live: output rows and state
    changes;
 4. write the changed key groups and instance items (step 1 of the commit
-   protocol in ``manifestlog``), keep the state for the next batch, and emit
-   a last row carrying the instance's ``InstanceReport`` for the driver.
+   protocol in ``manifestlog``), evict least recently used key groups down
+   to the memory bound, keep the state for the next batch, and emit a last
+   row carrying the instance's ``InstanceReport`` for the driver (with the
+   state's estimated bytes, their high-water mark and the process's RSS).
 
 Executors get a ``BlobStore`` (write and fetch blobs and items) and a
 read-only ``ManifestReader`` (to find the base checkpoint's component); only
@@ -50,7 +53,7 @@ from spark_state.functions import (
 from spark_state.keygroups import KeyGroupRange, key_groups_for_columns
 from spark_state.manifest import ComponentManifest
 from spark_state.manifestlog import ManifestReader
-from spark_state.resident import ResidentState, keep, take
+from spark_state.resident import ResidentState, keep, memory_share, take
 from spark_state.schema import KeyedSchema
 
 INSTANCE_COLUMN = "_spark_state_instance"
@@ -78,6 +81,7 @@ class TaskSpec:
     watermark_ms: int | None = None
     processing_ms: int = 0
     drain: bool = False
+    resident_memory: int | None = None  # bytes per executor (``spark.state.residentMemory``)
 
     @property
     def time(self) -> BatchTime:
@@ -123,12 +127,13 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
     counts its traffic (S3), ``storage`` holds what the backend itself sent
     and received for the catch-up (``Storage.counters``), retries included.
     """
-    state = take(task.store_uri, task.component, instance, task.parallelism, task.max_parallelism, task.schema)
+    state = take(task.store_uri, task.component, instance, task.parallelism, task.max_parallelism, task.schema,
+                 bounded=task.resident_memory is not None)
     info = {"resident": len(state) > 0, "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
     component = _base_component(task, manifests)
     if component is None:
         if len(state) or state.chains.held():
-            state = ResidentState(task.schema, state.key_group_range)
+            state = ResidentState(task.schema, state.key_group_range, bounded=state.bounded)
         return state, info
     wire_before = blobs.storage.counters()
     caught = state.catch_up(blobs, component, instance, task.parallelism)
@@ -229,6 +234,9 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     time_info: dict = {}
     if table is not None and table.num_rows:
         _check_key_groups(table, task.schema.key_columns, task.max_parallelism, state.key_group_range)
+        loaded = state.load(blobs, np.unique(table.column(KEY_GROUP_COLUMN).to_numpy()))
+        if loaded:
+            restore_info["loaded"] = loaded
         if task.event_time is not None:
             table, time_info = _event_times(task, table)
     outputs, apply_info = _apply(task, state, table)
@@ -249,6 +257,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     phases.end("checkpoint")
     if state.compaction:
         time_info["compaction"] = state.compaction  # the stored chains read to compact key groups
+    time_info["memory"] = {**state.bound_memory(memory_share(task.resident_memory)), **_rss()}
     wire_after = blobs.storage.counters()
     if wire_before is not None and wire_after is not None:
         time_info["checkpoint_storage"] = {k: wire_after[k] - wire_before.get(k, 0) for k in wire_after}
@@ -265,6 +274,16 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     })
     arrays = [pa.nulls(1, f.type) for f in task.output_schema] + [pa.array([json.dumps(report.to_json())], pa.string())]
     yield pa.RecordBatch.from_arrays(arrays, schema=out_with_meta)
+
+
+def _rss() -> dict:
+    """This process's resident set size and its high-water mark, in bytes (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
+    except OSError:
+        return {}
+    return {"rss_bytes": int(fields["VmRSS"].split()[0]) * 1024, "rss_high_water_bytes": int(fields["VmHWM"].split()[0]) * 1024}
 
 
 def _rows_in(table: pa.Table | None) -> int:

@@ -21,6 +21,16 @@ and, when its component has timers, the index of its due timers
    grows with the bytes of the key group, not with Python work per key, and
    a key group kept as Arrow under an overlay stays so.
 
+Under a memory bound (``spark.state.residentMemory``, a component without
+timers), the state is *bounded*: a new one loads nothing at catch-up; before
+the function runs, ``load`` reads the whole chains of the key groups the
+batch touches that are not in memory (a lazy restore, also after a
+rescale); after the checkpoint, written key groups stay Arrow
+(``KeyGroupTable.settle``) and ``bound_memory`` evicts the least recently
+used key groups until the estimate fits (they are in the store). A cold key
+group is loaded from whatever checkpoint the next catch-up reaches, so an
+eviction is never wrong, whether or not the checkpoint commits.
+
 Between batches the state stays in the process (``take``/``keep``), keyed by
 store, component and instance: the instance's host (``hosts``), or with
 ``spark.state.instanceHosts=false`` the Python worker that ran the task,
@@ -33,7 +43,9 @@ task of the new one arrives.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -66,18 +78,24 @@ class CatchUp:
 class ResidentState:
     """See the module docstring. ``key_group_range`` is inclusive."""
 
-    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange):
+    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, bounded: bool = False):
         self.schema = schema
         self.key_group_range = key_group_range
-        self.table = KeyGroupTable(schema, key_group_range)
-        self.chains = ChainTracker()
-        self.items = InstanceItems()
-        self._items_ref: ItemsRef | None = None  # the committed items file ``items`` reflects
         names = [v.name for v in schema.variables]
         self.timers_variable = names.index(TIMERS.name) if TIMERS.name in names else None
         self.timers = TimerIndex() if self.timers_variable is not None else None
+        self.bounded = bounded and self.timers is None
+        self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded)
+        if self.bounded:
+            self.table.evict_all()
+        self.chains = ChainTracker()
+        self.items = InstanceItems()
+        self._items_ref: ItemsRef | None = None  # the committed items file ``items`` reflects
         self._component: ComponentManifest | None = None  # the committed component the last catch-up reached
         self.compaction: dict = {}  # what the last checkpoint read to compact from the store
+        self._batch = 0  # tasks run on this state, for least-recently-used order
+        self._used: dict[int, int] = {}  # key group -> the task that last touched it
+        self.high_water_bytes = 0
 
     def __len__(self) -> int:
         return len(self.table)
@@ -96,8 +114,10 @@ class ResidentState:
                 f"{self.key_group_range}; build a new ResidentState for the new parallelism"
             )
         self.chains.forget(self.table.take_changes())
+        self._batch += 1
         plan = plan_instance_restore(
-            component, instance, parallelism, have=self.chains.held(), max_gap_bytes=CATCH_UP_MAX_GAP_BYTES
+            component, instance, parallelism, have=self.chains.held(), max_gap_bytes=CATCH_UP_MAX_GAP_BYTES,
+            skip=self.table.cold,
         )
         entries, stats = blobs.fetch(component, plan, self.schema)
         for key_group in plan.clear:
@@ -116,6 +136,59 @@ class ResidentState:
                 self.timers.set_earliest(key_group, component.blobs[chain[-1]].index.entry_for(key_group).earliest)
         self._component = component
         return CatchUp(plan, stats, self._catch_up_items(blobs, component, instance, parallelism))
+
+    def load(self, blobs: BlobStore, key_groups: Iterable[int]) -> dict:
+        """Step 1b: load the cold key groups among ``key_groups`` (whole chains of the caught-up component).
+
+        Marks ``key_groups`` used by this task. Returns what the load read.
+        """
+        touched = [int(g) for g in key_groups]
+        for g in touched:
+            self._used[g] = self._batch
+        cold = self.table.cold
+        wanted = sorted(g for g in touched if g in cold)
+        if not wanted:
+            return {}
+        chains = self._component.chains if self._component is not None else {}
+        for g in wanted:
+            if g not in chains:
+                self.table.clear(g)
+                self.chains.set(g, ())
+        stored = {g: chain_links(self._component, g) for g in wanted if g in chains}
+        info = {"key_groups": len(wanted), "bytes_read": 0, "requests": 0, "seconds": 0.0}
+        if stored:
+            plan = plan_links(stored, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
+            entries, stats = blobs.fetch(self._component, plan, self.schema)
+            for g, batches in entries.items():
+                self.table.install(g, FetchedChain(g, batches, self.schema))
+                self.chains.set(g, chains[g])
+            info.update(bytes_read=stats.bytes_read, requests=stats.requests, seconds=round(stats.seconds, 4))
+        return info
+
+    def bound_memory(self, limit: int | None) -> dict:
+        """Step 4: evict least recently used key groups until the estimate is at most ``limit`` bytes.
+
+        Call after ``checkpoint`` (no key group has unwritten changes).
+        ``limit`` None only measures. Returns the estimate before and after,
+        the high-water mark of this state, what was evicted and what is cold.
+        """
+        started = time.perf_counter()
+        sizes = self.table.nbytes()
+        before = sum(sizes.values())
+        self.high_water_bytes = max(self.high_water_bytes, before)
+        after, evicted = before, 0
+        if limit is not None and self.bounded and before > limit:
+            for g in sorted(sizes, key=lambda g: (self._used.get(g, -1), g)):
+                if after <= limit:
+                    break
+                self.table.evict(g)
+                self.chains.drop(g)
+                self._used.pop(g, None)
+                after -= sizes[g]
+                evicted += 1
+        return {"limit_bytes": limit, "peak_bytes": before, "resident_bytes": after,
+                "high_water_bytes": self.high_water_bytes, "evicted_key_groups": evicted,
+                "cold_key_groups": len(self.table.cold), "seconds": round(time.perf_counter() - started, 4)}
 
     def _catch_up_items(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> int:
         """Bring the items to ``component``'s; after a rescale take this instance's share. Returns bytes read."""
@@ -212,6 +285,9 @@ class ResidentState:
                 compression=compression, earliest=self.earliest or None,
             )
             self.chains.record(blob.path)
+            if self.bounded:
+                for key_group, kind, table in entries:
+                    self.table.settle(key_group, kind, table)
         items = None
         if self.items.changed:
             items = blobs.write_items(component, checkpoint_id, instance, self.items.to_list())
@@ -284,8 +360,12 @@ _RESIDENT: dict[tuple[str, str], dict[int, ResidentState]] = {}
 
 
 def take(store: str, component: str, instance: int, parallelism: int, max_parallelism: int,
-         schema: KeyedSchema) -> ResidentState:
-    """This process's state of ``instance``, or a new empty one; drops states of another parallelism."""
+         schema: KeyedSchema, *, bounded: bool = False) -> ResidentState:
+    """This process's state of ``instance``, or a new empty one; drops states of another parallelism.
+
+    A state held with another ``bounded`` (the memory bound was set or unset
+    on a restart) is dropped too: the new one reloads from the store.
+    """
     owned = key_group_range(instance, parallelism, max_parallelism)
     with _LOCK:
         states = _RESIDENT.setdefault((store, component), {})
@@ -293,8 +373,9 @@ def take(store: str, component: str, instance: int, parallelism: int, max_parall
                       if i >= parallelism or s.key_group_range != key_group_range(i, parallelism, max_parallelism)]:
             del states[other]
         state = states.pop(instance, None)
-    if state is None or state.key_group_range != owned or state.schema != schema:
-        state = ResidentState(schema, owned)
+    if (state is None or state.key_group_range != owned or state.schema != schema
+            or state.bounded != (bounded and state.timers is None)):
+        state = ResidentState(schema, owned, bounded=bounded)
     return state
 
 
@@ -308,6 +389,31 @@ def forget_all() -> None:
     """Drop every state this process holds (a forked instance host starts empty)."""
     with _LOCK:
         _RESIDENT.clear()
+
+
+_PEERS: Callable[[], int] | None = None
+
+
+def set_peers(count: Callable[[], int]) -> None:
+    """How many states share this executor's memory bound (an instance host counts the executor's hosts)."""
+    global _PEERS
+    _PEERS = count
+
+
+def memory_share(limit: int | None) -> int | None:
+    """This state's share of the executor's bound ``limit``: an equal share among the states that hold memory.
+
+    In an instance host, the states are the executor's hosts; in a Python
+    worker (``spark.state.instanceHosts=false``), the states it holds.
+    """
+    if limit is None:
+        return None
+    if _PEERS is not None:
+        peers = _PEERS()
+    else:
+        with _LOCK:
+            peers = sum(len(states) for states in _RESIDENT.values()) + 1
+    return limit // max(1, peers)
 
 
 def resident_instances(store: str, component: str) -> list[int]:

@@ -21,7 +21,7 @@ is pure; the reads are ``blobstore.BlobStore.fetch``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import AbstractSet, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -93,8 +93,12 @@ def plan_instance_restore(
     *,
     max_gap_bytes: int = 0,
     have: Mapping[int, tuple[str, ...] | None] | None = None,
+    skip: AbstractSet[int] = frozenset(),
 ) -> InstanceRestorePlan:
     """Plan one instance's restore; see ``plan_restore``.
+
+    Key groups in ``skip`` are neither read nor cleared (the caller loads
+    them when it needs them: evicted key groups).
 
     ``have`` maps key groups the caller already holds in memory to the chain
     (blob paths, oldest first) that content reflects, or None when unknown.
@@ -107,6 +111,8 @@ def plan_instance_restore(
     chains: dict[int, tuple[tuple[str, BlobEntry], ...]] = {}
     appends: set[int] = set()
     for key_group in _owned_with_state(component, owned):
+        if key_group in skip:
+            continue
         target = component.chains[key_group]
         held = have.get(key_group)
         if held == target:

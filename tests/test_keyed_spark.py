@@ -607,3 +607,36 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     assert len(later) == 5 * 4
     assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
     assert len({i["pid"] for i in later}) == 4  # one host per instance
+
+
+@pytest.mark.parametrize("function", ["count", "apply"])
+def test_a_memory_bound_below_the_state_holds_and_output_stays_exact_through_a_rescale(spark, tmp_path, function):
+    """``spark.state.residentMemory`` far below the state: key groups are evicted and read back when touched.
+
+    Every batch's estimate of resident state ends within its share of the
+    bound, evicted key groups are loaded again (from the store) by later
+    batches, and the output equals the model's, before and after 2 -> 3.
+    """
+    job = Job(spark, tmp_path)
+    for salt in range(6):
+        job.add_batch(20000, keys=100000, salt=salt * 17000)
+    count = _counting_fn(tmp_path / "no-failure", "raise") if function == "apply" else None
+    spark.conf.set("spark.state.residentMemory", "1m")
+    try:
+        first = job.run(2, count)
+        job.add_batch(20000, keys=100000, salt=1)
+        job.add_batch(20000, keys=100000, salt=7)
+        second = job.run(3, count)
+    finally:
+        spark.conf.unset("spark.state.residentMemory")
+    assert job.outputs == job.expected()
+    instances = [i for b in first.batches + second.batches for i in b["instances"]]
+    assert [b["parallelism"] for b in first.batches + second.batches] == [2] * 6 + [3] * 2
+    memory = [i["memory"] for i in instances]
+    assert all(m["limit_bytes"] <= 1 << 20 and m["resident_bytes"] <= m["limit_bytes"] for m in memory), memory
+    assert sum(m["evicted_key_groups"] for m in memory) > 0
+    assert max(m["high_water_bytes"] for m in memory) > max(m["limit_bytes"] for m in memory)
+    reloaded = [i["restore"]["loaded"]["bytes_read"] for b in first.batches[1:] for i in b["instances"]
+                if "loaded" in i["restore"]]
+    assert sum(r > 0 for r in reloaded) >= 4  # evicted key groups came back from the store
+    assert all(i["restore"]["bytes_read"] == 0 for i in second.batches[0]["instances"])  # a lazy rescale

@@ -218,3 +218,116 @@ def test_a_restored_key_group_is_hashed_for_lookups_once_then_folded(store):
     assert restored.table.get_many([key_group_for(k, M) for k in again], [(k,) for k in again]) == [(7,), None]
     assert not looked & set(restored.table._unloaded)  # hashed once already: folded now
     assert len(restored) == 200
+
+
+# Memory bound: evicted key groups, lazy loads, Arrow kept ----------------------------------------
+
+BOUNDED_M = 16
+BOUNDED_SPEC = ComponentSpec("c", BOUNDED_M, 1, SCHEMA)
+
+
+def _bounded_batch(state: ResidentState, store: Store, component, checkpoint_id: int, keys: list[str],
+                   model: dict[str, int], *, commit: bool = True):
+    """One task as the operator runs it: catch up, load what the rows touch, count, checkpoint, commit, bound."""
+    state.catch_up(store.blobs, component, 0, 1)
+    groups = [key_group_for(k, BOUNDED_M) for k in keys]
+    state.load(store.blobs, set(groups))
+    olds = state.table.get_many(groups, [(k,) for k in keys])
+    expected = [(model[k],) if k in model else None for k in keys]
+    assert olds == expected, checkpoint_id
+    state.table.put_many(groups, [(k,) for k in keys], [((o[0] if o else 0) + 1,) for o in olds])
+    blob, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=3)
+    if not commit:
+        return component
+    for k in keys:
+        model[k] = model.get(k, 0) + 1
+    return store.commit(checkpoint_id, {"c": (BOUNDED_SPEC, [blob] if blob else [])}, {}).components["c"]
+
+
+def _restored(store: Store, component) -> dict[str, int]:
+    state = ResidentState(SCHEMA, key_group_range(0, 1, BOUNDED_M))
+    state.catch_up(store.blobs, component, 0, 1)
+    return _contents(state)
+
+
+def test_a_bounded_state_evicts_least_recently_used_key_groups_and_reads_them_back_exactly(store):
+    """Batches touching shifting key sets under a bound far below the state: every read equals the model.
+
+    Failed attempts (written, never committed) are replayed; every committed
+    checkpoint restores to the model; the estimate ends under the bound after
+    every batch, and the key groups the last batch touched are the ones kept.
+    """
+    import random
+
+    rng = random.Random(7)
+    base = ResidentState(SCHEMA, key_group_range(0, 1, BOUNDED_M))
+    for n in range(800):
+        base.table.put(key_group_for(f"k{n}", BOUNDED_M), (f"k{n}",), (1,))
+    model = {f"k{n}": 1 for n in range(800)}
+    blob, _ = base.checkpoint(store.blobs, "c", 1, 0, max_chain_length=3)
+    component = store.commit(1, {"c": (BOUNDED_SPEC, [blob])}, {}).components["c"]
+    limit = 4000
+    state = ResidentState(SCHEMA, key_group_range(0, 1, BOUNDED_M), bounded=True)
+    assert state.catch_up(store.blobs, component, 0, 1).stats.bytes_read == 0  # a lazy restore
+    evicted = 0
+    for checkpoint_id in range(2, 40):
+        low = rng.randrange(0, 900)
+        keys = sorted({f"k{rng.randrange(low, low + 120)}" for _ in range(40)})
+        failed = rng.random() < 0.2
+        component = _bounded_batch(state, store, component, checkpoint_id, keys, model, commit=not failed)
+        memory = state.bound_memory(limit)
+        evicted += memory["evicted_key_groups"]
+        assert memory["resident_bytes"] <= limit, memory
+        touched = {key_group_for(k, BOUNDED_M) for k in keys}
+        kept = set(range(BOUNDED_M)) - state.table.cold
+        assert kept <= touched or touched <= kept, (kept, touched)  # the last batch's key groups go last
+        if failed:
+            component = _bounded_batch(state, store, component, checkpoint_id, keys, model)
+            state.bound_memory(limit)
+        assert _restored(store, component) == model, checkpoint_id
+    assert evicted > 0 and state.high_water_bytes > limit
+
+
+def test_a_cold_key_group_is_never_read_as_empty(store):
+    from spark_state.errors import KeyGroupNotLoadedError
+
+    base = _dense_state()
+    blob, _ = base.checkpoint(store.blobs, "c", 1, 0, max_chain_length=10)
+    component = store.commit(1, {"c": (ComponentSpec("c", M, 1, SCHEMA), [blob])}, {}).components["c"]
+    state = ResidentState(SCHEMA, key_group_range(0, 1, M), bounded=True)
+    state.catch_up(store.blobs, component, 0, 1)
+    group = key_group_for("k1", M)
+    with pytest.raises(KeyGroupNotLoadedError, match="evicted"):
+        state.table.get_many([group], [("k1",)])
+    with pytest.raises(KeyGroupNotLoadedError):
+        state.table.put(group, ("k1",), (5,))
+    with pytest.raises(KeyGroupNotLoadedError):
+        list(state.table.items())
+    info = state.load(store.blobs, [group])
+    assert info["key_groups"] == 1 and 0 < info["bytes_read"] < component.blobs[blob.path].size
+    assert state.table.get_many([group], [("k1",)]) == [(1,)]
+
+
+def test_a_bounded_state_keeps_written_key_groups_as_arrow(store):
+    """After a checkpoint a bounded state holds its key groups as Arrow chains, not dicts: a fraction of the bytes."""
+    state = _dense_state()
+    blob, _ = state.checkpoint(store.blobs, "c", 1, 0, max_chain_length=10)
+    spec = ComponentSpec("c", M, 1, SCHEMA)
+    component = store.commit(1, {"c": (spec, [blob])}, {}).components["c"]
+    dicts = state.bound_memory(None)["resident_bytes"]
+    bounded = ResidentState(SCHEMA, key_group_range(0, 1, M), bounded=True)
+    for checkpoint_id in (2, 3, 4):
+        bounded.catch_up(store.blobs, component, 0, 1)
+        bounded.load(store.blobs, range(M))
+        keys = [f"k{n}" for n in range(checkpoint_id, 200, 3)]
+        groups = [key_group_for(k, M) for k in keys]
+        olds = bounded.table.get_many(groups, [(k,) for k in keys])
+        bounded.table.put_many(groups, [(k,) for k in keys], [(o[0] * 10,) for o in olds])
+        blob, _ = bounded.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=10)
+        component = store.commit(checkpoint_id, {"c": (spec, [blob])}, {}).components["c"]
+    assert set(bounded.table._unloaded) == set(range(M)) and not bounded.table._groups
+    arrow = bounded.bound_memory(None)["resident_bytes"]
+    assert arrow < dicts / 2, (arrow, dicts)
+    restored = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    restored.catch_up(store.blobs, component, 0, 1)
+    assert _contents(bounded) == _contents(restored)
