@@ -344,9 +344,11 @@ def restore_instance(
     instance: int,
     parallelism: int,
     max_parallelism: int,
+    *,
+    bounded: bool = False,
 ) -> tuple[ResidentState, CatchUp | None]:
     """Build instance ``instance``'s state at ``parallelism`` from ``component`` (None: start empty)."""
-    state = ResidentState(schema, key_group_range(instance, parallelism, max_parallelism))
+    state = ResidentState(schema, key_group_range(instance, parallelism, max_parallelism), bounded=bounded)
     if component is None:
         return state, None
     check_compatible(component, ComponentSpec(component.name, max_parallelism, parallelism, schema))

@@ -17,6 +17,14 @@ def test_defaults_and_values():
     assert (lazy.store, lazy.parallelism) == ("/lazy", 3)
 
 
+@pytest.mark.parametrize("text, size", [
+    ("512m", 512 << 20), ("4G", 4 << 30), ("2gb", 2 << 30), ("1048576", 1 << 20), ("1t", 1 << 40), ("2048k", 2 << 20),
+])
+def test_the_memory_bound_is_a_size_as_spark_writes_them(text, size):
+    assert StateConf.from_mapping({"spark.state.residentMemory": text}, **DEFAULTS).resident_memory == size
+    assert StateConf.from_mapping({}, **DEFAULTS).resident_memory is None
+
+
 @pytest.mark.parametrize("key, suggestion", [
     ("spark.state.paralelism", "spark.state.parallelism"),
     ("spark.state.maxparallelism", "spark.state.maxParallelism"),
@@ -39,6 +47,10 @@ def test_an_unknown_setting_without_a_near_name_lists_the_settings():
     ("spark.state.maxParallelism", "40000", "between 1 and 32768"),
     ("spark.state.checkpointsRetained", "1", "out of range"),
     ("spark.state.compression", "gzip", "not one of none, lz4, zstd"),
+    ("spark.state.residentMemory", "2 GB", "is not a size"),
+    ("spark.state.residentMemory", "1.5g", "is not a size"),
+    ("spark.state.residentMemory", "4x", "is not a size"),
+    ("spark.state.residentMemory", "512k", "below 1m"),
 ])
 def test_bad_values_name_the_setting(key, value, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -5,7 +5,10 @@ routed with ``key_group_for`` / ``instance_for_key_group``. The model is a
 dict of the live state plus one dict per committed checkpoint. After every
 step the union of the instances' state must equal the live model, each key
 must live in the instance that owns its key group, and every retained
-checkpoint must restore to exactly the model committed with it.
+checkpoint must restore to exactly the model committed with it. Half the
+runs bound the instances' memory: after a checkpoint, key groups are evicted
+under a drawn bound and loaded back (``ResidentState.load``) when touched,
+as a task does; the invariants read the evicted key groups from copies.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import copy
 import pyarrow as pa
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
@@ -39,19 +42,41 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.store = Store(MemoryStorage(), retained=RETAINED)
         self.parallelism = 3
+        self.bounded = False
         self.instances = self._empty(self.parallelism)
         self.live: dict[str, int] = {}
         self.committed: dict[int, dict[str, int]] = {}
         self.next_id = 1
+        self.clean = True  # nothing changed since the last checkpoint or restore
+
+    @initialize(bounded=st.booleans())
+    def choose_bound(self, bounded: bool) -> None:
+        self.bounded = bounded
+        self.instances = self._empty(self.parallelism)
 
     def _empty(self, parallelism: int) -> list[ResidentState]:
         return [
-            ResidentState(SCHEMA, key_group_range(i, parallelism, MAX_PARALLELISM)) for i in range(parallelism)
+            ResidentState(SCHEMA, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded)
+            for i in range(parallelism)
         ]
 
     def _route(self, key: str) -> tuple[int, ResidentState]:
+        """The key's group and owner, the group loaded if it was evicted (what a task does before it runs)."""
         group = key_group_for(key, MAX_PARALLELISM)
-        return group, self.instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
+        state = self.instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
+        if group in state.table.cold:
+            state.load(self.store.blobs, [group])
+        return group, state
+
+    def _loaded(self) -> list[ResidentState]:
+        """The instances with every key group in memory: copies of those with evicted ones, loaded."""
+        loaded = []
+        for state in self.instances:
+            if state.table.cold:
+                state = copy.deepcopy(state)
+                state.load(self.store.blobs, list(state.table.cold))
+            loaded.append(state)
+        return loaded
 
     def _write_blobs(self, checkpoint_id: int):
         refs = [
@@ -60,11 +85,13 @@ class StoreMachine(RuleBasedStateMachine):
         ]
         return [ref for ref in refs if ref is not None]
 
-    def _restore(self, parallelism: int, checkpoint_id: int | None = None) -> list[ResidentState]:
+    def _restore(self, parallelism: int, checkpoint_id: int | None = None, *,
+                 bounded: bool = False) -> list[ResidentState]:
         manifest = self.store.latest() if checkpoint_id is None else self.store.load(checkpoint_id)
         component = manifest.components.get(COMPONENT) if manifest else None
         return [
-            restore_instance(self.store.blobs, component, SCHEMA, i, parallelism, MAX_PARALLELISM)[0]
+            restore_instance(self.store.blobs, component, SCHEMA, i, parallelism, MAX_PARALLELISM,
+                             bounded=bounded)[0]
             for i in range(parallelism)
         ]
 
@@ -77,6 +104,7 @@ class StoreMachine(RuleBasedStateMachine):
         group, state = self._route(key)
         state.table.put(group, (key,), (value,))
         self.live[key] = value
+        self.clean = False
 
     @rule(first=st.integers(0, 60), count=st.integers(1, 40), value=st.integers(-5, 5))
     def put_many(self, first: int, count: int, value: int) -> None:
@@ -104,12 +132,14 @@ class StoreMachine(RuleBasedStateMachine):
             news = [((old[0] if old else 0) + step,) for old in olds]
             state.table.put_many(groups, keys, news)
             self.live.update((k, v[0]) for (_, k), v in zip(routed, news))
+        self.clean = False
 
     @rule(key=keys)
     def delete(self, key: str) -> None:
         group, state = self._route(key)
         state.table.delete(group, (key,))
         self.live.pop(key, None)
+        self.clean = False
 
     @rule()
     def checkpoint(self) -> None:
@@ -121,6 +151,7 @@ class StoreMachine(RuleBasedStateMachine):
         )
         self.store.cleanup(manifest)
         self.committed[checkpoint_id] = dict(self.live)
+        self.clean = True
         retained = sorted(self.committed, reverse=True)[:RETAINED]
         assert self.store.committed_ids() == sorted(self.store.manifests.records_needed(retained))
         assert set(retained) <= set(self.store.committed_ids())
@@ -149,9 +180,10 @@ class StoreMachine(RuleBasedStateMachine):
         if write_blobs:
             self._write_blobs(self.next_id)
         self.parallelism = parallelism
-        self.instances = self._restore(parallelism)
+        self.instances = self._restore(parallelism, bounded=self.bounded)
         latest = max(self.committed, default=None)
         self.live = dict(self.committed[latest]) if latest is not None else {}
+        self.clean = True
 
     @rule()
     def remember_resident(self) -> None:
@@ -171,6 +203,21 @@ class StoreMachine(RuleBasedStateMachine):
             state.catch_up(self.store.blobs, manifest.components[COMPONENT], i, self.parallelism)
         self.instances = resident
         self.live = dict(self.committed[manifest.checkpoint_id])
+        self.clean = True
+
+    @precondition(lambda self: self.bounded and self.clean)
+    @rule(data=st.data())
+    def evict_under_a_bound(self, data) -> None:
+        """A bounded task's end: after its checkpoint, evict least recently used key groups down to a bound."""
+        manifest = self.store.latest()
+        if manifest is None:
+            return
+        for i, state in enumerate(self.instances):
+            state.catch_up(self.store.blobs, manifest.components[COMPONENT], i, self.parallelism)
+            limit = data.draw(st.integers(0, 4000), label=f"bound of instance {i}")
+            memory = state.bound_memory(limit)
+            assert memory["resident_bytes"] <= limit
+            assert memory["cold_key_groups"] == len(state.table.cold)
 
     @precondition(lambda self: bool(self.committed))
     @rule(parallelism=parallelisms, data=st.data())
@@ -197,18 +244,20 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def instances_hold_exactly_the_live_state_without_folding(self) -> None:
         """Counts and the built-ins' reads, which leave restored key groups unfolded."""
-        assert sum(len(state) for state in self.instances) == len(self.live)
+        instances = self._loaded()
+        assert sum(len(state) for state in instances) == len(self.live)
         for key, value in self.live.items():
-            group, state = self._route(key)
+            group = key_group_for(key, MAX_PARALLELISM)
+            state = instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
             assert state.table.get_many([group], [(key,)]) == [(value,)]
 
     @rule()
     def instances_hold_exactly_the_live_state(self) -> None:
-        assert self._contents(self.instances) == self.live
+        assert self._contents(self._loaded()) == self.live
 
     @rule()
     def every_key_lives_in_its_owner(self) -> None:
-        for index, state in enumerate(self.instances):
+        for index, state in enumerate(self._loaded()):
             for group, key, _ in state.table.items():
                 assert group == key_group_for(key[0], MAX_PARALLELISM)
                 assert instance_for_key_group(group, self.parallelism, MAX_PARALLELISM) == index
