@@ -66,6 +66,12 @@ class FetchedChain:
         self.schema = schema
         self._live: int | None = None
         self._folded: pa.Table | None = None
+        self.released = False
+
+    def release(self) -> None:
+        """Drop the chain's Arrow data, keeping its count of live keys (its overlay stands in for it)."""
+        self.live_keys()
+        self.batches, self._folded, self.released = [], None, True
 
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
         """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it."""
@@ -81,6 +87,8 @@ class FetchedChain:
 
     def folded(self) -> pa.Table:
         """The chain's live rows (``restore.fold_chain``), computed once."""
+        if self.released:
+            raise KeyGroupNotLoadedError("a released chain was read (a defect of spark-state, please report it)")
         if self._folded is None:
             self._folded = fold_chain(self.batches, self.schema.key_columns)
         return self._folded
@@ -143,6 +151,12 @@ class KeyGroupTable:
         """
         fetched = self._unloaded.pop(key_group, None)
         group = self._groups.get(key_group)
+        if fetched is not None and fetched.released:
+            self._unloaded[key_group] = fetched
+            raise KeyGroupNotLoadedError(
+                f"key group {key_group} was released after its lookups and cannot be folded (a defect of "
+                "spark-state, please report it); nothing was written"
+            )
         if fetched is not None:
             overlay = group
             group = self._groups[key_group] = [{} for _ in range(self._width)]
@@ -175,12 +189,12 @@ class KeyGroupTable:
         already hashed is folded instead: a stream bringing new keys every
         batch would otherwise hash the same chains every batch.
         """
-        unloaded, groups = self._unloaded, self._groups
+        unloaded, groups, absent = self._unloaded, self._groups, self._absent
         wanted: dict[int, list[Key]] = {}
         for g, k in zip(key_groups, keys):
             if g in unloaded:
                 overlay = groups.get(g)
-                if overlay is None or k not in overlay[0]:
+                if (overlay is None or k not in overlay[0]) and k not in absent.get(g, ()):
                     wanted.setdefault(g, []).append(k)
         for g in [g for g in wanted if g in self._looked_up and not self.keep_arrow]:
             self._group(g)
@@ -370,6 +384,27 @@ class KeyGroupTable:
         self.clear(key_group)
         self._cold.add(key_group)
 
+    def release(self, key_groups: Iterable[int]) -> None:
+        """Drop the Arrow chains of the given fetched key groups; their overlays answer for the keys looked up.
+
+        A released key group serves ``get_many``/``put_many``/``rows`` of the
+        keys already looked up, and counts its keys; anything needing its
+        chain raises ``KeyGroupNotLoadedError``. A checkpoint writes its full
+        entries from the store (``resident.StoredChains``); after it, the key
+        group is evicted. Bounds a batch's memory to its overlays.
+        """
+        for key_group in key_groups:
+            fetched = self._unloaded.get(key_group)
+            if fetched is not None:
+                fetched.release()
+
+    def released(self) -> list[int]:
+        return [g for g, fetched in self._unloaded.items() if fetched.released]
+
+    def is_released(self, key_group: int) -> bool:
+        fetched = self._unloaded.get(key_group)
+        return fetched is not None and fetched.released
+
     def settle(self, key_group: int, kind: EntryKind, written: pa.Table) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.
 
@@ -377,7 +412,7 @@ class KeyGroupTable:
         folded key group whose entry is ``full`` becomes that entry. Other
         folded key groups stay dicts. The key group must have no change since.
         """
-        if key_group in self._dirty or key_group in self._cold:
+        if key_group in self._dirty or key_group in self._cold or self.is_released(key_group):
             return
         fetched = self._unloaded.get(key_group)
         if fetched is None and (kind != "full" or key_group not in self._groups):

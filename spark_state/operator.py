@@ -207,6 +207,49 @@ def _apply(task: TaskSpec, state: ResidentState, table: pa.Table | None) -> tupl
     return outputs, info
 
 
+MIN_CHUNK_BYTES = 1 << 20
+"""Under a memory bound, a batch loads evicted key groups in chunks of at least this many stored bytes."""
+
+
+def _in_chunks(task: TaskSpec, state: ResidentState) -> bool:
+    """Whether step 3 runs in chunks of key groups: a built-in aggregate on a bounded state."""
+    return state.bounded and isinstance(task.function, Aggregate)
+
+
+def _aggregate_in_chunks(task: TaskSpec, state: ResidentState, table: pa.Table,
+                         blobs: BlobStore) -> tuple[list[pa.Table], dict]:
+    """Step 1b and 3 under a memory bound: the rows by key group, in chunks whose evicted chains fit.
+
+    Each chunk loads the evicted key groups its rows touch (at most a
+    quarter of the state's share of the bound in stored bytes, or one key
+    group), merges its rows, and, while the state's estimate is above its
+    share, releases the chains it loaded (``KeyGroupTable.release``): the
+    batch then holds the chains of one chunk at a time and its own changed
+    keys. Returns the outputs and what the loads read.
+    """
+    limit = memory_share(task.resident_memory)
+    budget = max(limit // 4, MIN_CHUNK_BYTES)
+    table = table.take(pa.compute.sort_indices(table.column(KEY_GROUP_COLUMN)))
+    groups, starts = np.unique(table.column(KEY_GROUP_COLUMN).to_numpy(), return_index=True)
+    sizes = state.bytes_to_load(groups)
+    chunk = np.cumsum([sizes[int(g)] for g in groups]) // budget
+    cuts = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), len(groups)]
+    outputs, loaded = [], {"key_groups": 0, "bytes_read": 0, "requests": 0, "seconds": 0.0, "chunks": 0}
+    for low, high in zip(cuts, cuts[1:]):
+        chunk_groups = groups[low:high]
+        first, end = int(starts[low]), (int(starts[high]) if high < len(groups) else table.num_rows)
+        info = state.load(blobs, chunk_groups)
+        for name in ("key_groups", "bytes_read", "requests", "seconds"):
+            loaded[name] += info.get(name, 0)
+        loaded["chunks"] += 1
+        outputs.append(task.function.apply(state.table, table.slice(first, end - first), task.schema.key_columns))
+        state.note_peak()
+        if sum(state.table.nbytes().values()) > limit:
+            state.table.release(g for g in chunk_groups.tolist() if sizes[g] > 0)
+    loaded["seconds"] = round(loaded["seconds"], 4)
+    return outputs, loaded
+
+
 class _Phases:
     """Seconds spent in each consecutive phase of a task, for its report."""
 
@@ -234,12 +277,17 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     time_info: dict = {}
     if table is not None and table.num_rows:
         _check_key_groups(table, task.schema.key_columns, task.max_parallelism, state.key_group_range)
-        loaded = state.load(blobs, np.unique(table.column(KEY_GROUP_COLUMN).to_numpy()))
-        if loaded:
-            restore_info["loaded"] = loaded
+        if not _in_chunks(task, state):
+            loaded = state.load(blobs, np.unique(table.column(KEY_GROUP_COLUMN).to_numpy()))
+            if loaded:
+                restore_info["loaded"] = loaded
         if task.event_time is not None:
             table, time_info = _event_times(task, table)
-    outputs, apply_info = _apply(task, state, table)
+    if _in_chunks(task, state) and table is not None and table.num_rows:
+        outputs, restore_info["loaded"] = _aggregate_in_chunks(task, state, table, blobs)
+        apply_info = {}
+    else:
+        outputs, apply_info = _apply(task, state, table)
     time_info.update(apply_info)
     phases.end("apply")
     for output in outputs:

@@ -96,6 +96,7 @@ class ResidentState:
         self._batch = 0  # tasks run on this state, for least-recently-used order
         self._used: dict[int, int] = {}  # key group -> the task that last touched it
         self.high_water_bytes = 0
+        self._peak = 0  # the largest estimate seen during the current task (``note_peak``)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -165,6 +166,22 @@ class ResidentState:
             info.update(bytes_read=stats.bytes_read, requests=stats.requests, seconds=round(stats.seconds, 4))
         return info
 
+    def note_peak(self) -> None:
+        """Record the current estimate as a candidate for this task's peak (called between steps of a task)."""
+        self._peak = max(self._peak, sum(self.table.nbytes().values()))
+
+    def bytes_to_load(self, key_groups: Iterable[int]) -> dict[int, int]:
+        """Stored bytes of the chains ``load`` would read for each of ``key_groups`` (0: in memory or empty)."""
+        cold, component = self.table.cold, self._component
+        sizes = {}
+        for g in key_groups:
+            g = int(g)
+            if g in cold and component is not None and g in component.chains:
+                sizes[g] = sum(entry.length for _, entry in chain_links(component, g))
+            else:
+                sizes[g] = 0
+        return sizes
+
     def bound_memory(self, limit: int | None) -> dict:
         """Step 4: evict least recently used key groups until the estimate is at most ``limit`` bytes.
 
@@ -175,7 +192,8 @@ class ResidentState:
         started = time.perf_counter()
         sizes = self.table.nbytes()
         before = sum(sizes.values())
-        self.high_water_bytes = max(self.high_water_bytes, before)
+        peak, self._peak = max(self._peak, before), 0
+        self.high_water_bytes = max(self.high_water_bytes, peak)
         after, evicted = before, 0
         if limit is not None and self.bounded and before > limit:
             for g in sorted(sizes, key=lambda g: (self._used.get(g, -1), g)):
@@ -186,7 +204,7 @@ class ResidentState:
                 self._used.pop(g, None)
                 after -= sizes[g]
                 evicted += 1
-        return {"limit_bytes": limit, "peak_bytes": before, "resident_bytes": after,
+        return {"limit_bytes": limit, "peak_bytes": peak, "after_checkpoint_bytes": before, "resident_bytes": after,
                 "high_water_bytes": self.high_water_bytes, "evicted_key_groups": evicted,
                 "cold_key_groups": len(self.table.cold), "seconds": round(time.perf_counter() - started, 4)}
 
@@ -228,7 +246,9 @@ class ResidentState:
             {g: len(keys) for g, keys in changes.items()}, self.table.key_count, max_chain_length
         )
         from_store = {e.key_group for e in planned
-                      if stored is not None and e.compacted and not e.empty and stored.holds(e.key_group, e.previous)}
+                      if stored is not None and e.kind == "full" and not e.empty
+                      and (e.compacted or self.table.is_released(e.key_group))
+                      and stored.holds(e.key_group, e.previous)}
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []
@@ -288,6 +308,9 @@ class ResidentState:
             if self.bounded:
                 for key_group, kind, table in entries:
                     self.table.settle(key_group, kind, table)
+        for key_group in self.table.released():  # their chains are in the store only now
+            self.table.evict(key_group)
+            self.chains.drop(key_group)
         items = None
         if self.items.changed:
             items = blobs.write_items(component, checkpoint_id, instance, self.items.to_list())
