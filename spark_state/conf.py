@@ -37,11 +37,12 @@ key                                    default                     meaning
                                                                    executor that every task of the instance uses
                                                                    (``hosts``); ``false``: in the Python worker that
                                                                    runs the task (reloaded when Spark picks another)
-``spark.state.residentMemory``         unset (no bound)            bound on the keyed state held in memory per
-                                                                   executor (``512m``, ``4g``, bytes), shared equally
-                                                                   by its instance hosts; least recently used key
-                                                                   groups are evicted and read again when touched
-                                                                   (components without timers; ``resident``)
+``spark.state.residentMemory``         unset (no bound)            bound on the query's keyed state kept in memory per
+                                                                   executor between batches (``512m``, ``4g``, bytes),
+                                                                   shared equally by its instance hosts there; least
+                                                                   recently used key groups are evicted and read again
+                                                                   when touched (components without timers;
+                                                                   ``resident``)
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are

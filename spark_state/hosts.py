@@ -263,7 +263,8 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
     listener.settimeout(1.0)
     from spark_state import resident
 
-    resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob("*.sock"))))
+    query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
+    resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
     last_task = time.monotonic()
     try:
         while _alive(daemon_pid) and time.monotonic() - last_task < idle_seconds:

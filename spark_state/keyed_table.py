@@ -39,6 +39,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 import pyarrow.compute as pc
@@ -66,24 +67,50 @@ class FetchedChain:
         self.schema = schema
         self._live: int | None = None
         self._folded: pa.Table | None = None
+        self._nbytes: int | None = None
         self.released = False
 
     def release(self) -> None:
         """Drop the chain's Arrow data, keeping its count of live keys (its overlay stands in for it)."""
         self.live_keys()
-        self.batches, self._folded, self.released = [], None, True
+        self.batches, self._folded, self._nbytes, self.released = [], None, 0, True
 
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
-        """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it."""
-        batch = batch.cast(self.batches[0][1].schema) if batch.schema != self.batches[0][1].schema else batch
-        self.batches = [(kind, batch)] if kind == "full" else self.batches + [(kind, batch)]
-        self._live = None
-        self._folded = None
+        """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it.
+
+        Under one key column, with the fold already computed (or a ``full``
+        entry), the chain is kept folded instead: one full entry of its live
+        rows, the entry's rows replacing the keys they name (``fold_chain``'s
+        rule). The content is the same; memory and the next lookup's work are
+        those of the live rows, not of every entry since the last compaction.
+        """
+        template = self.batches[0][1].schema
+        batch = batch.cast(template) if batch.schema != template else batch
+        previous, self._folded, self._live, self._nbytes = self._folded, None, None, None
+        if len(self.schema.key_columns) != 1 or (kind == "delta" and previous is None):
+            self.batches = [(kind, batch)] if kind == "full" else self.batches + [(kind, batch)]
+            return
+        deleted = batch.column(DELETED_COLUMN)
+        live = pa.Table.from_batches([batch.filter(pc.invert(deleted)) if pc.any(deleted).as_py() else batch])
+        live = live.drop_columns([DELETED_COLUMN])
+        if kind == "delta":
+            key = self.schema.key_columns[0]
+            kept = previous.filter(pc.invert(pc.is_in(previous.column(key), value_set=batch.column(key),
+                                                      skip_nulls=False)))
+            live = pa.concat_tables([kept, live])
+        live = live.combine_chunks()
+        columns = [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in live.columns]
+        whole = pa.RecordBatch.from_arrays(columns + [pa.array(np.zeros(live.num_rows, bool))], schema=template)
+        self.batches = [("full", whole)]
+        self._folded = pa.Table.from_batches([whole]).drop_columns([DELETED_COLUMN])
+        self._nbytes = whole.nbytes
 
     def nbytes(self) -> int:
         """Bytes of the chain's Arrow buffers, and of its fold once computed."""
-        folded = self._folded.nbytes if self._folded is not None else 0
-        return sum(batch.nbytes for _, batch in self.batches) + folded
+        if self._nbytes is None:
+            folded = self._folded.nbytes if self._folded is not None and len(self.batches) > 1 else 0
+            self._nbytes = sum(batch.nbytes for _, batch in self.batches) + folded
+        return self._nbytes
 
     def folded(self) -> pa.Table:
         """The chain's live rows (``restore.fold_chain``), computed once."""
@@ -91,10 +118,14 @@ class FetchedChain:
             raise KeyGroupNotLoadedError("a released chain was read (a defect of spark-state, please report it)")
         if self._folded is None:
             self._folded = fold_chain(self.batches, self.schema.key_columns)
+            if len(self.batches) > 1:
+                self._nbytes = None  # a new table beside the chain (one full entry's fold shares its buffers)
         return self._folded
 
     def live_keys(self) -> int:
         """Keys the chain holds once folded (computed once, with Arrow kernels on the key columns)."""
+        if self._live is None and self._folded is not None:
+            self._live = self._folded.num_rows
         if self._live is None:
             columns = list(self.schema.key_columns) + [DELETED_COLUMN]
             self._live = fold_chain([(k, b.select(columns)) for k, b in self.batches], self.schema.key_columns).num_rows

@@ -243,8 +243,7 @@ def _aggregate_in_chunks(task: TaskSpec, state: ResidentState, table: pa.Table,
             loaded[name] += info.get(name, 0)
         loaded["chunks"] += 1
         outputs.append(task.function.apply(state.table, table.slice(first, end - first), task.schema.key_columns))
-        state.note_peak()
-        if sum(state.table.nbytes().values()) > limit:
+        if state.note_peak() > limit:
             state.table.release(g for g in chunk_groups.tolist() if sizes[g] > 0)
     loaded["seconds"] = round(loaded["seconds"], 4)
     return outputs, loaded

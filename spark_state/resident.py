@@ -166,9 +166,11 @@ class ResidentState:
             info.update(bytes_read=stats.bytes_read, requests=stats.requests, seconds=round(stats.seconds, 4))
         return info
 
-    def note_peak(self) -> None:
-        """Record the current estimate as a candidate for this task's peak (called between steps of a task)."""
-        self._peak = max(self._peak, sum(self.table.nbytes().values()))
+    def note_peak(self) -> int:
+        """Record the current estimate as a candidate for this task's peak (between steps of a task); returns it."""
+        now = sum(self.table.nbytes().values())
+        self._peak = max(self._peak, now)
+        return now
 
     def bytes_to_load(self, key_groups: Iterable[int]) -> dict[int, int]:
         """Stored bytes of the chains ``load`` would read for each of ``key_groups`` (0: in memory or empty)."""
@@ -420,7 +422,7 @@ _PEERS: Callable[[], int] | None = None
 
 
 def set_peers(count: Callable[[], int]) -> None:
-    """How many states share this executor's memory bound (an instance host counts the executor's hosts)."""
+    """How many states share this executor's memory bound (an instance host counts its query's hosts)."""
     global _PEERS
     _PEERS = count
 
@@ -428,8 +430,10 @@ def set_peers(count: Callable[[], int]) -> None:
 def memory_share(limit: int | None) -> int | None:
     """This state's share of the executor's bound ``limit``: an equal share among the states that hold memory.
 
-    In an instance host, the states are the executor's hosts; in a Python
-    worker (``spark.state.instanceHosts=false``), the states it holds.
+    In an instance host, the states are the hosts of the same store and
+    component on the executor (an idle host of a parallelism no longer run
+    counts until it exits); in a Python worker
+    (``spark.state.instanceHosts=false``), the states the worker holds.
     """
     if limit is None:
         return None
