@@ -211,6 +211,39 @@ def throughput_section(data: dict, file: str) -> list[str]:
     return out
 
 
+def memory_section(data: dict, file: str) -> list[str]:
+    """``bench_memory``: the state kept under each bound, the peak of a batch, the hosts' RSS, the batch cost."""
+    runs, mib = data["runs"], 1 << 20
+    out = ["### Memory bound", "", _source_line(data, file), "",
+           f"{data['state_keys']:,} keys of state, parallelism {data['parallelism']} (one executor), steady batches of "
+           f"{data['rows_per_batch']:,} rows: {len(data['uniform_batch_ids'])} uniform over all keys (every key group "
+           f"touched), then {len(data['hot_batch_ids'])} over {data['hot_keys']:,} hot keys. Estimates are the "
+           "instances' own (Arrow buffers, and Python objects measured by sampling), summed; the RSS is the instance "
+           "hosts' high-water mark (`VmHWM`) above that of hosts holding no state "
+           f"({data['baseline_host_rss_bytes'] / mib:,.0f} MiB each).", "",
+           "| run | bound | state kept between batches, max | peak in a batch | hosts' RSS above baseline "
+           "| read back per steady batch | batch time vs unbounded, uniform / hot | final state exact |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for label, run in runs.items():
+        if label == "baseline":
+            continue
+        bounded = label != "unbounded"
+        times = (f"{run['uniform_batch_time_vs_unbounded']['median']:.2f}x / "
+                 f"{run['hot_batch_time_vs_unbounded']['median']:.2f}x") if bounded else "1 / 1"
+        out.append(
+            f"| {label} | {run['limit_bytes'] / mib:,.0f} MiB | " if bounded else f"| {label} | none | ")
+        out[-1] += (f"{run['state_kept_between_batches_bytes']['max'] / mib:,.1f} MiB | "
+                    f"{run['peak_estimate_bytes'] / mib:,.1f} MiB | {run['rss_growth_over_baseline_bytes'] / mib:,.0f} MiB | "
+                    + (f"{run['bytes_read_back_per_steady_batch'] / mib:,.1f} MiB | " if bounded else "0 | ")
+                    + f"{times} | " + ("yes" if not bounded or run["final_state_equals_unbounded"] else "**no**") + " |")
+    out += ["", "Between batches a bounded query keeps at most its bound (evicting the least recently used key groups, "
+            "kept as Arrow chains); during a batch it also holds the keys the batch changes, as Python objects until "
+            "its checkpoint, and the chains of one chunk of key groups, so the peak and the RSS follow the batch "
+            "size, not the state size.", "", _targets(data["targets"]), "",
+            f"![memory](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    return out
+
+
 def checkpoint_section(data: dict, file: str) -> list[str]:
     runs = data["runs"]
     out = ["### Checkpoint cost", "", _source_line(data, file), "",
@@ -423,7 +456,8 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
         out.append(f"- Memory: with {int(largest):,} keys of state our instance hosts hold "
                    f"{memory[largest]['resident_bytes_per_key']:,.0f} B per key (Python objects, every key resident), "
                    f"Spark's RocksDB store {rocks['memory_bytes_per_key']:,.1f} B per key in memory and "
-                   f"{rocks['sst_bytes_per_key']:,.1f} B on local disk; no memory bound evicts key groups yet.")
+                   f"{rocks['sst_bytes_per_key']:,.1f} B on local disk, by default (no bound); under "
+                   "`spark.state.residentMemory` see \"Memory bound\".")
     for target in keyed.get("targets", []):
         if not target["met"] and "at_most" in target:
             out.append(f"- Keyed count, target missed: {target['target']} ({target.get('compares', target.get('rule'))}): "
@@ -537,6 +571,7 @@ def render(results: Path = RESULTS) -> str:
     lines += rescale_s3_section(*rescale_s3)
     lines += commit_section(*commit)
     lines += throughput_section(*keyed)
+    lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
     lines += manifest_section(*load("manifest", results))
     time = load("time", results)

@@ -206,6 +206,8 @@ class ResidentState:
                 self._used.pop(g, None)
                 after -= sizes[g]
                 evicted += 1
+        if self.bounded:
+            pa.default_memory_pool().release_unused()  # the allocator keeps freed pages otherwise
         return {"limit_bytes": limit, "peak_bytes": peak, "after_checkpoint_bytes": before, "resident_bytes": after,
                 "high_water_bytes": self.high_water_bytes, "evicted_key_groups": evicted,
                 "cold_key_groups": len(self.table.cold), "seconds": round(time.perf_counter() - started, 4)}

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_checkpoint  # noqa: E402
 import bench_commit  # noqa: E402
 import bench_keyed  # noqa: E402
+import bench_memory  # noqa: E402
 import bench_reader  # noqa: E402
 import bench_rescale  # noqa: E402
 import bench_time  # noqa: E402
@@ -80,6 +81,12 @@ def commit(spark, results, tmp_path_factory, s3_server):
 def keyed(spark, results, tmp_path_factory):
     bench_keyed.WORK = tmp_path_factory.mktemp("keyed-work")
     return _finish(spark, bench_keyed, bench_keyed.run(spark, bench_keyed.SMOKE), "keyed", results)
+
+
+@pytest.fixture(scope="module")
+def memory(spark, results, tmp_path_factory):
+    bench_memory.WORK = tmp_path_factory.mktemp("memory-work")
+    return _finish(spark, bench_memory, bench_memory.run(spark, bench_memory.SMOKE), "memory", results)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +161,20 @@ def test_keyed_smoke(keyed):
 
 
 @pytest.mark.spark
+def test_memory_smoke(memory):
+    runs = memory["runs"]
+    assert set(runs) == {"unbounded", "bound_2m", "bound_1m", "baseline"}
+    for label in ("bound_2m", "bound_1m"):
+        run = runs[label]
+        assert run["final_state_equals_unbounded"] is True and run["batches_over_share"] == []
+        assert run["state_kept_between_batches_bytes"]["max"] <= run["limit_bytes"]
+    # the bounded runs keep less than the unbounded one, whose state exceeds the smaller bound
+    assert runs["unbounded"]["state_kept_between_batches_bytes"]["max"] > runs["bound_1m"]["limit_bytes"]
+    assert all(len(r["rss_high_water_by_host"]) == 2 for r in runs.values())
+    assert all(t["met"] for t in memory["targets"]) and len(memory["targets"]) == 4
+
+
+@pytest.mark.spark
 def test_checkpoint_smoke(checkpoint):
     runs = checkpoint["runs"]
     # maxChainLength 2: a chain never grows past 2 entries; without compaction they grow with the batches
@@ -190,7 +211,8 @@ def test_manifest_benchmark_runs(tmp_path):
 
 
 @pytest.mark.spark
-def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result):
+def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result,
+                                      memory):
     """The README section renders from the smoke runs' files (plus the committed others)."""
     for name in ("keygroups.json", "source.json", "restore.json", "manifest.json", "campaign.json"):
         shutil.copy(report.RESULTS / name, results / name)
@@ -202,6 +224,7 @@ def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, resca
     assert "### Reading state out" in text and "20,000 keys" in text
     assert "### Time: sessions, time to live, timers" in text
     assert "### Fault campaign" in text
+    assert "### Memory bound" in text and "| bound_1m | 1 MiB |" in text
 
 
 def _campaign(**changes) -> dict:
