@@ -237,8 +237,11 @@ class KeyGroupTable:
         rows = pa.concat_tables(chains) if len(chains) > 1 else chains[0]
         key_column = self.schema.key_columns[0]
         asked = [k for g in wanted for k in wanted[g]]
-        position = pc.index_in(pa.array([k[0] for k in asked], rows.schema.field(key_column).type),
-                               value_set=rows.column(key_column).combine_chunks(), skip_nulls=False)
+        asked_keys = pa.array([k[0] for k in asked], rows.schema.field(key_column).type)
+        # Hash the asked keys (a batch's worth), not the chains (all the state of the key groups touched):
+        # the chains' keys only probe. A key lives in one key group, and a folded chain holds it once.
+        rows = rows.filter(pc.is_in(rows.column(key_column), value_set=asked_keys, skip_nulls=False))
+        position = pc.index_in(asked_keys, value_set=rows.column(key_column).combine_chunks(), skip_nulls=False)
         found = position.is_valid()
         values = struct_values(rows.column(1).take(pc.drop_null(position)), len(self.schema.variables[0].fields))
         found_values = iter(values)
