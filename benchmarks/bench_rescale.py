@@ -56,6 +56,17 @@ Per pair, size and system:
   each updated key with count 1 + its occurrences (sum of counts = distinct
   keys + rows), and the restored state must hold all S keys.
 
+Live rescale (``live``, local store only): one running keyed count is
+prefilled with S keys, then gets batches of ``live_rows`` rows drawn over
+the S keys while ``spark.state.parallelism`` walks ``live_chain`` (4, 8, 4,
+2, 3, 2, 1, 8, 1: every pair above, and two more), changed between batches
+of the running query, ``live_steady`` batches at each parallelism. Per
+change: the first batch at the new parallelism (which reads the key groups
+each new instance owns) against the median of the steady batches after it
+at the same parallelism. Target: the median over changes at most 1.5x. The
+final state is read back (``read_state``) and compared with the counts of
+every row.
+
 Every system restarts in the same warm session (JVM and Python workers
 already up), which is what an operator changing parallelism of a long-lived
 application sees; state caches do not help because every new instance owns a
@@ -104,6 +115,9 @@ class Config:
     update_rows: int
     store: str = "local"
     repeats: int = 1
+    live_chain: tuple[int, ...] = (4, 8, 4, 2, 3, 2, 1, 8, 1)
+    live_rows: int = 100_000
+    live_steady: int = 3  # batches at each parallelism: the first is the rescale batch
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -112,7 +126,7 @@ class Config:
 
 QUICK = Config("quick", (100_000,), PAIRS, 10_000)
 FULL = Config("full", (100_000, 1_000_000, 10_000_000), PAIRS, 10_000)
-SMOKE = Config("smoke", (4_000,), ((2, 3),), 500)  # tests/test_benchmarks.py: every code path, in seconds
+SMOKE = Config("smoke", (4_000,), ((2, 3),), 500, live_chain=(2, 3), live_rows=500)  # tests/test_benchmarks.py: every code path, in seconds
 S3 = Config("s3", (100_000, 1_000_000), PAIRS, 10_000, store="s3", repeats=3)
 S3_SMOKE = Config("s3_smoke", (4_000,), ((2, 3),), 500, store="s3")  # tests/test_benchmarks.py
 
@@ -385,7 +399,78 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
         sizes.append({"keys": size, "update_rows": config.update_rows,
                       "builds": [{"system": s, "old_parallelism": p, **b} for (s, p), b in builds.items()],
                       "runs": runs, "summary": _summary(runs, config.pairs, config.systems)})
-    return {"sizes": sizes, "store": config.store, "repeats": config.repeats}
+    result = {"sizes": sizes, "store": config.store, "repeats": config.repeats}
+    if config.store == "local":
+        live_rng = np.random.default_rng(20261125)
+        result["live"] = [live_rescale(spark, config, size, keys, live_rng) for size in config.sizes]
+    return result
+
+
+LIVE_TARGET = 1.5
+"""A live rescale batch / the steady batches after it at the same parallelism (median over changes), at most."""
+
+
+def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.random.Generator) -> dict:
+    """One running count whose parallelism walks ``config.live_chain``; see the module docstring."""
+    from spark_state import keyed
+    from spark_state.reader import read_state
+
+    work = common.fresh_dir(WORK / f"live-{size}")
+    schedule = [config.live_chain[0]] + [p for p in config.live_chain for _ in range(config.live_steady)]
+    draws = [rng.integers(0, size, config.live_rows) for _ in schedule[1:]]
+    tables = [pa.table({"key": keys.take(pa.array(rng.permutation(size)))})]
+    tables += [pa.table({"key": keys.take(pa.array(d))}) for d in draws]
+    files = common.write_input(work / "files", tables, SCHEMA_DDL)
+    live = common.fresh_dir(work / "input")
+    store = work / "state"
+    spark.conf.set("spark.state.store", str(store))
+    spark.conf.set("spark.state.parallelism", str(schedule[0]))
+    stream = spark.readStream.schema(SCHEMA_DDL).option("maxFilesPerTrigger", 1).parquet(str(live))
+    query = (keyed(stream, "key", name=COMPONENT).count().writeStream.foreachBatch(common.noop_sink)
+             .option("checkpointLocation", str(work / "chk")).trigger(processingTime="100 milliseconds").start())
+    try:
+        for index, parallelism in enumerate(schedule):
+            spark.conf.set("spark.state.parallelism", str(parallelism))
+            common.release_file(files, index, live)
+            query.processAllAvailable()
+    finally:
+        query.stop()
+        _reset_conf(spark)
+    seconds = {b["batch_id"]: b["seconds"] for b in common.batch_progress(query)}
+    batches = [{"batch_id": b["batch_id"], "parallelism": b["parallelism"], "seconds": seconds.get(b["batch_id"]),
+                "bytes_read": sum(m["restore"]["bytes_read"] for m in b["instances"]),
+                "max_task_seconds": max(m["seconds"] for m in b["instances"])} for b in query.batches]
+    if [b["parallelism"] for b in batches] != schedule:
+        raise RuntimeError(f"live rescale {size}: parallelism per batch {[b['parallelism'] for b in batches]}, "
+                           f"expected {schedule}")
+    changes = []
+    for start in range(1, len(schedule), config.live_steady):
+        first, after = batches[start], batches[start + 1:start + config.live_steady]
+        if start == 1 or not after:
+            continue  # the first steps run at the starting parallelism: no change
+        steady = statistics.median(b["seconds"] for b in after)
+        changes.append({"pair": f"{batches[start - 1]['parallelism']}->{first['parallelism']}",
+                        "rescale_batch_seconds": first["seconds"], "steady_batch_seconds": steady,
+                        "ratio": round(first["seconds"] / steady, 3), "bytes_read": first["bytes_read"]})
+    state = read_state(str(store), COMPONENT)
+    expected = np.bincount(np.concatenate([np.arange(size), *draws]), minlength=size)
+    got = np.zeros(size, np.int64)
+    got[np.array([int(k[1:]) for k in state.column("key").to_pylist()])] = state.column("count").to_numpy()
+    shutil.rmtree(work, ignore_errors=True)
+    ratios = [c["ratio"] for c in changes]
+    return {"keys": size, "rows_per_batch": config.live_rows, "chain": list(config.live_chain),
+            "batches": batches, "changes": changes,
+            "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
+            "max_ratio": max(ratios) if ratios else None,
+            "final_state_exact": bool(state.num_rows == size and np.array_equal(got, expected))}
+
+
+def live_targets(result: dict) -> list[dict]:
+    return [{"target": f"live rescale at {live['keys']:,} keys: first batch at the new parallelism / the steady "
+                       f"batches after it, median over changes (at most {LIVE_TARGET})",
+             "value": live["median_ratio"], "met": live["median_ratio"] is not None
+             and live["median_ratio"] <= LIVE_TARGET and live["final_state_exact"]}
+            for live in result.get("live", [])]
 
 
 def _median_run(repeats: list[dict]) -> dict:
@@ -533,6 +618,8 @@ def main(argv=None) -> dict:
         def measure(spark) -> dict:
             result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER,
                       "pairs": [f"{a}->{b}" for a, b in config.pairs], **run(spark, config, stores)}
+            if config.store == "local":
+                result["targets"] = live_targets(result)
             result["headline"] = headline(result)
             if config.store == "s3":
                 result["s3_server"] = "SeaweedFS " + stores.server.version() + ", one process on loopback"

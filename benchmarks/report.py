@@ -97,6 +97,26 @@ def rescale_section(data: dict, file: str) -> list[str]:
             + " the time of Spark's restart without rescaling, and the naive store's takes "
             + ", ".join(f"{_x(h['ours_vs_naive'])}" for h in head.values()) + " ours (same sizes).",
             "", f"![rescale](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    if data.get("live"):
+        out += live_rescale_lines(data)
+    return out
+
+
+def live_rescale_lines(data: dict) -> list[str]:
+    """The live rescales: a running query's first batch at each new parallelism against its steady batches."""
+    first = data["live"][0]
+    out = ["#### Live rescale: the parallelism of a running query changed between batches", "",
+           f"One running count per size, batches of {first['rows_per_batch']:,} rows over all keys, parallelism "
+           f"walking {' → '.join(map(str, first['chain']))} ({len(first['batches']) - 1} batches after the "
+           "prefill). Ratio: the first batch at the new parallelism / the median of the steady batches after "
+           "it at that parallelism.", "",
+           "| keys | " + " | ".join(c["pair"] for c in first["changes"]) + " | median | final state exact |",
+           "| ---: | " + " | ".join("---:" for _ in first["changes"]) + " | ---: | --- |"]
+    for live in data["live"]:
+        out.append(f"| {live['keys']:,} | " + " | ".join(
+            f"{c['ratio']:.2f}x ({c['rescale_batch_seconds']:.2f} s)" for c in live["changes"])
+            + f" | {_x(live['median_ratio'])} | {'yes' if live['final_state_exact'] else '**no**'} |")
+    out += ["", _targets(data["targets"]), ""]
     return out
 
 
@@ -380,6 +400,9 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                    rescale_s3: dict | None = None, commit: dict | None = None, time: dict | None = None) -> list[str]:
     """Every place the numbers show us behind what a user would use instead, with by how much."""
     out = ["### Where we are behind", ""]
+    for target in rescale.get("targets", []):
+        if not target["met"]:
+            out.append(f"- Rescale, target missed: {target['target']}: {target['value']}.")
     for target in (time or {}).get("targets", []):
         if not target["met"]:
             out.append(f"- Time, target missed: {target['target']}: {target['value']}.")
@@ -556,6 +579,13 @@ def campaign_hosts_lines(data: dict, file: str) -> list[str]:
                               "instance hosts (a killed worker is a courier, a killed executor ends its hosts)")
 
 
+def campaign_memory_lines(data: dict, file: str) -> list[str]:
+    """A run with every query under a memory bound far below its state (evictions in every batch)."""
+    return campaign_run_lines(data, file, "Under a memory bound", f"{data['queries']} queries with "
+                              f"`spark.state.residentMemory={data['memory_bound']}` (every batch evicts key groups "
+                              "and reads evicted ones back)")
+
+
 def render(results: Path = RESULTS) -> str:
     rescale, keyed, checkpoint = load("rescale", results), load("keyed", results), load("checkpoint", results)
     keygroups, source, restore = load("keygroups", results), load("source", results), load("restore", results)
@@ -584,6 +614,8 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_savepoints_lines(*load("campaign_savepoints", results))
     if (results / "campaign_hosts.json").exists():
         lines += campaign_hosts_lines(*load("campaign_hosts", results))
+    if (results / "campaign_memory.json").exists():
+        lines += campaign_memory_lines(*load("campaign_memory", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
                             time[0])

@@ -57,6 +57,7 @@ def rescale(spark, results, tmp_path_factory):
     bench_rescale.WORK = tmp_path_factory.mktemp("rescale-work")
     raw = bench_rescale.run(spark, bench_rescale.SMOKE)
     raw["headline"] = bench_rescale.headline(raw)
+    raw["targets"] = bench_rescale.live_targets(raw)
     return _finish(spark, bench_rescale, raw, "rescale", results)
 
 
@@ -140,6 +141,11 @@ def test_rescale_smoke(rescale):
     assert runs["spark_pinned"]["state_partitions"] == 2
     assert "repartition_seconds" in runs["spark_repartition"] and "repartition_seconds" not in runs["spark_pinned"]
     assert [i["instance"] for i in runs["keyed_count"]["instances"]] == [0, 1, 2]
+    # a running query changed 2 -> 3 between batches: one change measured, the state read back exact
+    (live,) = rescale["live"]
+    assert [b["parallelism"] for b in live["batches"]] == [2, 2, 2, 2, 3, 3, 3]
+    (change,) = live["changes"]
+    assert change["pair"] == "2->3" and change["bytes_read"] > 0 and live["final_state_exact"] is True
 
 
 @pytest.mark.spark

@@ -40,6 +40,20 @@ def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record
     assert resumed.events.verify() != []
 
 
+def test_a_memory_bound_reaches_every_query_and_the_command_that_reruns_the_run(tmp_path):
+    import json
+
+    bounded = Campaign(tmp_path / "bounded", seed=5, cycles=1, cycle_timeout=60, cluster_cycles=False,
+                       shapes=("count",), memory_bound="1m")
+    query = bounded.new_query()
+    spec = json.loads(bounded.spec(query, tmp_path / "cycle", 2).read_text())
+    assert spec["conf"]["spark.state.residentMemory"] == "1m"
+    assert bounded.command().endswith("--memory-bound 1m")
+    plain = Campaign(tmp_path / "plain", seed=5, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
+    spec = json.loads(plain.spec(plain.new_query(), tmp_path / "cycle2", 2).read_text())
+    assert "spark.state.residentMemory" not in spec["conf"] and "--memory-bound" not in plain.command()
+
+
 def test_batches_whose_offsets_spark_purged_are_not_stray_but_a_late_sink_write_is_wrong(tmp_path):
     campaign = Campaign(tmp_path, seed=5, cycles=1, cycle_timeout=60, cluster_cycles=False, shapes=("count",))
     query = campaign.new_query()

@@ -1,6 +1,7 @@
 """The fault campaign's supervisor: no Spark in this process; it keeps the truth and checks every cycle.
 
     ./run campaign --cycles N --seed S [--root DIR] [--out FILE] [--cycle-timeout SECONDS] [--s3] [--savepoints]
+                   [--memory-bound SIZE]
     ./run campaign --resume DIR [--out FILE]      continue a run (after its last finished cycle)
 
 One cycle: pick a query (one of the shapes of ``model``, each with its own
@@ -27,6 +28,10 @@ and inject at most one fault (``FAULT_KINDS``); then check:
 A scheduled fault a cycle could not inject (a refusal needs a batch Spark
 committed, a kill its moment) is owed: the next cycle scheduled without a
 fault injects it instead, so every kind reaches its count.
+
+With ``--memory-bound SIZE``, every query runs with
+``spark.state.residentMemory=SIZE`` (a size far below its state makes every
+batch evict key groups and read evicted ones back).
 
 With ``--s3``, every other new query keeps its state store on a SeaweedFS
 S3 server on loopback (``tests/s3_server.py``, started by the supervisor,
@@ -214,8 +219,9 @@ def committed_batches(checkpoint: Path) -> set[int]:
 class Campaign:
     def __init__(self, root: Path, seed: int, cycles: int, cycle_timeout: float, *, cluster_cycles: bool = True,
                  max_parallelism: int = 9, shapes: tuple[str, ...] = SHAPES, kinds: list[str] | None = None,
-                 s3: bool = False, savepoints: bool = False):
+                 s3: bool = False, savepoints: bool = False, memory_bound: str | None = None):
         self.root = root
+        self.memory_bound = memory_bound
         self.use_s3 = s3
         self.use_savepoints = savepoints
         self.pending: list[dict] = []
@@ -331,6 +337,8 @@ class Campaign:
         })
         if query.origin is not None:  # every start names the savepoint, as a user's code would
             conf["spark.state.fromSavepoint"] = query.origin
+        if getattr(self, "memory_bound", None) is not None:
+            conf["spark.state.residentMemory"] = self.memory_bound
         control = cycle_dir / "control"
         control.mkdir(parents=True, exist_ok=True)
         spec = {
@@ -907,6 +915,7 @@ class Campaign:
         campaign.__dict__.setdefault("use_s3", False)  # a run saved before --s3 existed
         campaign.__dict__.setdefault("use_savepoints", False)  # ... or --savepoints
         campaign.__dict__.setdefault("pending", [])
+        campaign.__dict__.setdefault("memory_bound", None)
         campaign.s3 = None
         campaign.stop_requested = False
         campaign.resumes = getattr(campaign, "resumes", 0) + 1
@@ -998,6 +1007,8 @@ class Campaign:
         options += [] if kinds is None else [f"--kinds {','.join(kinds)}"]
         options += ["--s3"] if getattr(self, "use_s3", False) else []
         options += ["--savepoints"] if getattr(self, "use_savepoints", False) else []
+        bound = getattr(self, "memory_bound", None)
+        options += [] if bound is None else [f"--memory-bound {bound}"]
         return "./run campaign " + " ".join(options)
 
     def summary(self, elapsed: float) -> dict:
@@ -1010,6 +1021,7 @@ class Campaign:
             "queries": len(self.queries),
             "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
             "queries_forked": sum(1 for q in self.queries if getattr(q, "origin", None)),
+            "memory_bound": getattr(self, "memory_bound", None),
             "fault_kinds": self.kinds(),
             "faults": {k: n for k, n in sorted(self.faults.items()) if n},
             "batches_checked": self.counts["batches_checked"],
@@ -1046,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep every other new query's state store on a SeaweedFS S3 server on loopback")
     parser.add_argument("--savepoints", action="store_true",
                         help="also create savepoints while queries run and fork new queries from them")
+    parser.add_argument("--memory-bound", default=None, metavar="SIZE",
+                        help="run every query with spark.state.residentMemory=SIZE (e.g. 1m: constant evictions)")
     parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
                         help="continue the run whose working directory is ROOT after its last finished cycle")
     args = parser.parse_args(argv)
@@ -1059,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
         campaign = Campaign(args.root.resolve(), args.seed, args.cycles, args.cycle_timeout,
                             cluster_cycles=not args.no_cluster, max_parallelism=args.max_parallelism,
                             shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None,
-                            s3=args.s3, savepoints=args.savepoints)
+                            s3=args.s3, savepoints=args.savepoints, memory_bound=args.memory_bound)
     def stop(*_) -> None:
         """First SIGTERM: finish the cycle, save, stop (resumable). Second: stop now (the cluster too)."""
         if campaign.stop_requested:
