@@ -27,6 +27,7 @@ or overwrites what step 4 had written. A crash after step 5 is step 2's case.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,9 @@ from spark_state.manifestlog import open_manifest_log
 from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
 from spark_state.sinks import BatchSink
 from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
+from spark_state.timers import TIMERS
+
+_LOG = logging.getLogger(__name__)
 
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
 """Local property Spark sets on the thread that runs a streaming query's micro-batches."""
@@ -102,6 +106,7 @@ class MicroBatch:
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
     _task_plans: dict[tuple[int, int], "_TaskPlan"] = field(default_factory=dict)
     _stopper: threading.Thread | None = None
+    _warned_unbounded: bool = False
 
     def coordinator(self, conf: StateConf) -> Coordinator:
         """One per setting, kept for the query's life, so parsed manifests are reused across batches."""
@@ -182,6 +187,7 @@ class MicroBatch:
             drain=drain,
             resident_memory=conf.resident_memory,
         )
+        self._warn_if_unbounded(conf)
         result = self._run_tasks(batch_df, task, conf.instance_hosts)
         try:
             from pyspark.sql import functions as F
@@ -272,6 +278,15 @@ class MicroBatch:
             routed = routed.groupBy(*plan.partials_keys).agg(*plan.partials)
         return (routed.drop(INSTANCE_COLUMN).mapInArrow(process, plan.output_schema)
                 .persist(StorageLevel.MEMORY_AND_DISK))
+
+    def _warn_if_unbounded(self, conf: StateConf) -> None:
+        """Say once per query that ``spark.state.residentMemory`` does not bound a component with timers."""
+        has_timers = any(v.name == TIMERS.name for v in self.stream.schema.variables)
+        if conf.resident_memory is not None and has_timers and not self._warned_unbounded:
+            self._warned_unbounded = True
+            _LOG.warning("spark.state.residentMemory does not bound component %r: it has timers or a time to live, "
+                         "and its state stays in memory whole; its batch reports say bounded=false",
+                         self.stream.keyed.name)
 
     def _task_plan(self, task: TaskSpec) -> "_TaskPlan":
         """The Spark expressions of step 3 for ``task``'s parallelism, built once (each costs JVM round trips)."""

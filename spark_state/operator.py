@@ -330,7 +330,8 @@ def _rss() -> dict:
             fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
     except OSError:
         return {}
-    return {"rss_bytes": int(fields["VmRSS"].split()[0]) * 1024, "rss_high_water_bytes": int(fields["VmHWM"].split()[0]) * 1024}
+    return {"rss_bytes": int(fields["VmRSS"].split()[0]) * 1024,
+            "rss_high_water_bytes": int(fields["VmHWM"].split()[0]) * 1024}
 
 
 def _rows_in(table: pa.Table | None) -> int:

@@ -42,6 +42,7 @@ task of the new one arrives.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from dataclasses import dataclass
@@ -207,8 +208,8 @@ class ResidentState:
                 after -= sizes[g]
                 evicted += 1
         if self.bounded:
-            pa.default_memory_pool().release_unused()  # the allocator keeps freed pages otherwise
-        return {"limit_bytes": limit, "peak_bytes": peak, "after_checkpoint_bytes": before, "resident_bytes": after,
+            _release_freed_memory()
+        return {"bounded": self.bounded, "limit_bytes": limit, "peak_bytes": peak, "after_checkpoint_bytes": before, "resident_bytes": after,
                 "high_water_bytes": self.high_water_bytes, "evicted_key_groups": evicted,
                 "cold_key_groups": len(self.table.cold), "seconds": round(time.perf_counter() - started, 4)}
 
@@ -362,6 +363,15 @@ class StoredChains:
             kept = pa.array(np.zeros(live.num_rows, bool))
             folded[g] = pa.Table.from_arrays([c.combine_chunks() for c in live.columns] + [kept], schema=blob_schema)
         return [(g, "full", folded[g]) if g in key_groups else (g, kind, table) for g, kind, table in entries]
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the task back to the system: Arrow's pool and (glibc) the C heap keep it otherwise."""
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def restore_instance(
