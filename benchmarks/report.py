@@ -582,8 +582,9 @@ def campaign_hosts_lines(data: dict, file: str) -> list[str]:
 def campaign_memory_lines(data: dict, file: str) -> list[str]:
     """A run with every query under a memory bound far below its state (evictions in every batch)."""
     return campaign_run_lines(data, file, "Under a memory bound", f"{data['queries']} queries with "
-                              f"`spark.state.residentMemory={data['memory_bound']}` (every batch evicts key groups "
-                              "and reads evicted ones back)")
+                              f"`spark.state.residentMemory={data['memory_bound']}`, far below their state "
+                              f"({data.get('key_groups_evicted', 0):,} key groups evicted and "
+                              f"{data.get('key_groups_loaded_back', 0):,} read back)")
 
 
 def render(results: Path = RESULTS) -> str:

@@ -115,6 +115,8 @@ def _int(key: str, text: str, low: int, high: int | None = None) -> int:
     return value
 
 
+MIN_RESIDENT_MEMORY = 64 << 10
+"""The smallest memory bound accepted: a smaller number is a size written without its unit."""
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30,
                "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
 
@@ -127,8 +129,9 @@ def parse_bytes(key: str, text: str) -> int:
     if not digits.isdigit() or unit not in _BYTE_UNITS:
         raise ConfigError(f"{key}={text!r} is not a size; write it as bytes or with a unit, like 512m or 4g")
     value = int(digits) * _BYTE_UNITS[unit]
-    if value < 1 << 20:
-        raise ConfigError(f"{key}={text!r} is below 1m; set at least 1m (or unset it for no bound)")
+    if value < MIN_RESIDENT_MEMORY:
+        raise ConfigError(f"{key}={text!r} is below 64k, which is surely a missing unit; write the unit (512m, "
+                          "4g), or unset it for no bound")
     return value
 
 

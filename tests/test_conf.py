@@ -50,7 +50,8 @@ def test_an_unknown_setting_without_a_near_name_lists_the_settings():
     ("spark.state.residentMemory", "2 GB", "is not a size"),
     ("spark.state.residentMemory", "1.5g", "is not a size"),
     ("spark.state.residentMemory", "4x", "is not a size"),
-    ("spark.state.residentMemory", "512k", "below 1m"),
+    ("spark.state.residentMemory", "512", "below 64k"),
+    ("spark.state.residentMemory", "32k", "below 64k"),
 ])
 def test_bad_values_name_the_setting(key, value, match):
     with pytest.raises(ConfigError, match=match) as info:

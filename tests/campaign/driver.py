@@ -136,7 +136,10 @@ def run(spec: dict) -> int:
     finally:
         if query is not None:
             batches = [{k: b[k] for k in ("batch_id", "checkpoint_id", "replayed", "parallelism", "drained")}
-                       | {"repairs": sum(i.get("repairs", 0) for i in b["instances"])} for b in query.batches]
+                       | {"repairs": sum(i.get("repairs", 0) for i in b["instances"]),
+                          "evicted": sum(i.get("memory", {}).get("evicted_key_groups", 0) for i in b["instances"]),
+                          "loaded": sum(i["restore"].get("loaded", {}).get("key_groups", 0) for i in b["instances"])}
+                       for b in query.batches]
             (control / "report.json").write_text(json.dumps({"batches": batches}))
         try:
             spark.stop()

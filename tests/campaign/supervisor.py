@@ -31,7 +31,7 @@ fault injects it instead, so every kind reaches its count.
 
 With ``--memory-bound SIZE``, every query runs with
 ``spark.state.residentMemory=SIZE`` (a size far below its state makes every
-batch evict key groups and read evicted ones back).
+batch evict key groups and read evicted ones back; the summary counts both).
 
 With ``--s3``, every other new query keeps its state store on a SeaweedFS
 S3 server on loopback (``tests/s3_server.py``, started by the supervisor,
@@ -687,8 +687,12 @@ class Campaign:
                 injected.append(fired[0]["path"])
                 if kind in STORAGE:
                     self.check_typed(cycle_dir, fired[0], process.returncode)
+        report = cycle_dir / "control" / "report.json"
+        if report.exists():  # under --memory-bound: how much the bound made the instances evict and read back
+            for batch in json.loads(report.read_text())["batches"]:
+                self.counts["key_groups_evicted"] += batch.get("evicted", 0)
+                self.counts["key_groups_loaded"] += batch.get("loaded", 0)
         if kind == "drain" and injected:
-            report = cycle_dir / "control" / "report.json"
             drained = [b["batch_id"] for b in json.loads(report.read_text())["batches"] if b["drained"]] \
                 if report.exists() else []
             query.drained.update(drained)
@@ -1022,6 +1026,8 @@ class Campaign:
             "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
             "queries_forked": sum(1 for q in self.queries if getattr(q, "origin", None)),
             "memory_bound": getattr(self, "memory_bound", None),
+            "key_groups_evicted": self.counts["key_groups_evicted"],
+            "key_groups_loaded_back": self.counts["key_groups_loaded"],
             "fault_kinds": self.kinds(),
             "faults": {k: n for k, n in sorted(self.faults.items()) if n},
             "batches_checked": self.counts["batches_checked"],
