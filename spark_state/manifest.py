@@ -243,6 +243,11 @@ class ComponentManifest:
         """Read a full record's component, or (with ``previous``) apply a delta record's to it (``delta_json``)."""
         if previous is not None:
             obj = {**previous._header(), **obj}  # a delta repeats only the header fields that changed
+        schema, key_columns = obj["schema"], obj["key_columns"]
+        if not isinstance(schema, str) or not (isinstance(key_columns, list) and key_columns
+                                               and all(isinstance(c, str) for c in key_columns)):
+            raise ValueError(f"component {name!r} claims the state schema {str(schema)[:40]!r} and key columns "
+                             f"{str(key_columns)[:80]}")  # made CorruptBlobError by the reader
         if previous is None:
             blobs = {b.path: b for b in map(BlobRef.from_json, obj["blobs"])}
             chains = _chains_from_json(obj["chains"])

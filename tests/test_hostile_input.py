@@ -97,6 +97,22 @@ def test_mutated_manifest_records_give_typed_errors_or_a_state_never_served_wron
         pass  # restore_all's own checks of what it got (a forged manifest may point at other entries)
 
 
+@pytest.mark.parametrize("field, value", [("schema", []), ("schema", None), ("schema", 7), ("key_columns", []),
+                                          ("key_columns", [1]), ("key_columns", "key")])
+def test_a_record_whose_schema_or_key_columns_are_not_text_is_refused_typed(history, field, value):
+    """Found by the fuzz test above: a schema that was a list or null reached the decoder as a TypeError."""
+    store, _ = history
+    storage = copy_of(store.storage)
+    path = manifest_path(3)
+    body = decode_record(storage.read(path), path)
+    component = body["components"][COMPONENT]
+    assert field in component  # the newest record: a delta repeats its header only when it changed
+    storage.delete(path)
+    storage.create(path, encode_record({**body, "components": {COMPONENT: {**component, field: value}}}))
+    with pytest.raises(CorruptBlobError, match=f"component {COMPONENT!r} claims the state schema"):
+        restore_all(Store(storage), 3, 2)
+
+
 @FUZZ
 @given(data=st.data())
 def test_mutated_blob_bytes_give_typed_errors_or_the_exact_state(history, data):
