@@ -24,18 +24,20 @@ batch after a restart, a rescale or a task on a worker that did not hold the
 instance converts to Python objects the keys it touches, not the key groups
 they are in.
 
-Memory (``nbytes``, ``evict``, ``settle``): a key group is *loaded* (dicts,
-or a fetched chain with its overlay) or *cold* (evicted: its state is only
-in the store; ``install`` or ``mark_empty`` loads it again). Every access to
-a cold key group raises ``KeyGroupNotLoadedError``, never reads it as empty.
-With ``keep_arrow`` (a memory bound), a fetched chain is never folded on a
-second lookup, and ``settle`` appends the entry a checkpoint wrote to it and
-drops its overlay: the key group stays Arrow, a tenth of its bytes as dicts.
-No I/O.
+Memory (``nbytes``, ``evict``, ``release``, ``settle``): a key group is
+*loaded* (dicts, or a fetched chain with its overlay) or *cold* (evicted: its
+state is only in the store; ``install``, or ``clear`` for one the store has
+nothing of, loads it again). Every access to a cold key group raises
+``KeyGroupNotLoadedError``, never reads it as empty. With ``keep_arrow`` (a
+memory bound), a fetched chain is never folded on a second lookup, and
+``settle`` folds the entry a checkpoint wrote into it and drops its overlay:
+the key group stays one Arrow table of its live rows, a tenth of its bytes
+as dicts. No I/O.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -393,7 +395,6 @@ class KeyGroupTable:
         self._absent.pop(key_group, None)
         self._looked_up.discard(key_group)
 
-
     # Memory -----------------------------------------------------------------------------
 
     @property
@@ -406,7 +407,7 @@ class KeyGroupTable:
         if self._dirty:
             raise KeyGroupNotLoadedError("cannot evict a table with changes not yet checkpointed (a defect)")
         for key_group in list(self._groups) + list(self._unloaded):
-            self.evict(key_group)
+            self.clear(key_group)
         self._cold = set(range(self.key_group_range.start, self.key_group_range.end + 1))
 
     def evict(self, key_group: int) -> None:
@@ -473,17 +474,9 @@ class KeyGroupTable:
         """Bytes per key of a dict, from the objects of up to ``SAMPLED_KEYS`` keys (measured once enough exist)."""
         if self._bytes_per_key is not None:
             return self._bytes_per_key
-        sample: list[float] = []
-        for group in self._groups.values():
-            for values in group:
-                for key, value in values.items():
-                    sample.append(DICT_ENTRY_BYTES + _object_bytes(key) + _object_bytes(value))
-                    if len(sample) >= SAMPLED_KEYS:
-                        break
-                if len(sample) >= SAMPLED_KEYS:
-                    break
-            if len(sample) >= SAMPLED_KEYS:
-                break
+        entries = (item for group in self._groups.values() for values in group for item in values.items())
+        sample = [DICT_ENTRY_BYTES + _object_bytes(key) + _object_bytes(value)
+                  for key, value in itertools.islice(entries, SAMPLED_KEYS)]
         estimate = sum(sample) / len(sample) if sample else float(DICT_ENTRY_BYTES)
         if len(sample) >= SAMPLED_KEYS:
             self._bytes_per_key = estimate

@@ -274,15 +274,16 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     phases.end("input")
     out_with_meta = task.output_schema.append(pa.field(META_COLUMN, pa.string()))
     time_info: dict = {}
+    chunked = _in_chunks(task, state) and table is not None and table.num_rows > 0
     if table is not None and table.num_rows:
         _check_key_groups(table, task.schema.key_columns, task.max_parallelism, state.key_group_range)
-        if not _in_chunks(task, state):
+        if not chunked:
             loaded = state.load(blobs, np.unique(table.column(KEY_GROUP_COLUMN).to_numpy()))
             if loaded:
                 restore_info["loaded"] = loaded
         if task.event_time is not None:
             table, time_info = _event_times(task, table)
-    if _in_chunks(task, state) and table is not None and table.num_rows:
+    if chunked:
         outputs, restore_info["loaded"] = _aggregate_in_chunks(task, state, table, blobs)
         apply_info = {}
     else:

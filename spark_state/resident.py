@@ -142,8 +142,12 @@ class ResidentState:
     def load(self, blobs: BlobStore, key_groups: Iterable[int]) -> dict:
         """Step 1b: load the cold key groups among ``key_groups`` (whole chains of the caught-up component).
 
-        Marks ``key_groups`` used by this task. Returns what the load read.
+        Marks ``key_groups`` used by this task (the eviction order of a
+        bounded state; an unbounded one has nothing cold and skips it all).
+        Returns what the load read.
         """
+        if not self.bounded and not self.table.cold:
+            return {}
         touched = [int(g) for g in key_groups]
         for g in touched:
             self._used[g] = self._batch
