@@ -1,8 +1,8 @@
-"""Shared fixtures. One Spark session and one S3 server per test run, each created only if a test asks for it.
+"""Shared fixtures. One Spark session and one S3 server per test worker, each created only if a test asks for it.
 
 Every process of the test run (this one, Spark's JVMs and Python workers,
 the cluster test's daemons) finds AWS credentials the standard way, in the
-AWS config and credentials files, which point into a directory of this run:
+AWS config and credentials files, which point into a directory of this worker:
 set here, before any JVM starts, so that every child inherits them, and
 filled by the ``s3_server`` fixture. Settings of the machine (``AWS_*``
 variables, ``~/.aws``) never leak into the tests.
@@ -32,6 +32,18 @@ def pytest_configure(config):
     os.environ["AWS_CONFIG_FILE"] = str(AWS_CONFIG_FILE)
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(AWS_CREDENTIALS_FILE)
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-role lookups (1 s timeouts) on a test machine
+
+
+SLOWEST_FILES = ("test_campaign.py", "test_benchmarks.py", "test_keyed_spark.py", "test_cluster.py",
+                 "test_time_spark.py", "test_driver_kill.py", "test_two_drivers.py", "test_remote_storage_spark.py")
+"""The files that take a minute or more, longest first (``--durations``)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the slowest files first: ``./run tests`` hands whole files to two workers (``--dist loadfile``) in
+    this order, so a long file never starts last while the other worker sits idle."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_unconfigure(config):
