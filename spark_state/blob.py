@@ -162,12 +162,13 @@ def encode_blob(
                 f"got {key_group} after {previous}"
             )
         previous = key_group
-        batch = _as_single_batch(rows, schema)
+        batch = rows if isinstance(rows, pa.RecordBatch) else _as_single_batch(rows, schema)
         starts.append(sink.tell())
-        writer.write_batch(
-            batch,
-            custom_metadata={"spark_state.key_group": str(key_group), "spark_state.kind": kind},
-        )
+        batch_metadata = {"spark_state.key_group": str(key_group), "spark_state.kind": kind}
+        try:  # the writer refuses a batch of another schema before it writes anything
+            writer.write_batch(batch, custom_metadata=batch_metadata)
+        except pa.ArrowInvalid:  # names and types must match; field nullability and metadata may differ
+            writer.write_batch(_as_single_batch(batch, schema), custom_metadata=batch_metadata)
         index.append(BlobEntry(key_group, kind, 0, 0, batch.num_rows, 0))
     ends = starts[1:] + [sink.tell()]
     writer.close()

@@ -440,7 +440,7 @@ class KeyGroupTable:
         fetched = self._unloaded.get(key_group)
         return fetched is not None and fetched.released
 
-    def settle(self, key_group: int, kind: EntryKind, written: pa.Table) -> None:
+    def settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.
 
         A fetched chain gets the entry appended and its overlay dropped; a
@@ -452,8 +452,7 @@ class KeyGroupTable:
         fetched = self._unloaded.get(key_group)
         if fetched is None and (kind != "full" or key_group not in self._groups):
             return
-        batch = written.combine_chunks().to_batches()
-        batch = batch[0] if batch else pa.RecordBatch.from_pylist([], schema=written.schema)
+        batch = written
         if fetched is not None:
             fetched.append(kind, batch)
             self._groups.pop(key_group, None)

@@ -236,12 +236,13 @@ class ResidentState:
     # Step 3 -------------------------------------------------------------------------------
 
     def snapshot(self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH,
-                 stored: "StoredChains | None" = None) -> list[tuple[int, EntryKind, pa.Table]]:
+                 stored: "StoredChains | None" = None) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
         """Entries for the changes since the last snapshot, in key-group order (see ``chains``).
 
-        The rows of all entries become one array per column, then each entry
-        gets compact copies of its slices (a zero-copy slice would be padded
-        differently in the blob); the cost is per row, not per key group.
+        The rows of all entries become one record batch, then each entry gets
+        a compact copy of its slice (a zero-copy slice of a string column
+        would take more bytes in the blob); the cost is per row, not per key
+        group.
         With timers, ``earliest`` then holds each written key group's earliest
         timers, for its index entry. With ``stored``, a compacted key group
         (few of its keys changed) whose stored chain is the one this state
@@ -282,12 +283,8 @@ class ResidentState:
         if not bounds:
             return []
         table = self.schema.rows_to_columns(keys, values, deleted)
-        arrays = [column.combine_chunks() for column in table.columns]
-        entries = [
-            (entry.key_group, entry.kind,
-             pa.Table.from_arrays([pa.concat_arrays([a.slice(start, n)]) for a in arrays], schema=table.schema))
-            for entry, start, n in bounds
-        ]
+        batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns], schema=table.schema)
+        entries = [(entry.key_group, entry.kind, pa.concat_batches([batch.slice(start, n)])) for entry, start, n in bounds]
         self.compaction = {}
         if from_store:
             entries = stored.compact(entries, from_store)
@@ -348,8 +345,8 @@ class StoredChains:
     def holds(self, key_group: int, chain: tuple[str, ...]) -> bool:
         return self.component.chains.get(key_group) == tuple(chain)
 
-    def compact(self, entries: list[tuple[int, EntryKind, pa.Table]],
-                key_groups: set[int]) -> list[tuple[int, EntryKind, pa.Table]]:
+    def compact(self, entries: list[tuple[int, EntryKind, pa.RecordBatch]],
+                key_groups: set[int]) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
         plan = plan_links({g: chain_links(self.component, g) for g in sorted(key_groups)},
                           max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
         fetched, stats = self.blobs.fetch(self.component, plan, self.schema)
@@ -362,10 +359,11 @@ class StoredChains:
         folded = {}
         for g in order:
             chain = list(fetched[g])
-            chain += [("delta", b) for b in deltas[g].cast(chain[0][1].schema).to_batches()]
+            chain.append(("delta", deltas[g].cast(chain[0][1].schema)))
             live = fold_chain(chain, key_columns)
             kept = pa.array(np.zeros(live.num_rows, bool))
-            folded[g] = pa.Table.from_arrays([c.combine_chunks() for c in live.columns] + [kept], schema=blob_schema)
+            folded[g] = pa.RecordBatch.from_arrays([c.combine_chunks() for c in live.columns] + [kept],
+                                                   schema=blob_schema)
         return [(g, "full", folded[g]) if g in key_groups else (g, kind, table) for g, kind, table in entries]
 
 

@@ -380,9 +380,22 @@ def test_unknown_entry_kind_is_rejected():
     ],
     ids=["missing _deleted", "wrong value type", "wrong column order", "narrower key"],
 )
-def test_rows_with_the_wrong_schema_are_rejected(rows):
+@pytest.mark.parametrize("as_batch", [False, True], ids=["table", "record batch"])
+def test_rows_with_the_wrong_schema_are_rejected(rows, as_batch):
+    if as_batch:  # record batches go to the IPC writer directly; its refusal must become the same error
+        rows = rows.to_batches()[0]
     with pytest.raises(ConfigError, match="entry rows have schema"):
         _encode(INT_KEY, [(3, "full", rows)])
+
+
+def test_a_record_batch_differing_only_in_nullability_and_metadata_is_written_in_the_blob_schema():
+    schema = blob_schema(INT_KEY)
+    loose = pa.schema([f.with_nullable(not f.nullable) for f in schema]).with_metadata({"from": "elsewhere"})
+    batch = pa.RecordBatch.from_pylist([{"id": 1, "count": 2, DELETED_COLUMN: False}], schema=loose)
+    data, index = _encode(INT_KEY, [(3, "full", batch)])
+    (entry,) = index.entries
+    decoded = decode_entry(data[entry.offset : entry.offset + entry.length], schema, entry)
+    assert decoded.schema.equals(schema) and decoded.to_pylist() == batch.to_pylist()
 
 
 # --------------------------------------------------------------------------- compression

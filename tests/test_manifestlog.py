@@ -803,7 +803,8 @@ def test_a_key_group_where_most_keys_changed_gets_a_full_entry(changed, deleted,
     for n in range(changed, changed + deleted):
         state.table.delete(0, (f"k{n}",))
     remaining = 12 - deleted
-    ((g, got_kind, table),) = state.snapshot(max_chain_length=10)
+    ((g, got_kind, batch),) = state.snapshot(max_chain_length=10)
+    table = pa.Table.from_batches([batch])
     assert (g, got_kind) == (0, kind)
     values = table.column("_spark_state_value").combine_chunks().field("value").to_pylist()
     rows = dict(zip(table.column("key").to_pylist(), zip(values, table.column("_deleted").to_pylist())))
