@@ -248,6 +248,7 @@ class ComponentManifest:
                                                and all(isinstance(c, str) for c in key_columns)):
             raise ValueError(f"component {name!r} claims the state schema {str(schema)[:40]!r} and key columns "
                              f"{str(key_columns)[:80]}")  # made CorruptBlobError by the reader
+        new_blobs = None
         if previous is None:
             blobs = {b.path: b for b in map(BlobRef.from_json, obj["blobs"])}
             chains = _chains_from_json(obj["chains"])
@@ -256,7 +257,8 @@ class ComponentManifest:
         else:
             blobs, chains, schemas = dict(previous.blobs), dict(previous.chains), dict(previous.schemas)
             rebase_schemas(blobs, schemas, previous.schema, obj["schema"])
-            advance_chains(chains, blobs, [BlobRef.from_json(b) for b in obj["new_blobs"]])
+            new_blobs = [BlobRef.from_json(b) for b in obj["new_blobs"]]
+            advance_chains(chains, blobs, new_blobs)
             for key_group in obj["cleared"]:
                 chains.pop(key_group, None)
             dropped = [blobs.pop(path) for path in obj["dropped_blobs"]]
@@ -265,7 +267,7 @@ class ComponentManifest:
             }
         if missing:
             raise CorruptBlobError(f"component {name!r}: chains name blobs the manifest does not list: {sorted(missing)[:3]}")
-        _check_plausible(name, obj, blobs if previous is None else [BlobRef.from_json(b) for b in obj["new_blobs"]],
+        _check_plausible(name, obj, blobs if previous is None else new_blobs,
                          chains if previous is None else obj.get("cleared", ()))
         return cls(
             name=name,

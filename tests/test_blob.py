@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pyarrow as pa
@@ -237,7 +236,7 @@ def test_read_blob_file_rejects_an_index_of_other_entries(encoded):
 def test_read_blob_file_checks_every_entry_against_the_index(encoded):
     _, _, data, index = encoded
     entries = list(index.entries)
-    entries[-1] = dataclasses.replace(entries[-1], crc32=entries[-1].crc32 ^ 1)
+    entries[-1] = entries[-1]._replace(crc32=entries[-1].crc32 ^ 1)
     with pytest.raises(CorruptBlobError, match=f"key group {entries[-1].key_group} .*checksum"):
         read_blob_file(data, BlobIndex(tuple(entries)))
 
@@ -308,7 +307,7 @@ def test_slice_of_another_entry_is_rejected(small_blob):
 def test_row_count_mismatch_with_the_index_is_corrupt(small_blob):
     schema, _, data, index = small_blob
     entry = index.entries[0]
-    wrong = dataclasses.replace(entry, rows=entry.rows + 1)
+    wrong = entry._replace(rows=entry.rows + 1)
     with pytest.raises(CorruptBlobError, match=f"has {entry.rows} rows, index says {entry.rows + 1}"):
         decode_entry(data[entry.offset : entry.offset + entry.length], schema, wrong)
 

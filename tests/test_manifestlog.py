@@ -666,7 +666,7 @@ def test_a_blob_whose_range_does_not_match_its_instance_raises_ownership_error()
 def test_a_blob_entry_outside_its_range_raises_ownership_error():
     store = Store(MemoryStorage())
     ref = _one_blob(store, 1, 0, KeyGroupRange(0, 3), 2)
-    moved = dataclasses.replace(ref.index.entries[0], key_group=5)
+    moved = ref.index.entries[0]._replace(key_group=5)
     forged = dataclasses.replace(ref, index=BlobIndex((moved,)))
     with pytest.raises(KeyGroupOwnershipError, match="holds key group 5, outside its range"):
         store.commit(1, {COMPONENT: (ComponentSpec(COMPONENT, M, 2, SCHEMA), [forged])}, {})
