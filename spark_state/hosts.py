@@ -178,8 +178,11 @@ def _start_host(address: Path, daemon_pid: int, log: Path) -> int:
     A double fork: the host is nobody's child that would have to reap it.
     In the host, standard input is ``/dev/null``, output goes to ``log`` and
     every other inherited descriptor (the worker's connection to the JVM
-    among them) is closed before it listens.
+    among them) is closed before it listens. The modules a host needs are
+    loaded here first (``_load_host_modules``), once per worker, so that no
+    host loads them on its first task.
     """
+    _load_host_modules()
     reader, writer = os.pipe()
     middle = os.fork()
     if middle == 0:
@@ -197,6 +200,14 @@ def _start_host(address: Path, daemon_pid: int, log: Path) -> int:
         host = int(answer.read() or b"0")
     os.waitpid(middle, 0)
     return host
+
+
+def _load_host_modules() -> None:
+    """Import what a host's first task would: the operator, and pandas, which pyarrow imports on its first
+    conversion to NumPy (a quarter of a second, paid by every new host on its first batch otherwise)."""
+    import pandas  # noqa: F401
+
+    import spark_state.operator  # noqa: F401
 
 
 def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
