@@ -452,14 +452,13 @@ class KeyGroupTable:
         fetched = self._unloaded.get(key_group)
         if fetched is None and (kind != "full" or key_group not in self._groups):
             return
-        batch = written
         if fetched is not None:
-            fetched.append(kind, batch)
+            fetched.append(kind, written)
             self._groups.pop(key_group, None)
             self._absent.pop(key_group, None)
             self._looked_up.discard(key_group)
         else:
-            self.install(key_group, FetchedChain(key_group, [("full", batch)], self.schema))
+            self.install(key_group, FetchedChain(key_group, [("full", written)], self.schema))
 
     def nbytes(self) -> dict[int, int]:
         """Estimated bytes per loaded key group: Arrow buffers of fetched chains, objects of dicts and overlays."""
