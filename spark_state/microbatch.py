@@ -281,7 +281,7 @@ class MicroBatch:
 
     def _warn_if_unbounded(self, conf: StateConf) -> None:
         """Say once per query that ``spark.state.residentMemory`` does not bound a component with timers."""
-        has_timers = any(v.name == TIMERS.name for v in self.stream.schema.variables)
+        has_timers = self.stream.schema.has_variable(TIMERS.name)
         if conf.resident_memory is not None and has_timers and not self._warned_unbounded:
             self._warned_unbounded = True
             _LOG.warning("spark.state.residentMemory does not bound component %r: it has timers or a time to live, "

@@ -123,7 +123,7 @@ def describe_component(component: ComponentManifest) -> dict:
         "watermark": iso(component.watermark_ms / 1000) if component.watermark_ms is not None else None,
         "max_event_time_ms": component.max_event_time_ms,
         "timers": {
-            "variable": TIMERS.name in [v.name for v in schema.variables],
+            "variable": schema.has_variable(TIMERS.name),
             "key_groups_with_timers": groups_with_timers,
             "earliest_ms": earliest,
         },

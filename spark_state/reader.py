@@ -96,7 +96,7 @@ def component_of(manifest: Manifest, component: str, where: str) -> ComponentMan
 def output_fields(schema: KeyedSchema, *, timers: bool = False) -> list[pa.Field]:
     """The columns of state read out: key columns, value columns, and with ``timers`` the ``timers_*`` ones."""
     fields = list(schema.keys) + [f.remove_metadata() for f in schema.value.fields]
-    if timers and TIMERS.name in [v.name for v in schema.variables]:
+    if timers and schema.has_variable(TIMERS.name):
         fields += [pa.field(f"{TIMERS.name}_{f.name}", f.type) for f in TIMERS.fields]
     names = [f.name for f in fields]
     clash = sorted({n for n in names if names.count(n) > 1})
@@ -108,7 +108,7 @@ def output_fields(schema: KeyedSchema, *, timers: bool = False) -> list[pa.Field
 def _variables(schema: KeyedSchema, timers: bool) -> list[int]:
     """Indexes of the variables read out (value, and timers when asked and present)."""
     chosen = [schema.variable_index(VALUE)]
-    if timers and TIMERS.name in [v.name for v in schema.variables]:
+    if timers and schema.has_variable(TIMERS.name):
         chosen.append(schema.variable_index(TIMERS.name))
     return chosen
 

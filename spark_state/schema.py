@@ -114,6 +114,9 @@ class KeyedSchema:
     def value(self) -> StateVariable:
         return self.variables[0]
 
+    def has_variable(self, name: str) -> bool:
+        return any(variable.name == name for variable in self.variables)
+
     def variable_index(self, name: str) -> int:
         for index, variable in enumerate(self.variables):
             if variable.name == name:

@@ -688,13 +688,12 @@ class Campaign:
                 if kind in STORAGE:
                     self.check_typed(cycle_dir, fired[0], process.returncode)
         report = cycle_dir / "control" / "report.json"
-        if report.exists():  # under --memory-bound: how much the bound made the instances evict and read back
-            for batch in json.loads(report.read_text())["batches"]:
-                self.counts["key_groups_evicted"] += batch.get("evicted", 0)
-                self.counts["key_groups_loaded"] += batch.get("loaded", 0)
+        batches = json.loads(report.read_text())["batches"] if report.exists() else []
+        for batch in batches:  # under --memory-bound: how much the bound made the instances evict and read back
+            self.counts["key_groups_evicted"] += batch.get("evicted", 0)
+            self.counts["key_groups_loaded"] += batch.get("loaded", 0)
         if kind == "drain" and injected:
-            drained = [b["batch_id"] for b in json.loads(report.read_text())["batches"] if b["drained"]] \
-                if report.exists() else []
+            drained = [b["batch_id"] for b in batches if b["drained"]]
             query.drained.update(drained)
             if not drained:
                 injected.clear()
