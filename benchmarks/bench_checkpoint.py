@@ -9,8 +9,10 @@ Two keyed counts (``spark_state.keyed(df, "key").count()``, parallelism 2)
 run side by side, one batch each in turn, over the same files:
 
 - ``compaction``: ``spark.state.maxChainLength=8`` (the default): once a key
-  group's chain of delta entries would pass 8, its next entry is written in
-  full and the chain restarts;
+  group's chain of delta entries would pass 8 (from 4 on, spread over
+  batches), it is compacted: a ``merge`` entry of the keys changed since its
+  full entry replaces its deltas, or, once those are half of its keys, a
+  full entry restarts it;
 - ``no_compaction``: ``spark.state.maxChainLength=1000000``: deltas only.
 
 Each is prefilled with S distinct keys (batch 0, one full entry per key
@@ -19,9 +21,9 @@ over exactly 1k, 10k and 100k distinct keys of the S.
 
 Per checkpoint: ``bytes`` (sum of the blobs committed for it, cross-checked
 against the manifests), ``checkpoint_seconds`` (the slowest instance's time
-to serialize and write its blob), Spark's batch seconds, and the full and
-delta entries written. After the last batch, the final checkpoint of each is
-restored cold in the driver the way a task restores it (``restore_instance``
+to serialize and write its blob), Spark's batch seconds, and the full,
+delta and merge entries written. After the last batch, the final checkpoint
+of each is restored cold in the driver the way a task restores it (``restore_instance``
 over a counting storage wrapper, then every key group folded): bytes read,
 requests, seconds, and the longest chain. That is the price of skipping
 compaction.
@@ -104,7 +106,7 @@ def _checked_restore(store: Path, config: Config) -> dict:
 
 def bytes_model(reports: list[dict]) -> dict:
     """Least-squares fit of checkpoint bytes = per_entry * entries + per_row * rows written."""
-    entries = np.array([r["full_entries"] + r["delta_entries"] for r in reports], dtype=float)
+    entries = np.array([r["full_entries"] + r["delta_entries"] + r["merge_entries"] for r in reports], dtype=float)
     rows = np.array([r["rows_written"] for r in reports], dtype=float)
     observed = np.array([r["checkpoint_bytes"] for r in reports], dtype=float)
     (per_entry, per_row), *_ = np.linalg.lstsq(np.column_stack([entries, rows]), observed, rcond=None)
@@ -143,6 +145,7 @@ def run(spark, config: Config) -> dict:
                 {"checkpoint_id": r["checkpoint_id"], "keys_changed": n, "bytes": r["checkpoint_bytes"],
                  "checkpoint_seconds": r["checkpoint_seconds"], "batch_seconds": r["seconds"],
                  "full_entries": r["full_entries"], "delta_entries": r["delta_entries"],
+                 "merge_entries": r["merge_entries"],
                  "rows_written": r["rows_written"]}
                 for n, r in zip(changes, reports[1:])
             ]

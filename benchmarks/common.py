@@ -327,6 +327,7 @@ def batch_reports(query, progress: list[dict]) -> list[dict]:
                 "checkpoint_bytes": sum(i["blob_bytes"] for i in instances),
                 "full_entries": kinds.count("full"),
                 "delta_entries": kinds.count("delta"),
+                "merge_entries": kinds.count("merge"),
                 "rows_written": sum(e.rows for e in entries),
                 "instances": instances,
             }

@@ -6,8 +6,10 @@ this module)::
     "ARROW1\\0\\0" | schema message | batch(g1) | batch(g2) | ... | footer | "ARROW1"
 
 - One record batch per *entry*: the state of one key group, either ``full``
-  (every live key of the key group) or ``delta`` (only keys changed since the
-  previous checkpoint, deletions as rows with ``_deleted = true``). Entries are
+  (every live key of the key group), ``delta`` (only keys changed since the
+  previous checkpoint, deletions as rows with ``_deleted = true``) or
+  ``merge`` (every key changed since the key group's full entry, deletions
+  as tombstones: it replaces the chain's deltas, see ``chains``). Entries are
   sorted by key group, so the entries of any contiguous key-group range are
   one contiguous byte range of the blob.
 - The schema is the component's blob schema (``schema.KeyedSchema``: the
@@ -43,8 +45,9 @@ FORMAT_VERSION = 2
 """2: one struct column per state variable (``schema.KeyedSchema``); 1: flat value columns (not readable)."""
 MAX_ENTRY_ROWS = 2**31 - 1
 """Most rows one entry may claim (a key group's keys); more is refused before anything is decoded."""
-EntryKind = Literal["full", "delta"]
-ENTRY_KINDS: tuple[str, ...] = ("full", "delta")
+EntryKind = Literal["full", "delta", "merge"]
+ENTRY_KINDS: tuple[str, ...] = ("full", "delta", "merge")
+"""In this order: a blob index stores a kind as its position (``merge`` came last; older indexes read as before)."""
 _MAGIC_PREFIX = 8  # b"ARROW1" plus two bytes of padding before the schema message
 
 

@@ -9,8 +9,23 @@ it with the manifest (``restore.plan_instance_restore(have=...)``) to read
 only what differs.
 
 ``plan`` decides each changed key group's next entry: ``full`` (every key)
-when it has no stored base, or at least half of its keys changed, or it is
-compacted; else ``delta`` (the changed keys, deleted ones as tombstones).
+when it has no stored base or at least half of its keys changed; ``delta``
+(the changed keys, deleted ones as tombstones) when its chain is not
+compacted; a compacted chain gets a ``merge`` entry or a ``full`` one.
+
+A ``merge`` entry holds every key changed since the chain's full entry (the
+union of its deltas and this batch's changes) and replaces the deltas: the
+chain becomes ``(full, merge)``. The tracker knows that union for a key
+group whose chain it wrote itself since the full entry (or that it holds
+as a lone full entry), and merges while the union is under half of the key
+group's keys; otherwise (unknown, mostly changed, or a chain limit of 1)
+compaction writes the key group in full. So what compaction writes grows with the keys that
+changed, not with the state: a stream updating the same few keys of a large
+key group rewrites those keys every few batches, and the whole key group
+only once half of it changed since it was last written in full. Folding a
+``merge`` after the full entry gives the same content as folding the
+deltas it replaces, since it holds the latest value (or a tombstone) of
+every key they name.
 
 Compaction bounds what a restore reads, and is spread over batches: a chain
 is *due* from ``compaction_due(L)`` entries (about half of
@@ -33,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections import Counter
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from spark_state.blob import EntryKind
 from spark_state.errors import ConfigError
@@ -72,7 +87,10 @@ class PlannedEntry:
 
     ``compacted``: a full entry written only to bound the chain (few of its
     keys changed), as opposed to a new key group or one whose keys mostly
-    changed.
+    changed. ``keys``: the keys a ``delta`` or ``merge`` entry holds (None
+    for ``full``: every key). A merge's ``previous`` is the chain's full
+    entry alone. ``since_full``: the keys changed since the full entry the
+    chain will start with once recorded (None: unknown).
     """
 
     key_group: int
@@ -80,6 +98,8 @@ class PlannedEntry:
     empty: bool
     previous: Chain | None
     compacted: bool = False
+    keys: Collection[Any] | None = None
+    since_full: set | None = None
 
 
 class ChainTracker:
@@ -87,26 +107,48 @@ class ChainTracker:
 
     def __init__(self) -> None:
         self._chains: dict[int, Chain | None] = {}
+        self._since_full: dict[int, set] = {}  # key group -> keys changed since its chain's full entry
         self._planned: list[PlannedEntry] = []
 
     def held(self) -> Mapping[int, Chain | None]:
         """Per key group, the chain its content reflects (the ``have`` of a catch-up plan)."""
         return self._chains
 
+    def since_full(self, key_group: int) -> set | None:
+        """The keys changed since the key group's full entry, if known (do not change the set)."""
+        return self._since_full.get(key_group)
+
+    def since_full_counts(self) -> dict[int, int]:
+        """Per key group whose changes since its full entry are known, how many keys changed."""
+        return {g: len(keys) for g, keys in self._since_full.items() if keys}
+
     def set(self, key_group: int, chain: Chain) -> None:
+        """The key group's content is now exactly stored chain ``chain`` (read from the store)."""
         self._chains[key_group] = tuple(chain)
+        if len(chain) == 1:
+            self._since_full[key_group] = set()
+        else:
+            self._since_full.pop(key_group, None)
 
     def drop(self, key_group: int) -> None:
         """The key group's content is no longer held (evicted): a catch-up neither reads nor clears it."""
         self._chains.pop(key_group, None)
+        self._since_full.pop(key_group, None)
 
     def forget(self, key_groups) -> None:
         """Mark key groups unknown: their content no longer matches any stored chain."""
         for key_group in key_groups:
             self._chains[key_group] = None
+            self._since_full.pop(key_group, None)
 
-    def plan(self, changes: Mapping[int, int], size: Callable[[int], int], max_chain_length: int) -> list[PlannedEntry]:
-        """The entries to write for the changed key groups (``changes``: key group -> keys changed).
+    def forget_since_full(self, key_groups) -> None:
+        """The keys changed since these key groups' full entries can no longer be written (a merge is not planned)."""
+        for key_group in key_groups:
+            self._since_full.pop(key_group, None)
+
+    def plan(self, changes: Mapping[int, Collection[Any]], size: Callable[[int], int],
+             max_chain_length: int) -> list[PlannedEntry]:
+        """The entries to write for the changed key groups (``changes``: key group -> the keys changed).
 
         ``size(g)`` is the number of keys key group ``g`` holds now. A key
         group never stored and empty again needs nothing. Planned key groups
@@ -121,15 +163,24 @@ class ChainTracker:
             keys = size(key_group)
             if chain == () and keys == 0:
                 continue
-            mostly_changed = 2 * changes[key_group] >= max(keys, 1)
-            full = not chain or key_group in compacted or mostly_changed
-            planned.append(PlannedEntry(key_group, "full" if full else "delta", keys == 0, chain,
-                                        compacted=bool(chain) and key_group in compacted and not mostly_changed))
+            changed = changes[key_group]
+            since = self._since_full.pop(key_group, None)
+            if since is not None:
+                since.update(changed)
             self._chains[key_group] = None
+            if not chain or 2 * len(changed) >= max(keys, 1):  # new, or mostly changed
+                entry = PlannedEntry(key_group, "full", keys == 0, chain, since_full=set())
+            elif key_group not in compacted:
+                entry = PlannedEntry(key_group, "delta", False, chain, keys=changed, since_full=since)
+            elif since is not None and 2 * len(since) < keys and max_chain_length >= 2:
+                entry = PlannedEntry(key_group, "merge", False, chain[:1], keys=since, since_full=since)
+            else:
+                entry = PlannedEntry(key_group, "full", keys == 0, chain, compacted=True, since_full=set())
+            planned.append(entry)
         self._planned = planned
         return planned
 
-    def _compacted(self, changes: Mapping[int, int], max_chain_length: int) -> set[int]:
+    def _compacted(self, changes: Mapping[int, Collection[Any]], max_chain_length: int) -> set[int]:
         """The changed key groups this batch compacts: every forced one, then due ones within the budget."""
         due_length = compaction_due(max_chain_length)
         lengths = {g: len(chain) for g in changes if (chain := self._chains.get(g))}
@@ -146,4 +197,6 @@ class ChainTracker:
                 self._chains[entry.key_group] = () if entry.empty else (path,)
             else:
                 self._chains[entry.key_group] = (entry.previous or ()) + (path,)
+            if entry.since_full is not None and self._chains[entry.key_group]:
+                self._since_full[entry.key_group] = entry.since_full
         self._planned = []

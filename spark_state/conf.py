@@ -13,9 +13,10 @@ key                                    default                     meaning
 ``spark.state.checkpointsRetained``    3                           committed checkpoints kept (>= 2: a replayed batch
                                                                    recomputes from the one before it)
 ``spark.state.maxChainLength``         8                           compaction: a key group's chain of entries is
-                                                                   rewritten as one full entry at this length at the
-                                                                   latest, spread over batches from half of it
-                                                                   (``chains``)
+                                                                   compacted at this length at the latest, spread
+                                                                   over batches from half of it: into a merge entry
+                                                                   of the keys changed since its full entry, or one
+                                                                   full entry (``chains``)
 ``spark.state.compression``            ``none``                    Arrow IPC codec of state blobs: none, lz4, zstd
 ``spark.state.s3.endpoint``            the AWS chain               an ``s3://`` store's endpoint (S3-compatible stores)
 ``spark.state.s3.region``              the AWS chain               an ``s3://`` store's signing region

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -56,6 +56,8 @@ Entries = Sequence[tuple[EntryKind, pa.RecordBatch]]
 
 DICT_ENTRY_BYTES = 64
 """Bytes a dict spends per key beyond its key and value objects (entry, index slot and spare room)."""
+SET_ENTRY_BYTES = 48
+"""Bytes a set spends per key it holds (slots of hash and pointer, kept at most 60% full)."""
 SAMPLED_KEYS = 32
 """Keys whose objects are measured to estimate the bytes per key of a table's dicts."""
 
@@ -80,6 +82,10 @@ class FetchedChain:
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
         """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it.
 
+        A ``merge`` entry is kept like a delta: its rows are the latest
+        values of the keys changed since the full entry, so folding it after
+        the entries it replaces gives the same content.
+
         Under one key column, with the fold already computed (or a ``full``
         entry), the chain is kept folded instead: one full entry of its live
         rows, the entry's rows replacing the keys they name (``fold_chain``'s
@@ -89,13 +95,13 @@ class FetchedChain:
         template = self.batches[0][1].schema
         batch = batch.cast(template) if batch.schema != template else batch
         previous, self._folded, self._live, self._nbytes = self._folded, None, None, None
-        if len(self.schema.key_columns) != 1 or (kind == "delta" and previous is None):
+        if len(self.schema.key_columns) != 1 or (kind != "full" and previous is None):
             self.batches = [(kind, batch)] if kind == "full" else self.batches + [(kind, batch)]
             return
         deleted = batch.column(DELETED_COLUMN)
         live = pa.Table.from_batches([batch.filter(pc.invert(deleted)) if pc.any(deleted).as_py() else batch])
         live = live.drop_columns([DELETED_COLUMN])
-        if kind == "delta":
+        if kind != "full":  # a delta, or a merge (the keys changed since the full entry): the rows replace theirs
             key = self.schema.key_columns[0]
             kept = previous.filter(pc.invert(pc.is_in(previous.column(key), value_set=batch.column(key),
                                                       skip_nulls=False)))
@@ -460,12 +466,21 @@ class KeyGroupTable:
         else:
             self.install(key_group, FetchedChain(key_group, [("full", written)], self.schema))
 
-    def nbytes(self) -> dict[int, int]:
-        """Estimated bytes per loaded key group: Arrow buffers of fetched chains, objects of dicts and overlays."""
+    def nbytes(self, tracked: Mapping[int, int] | None = None) -> dict[int, int]:
+        """Estimated bytes per loaded key group: Arrow buffers of fetched chains, objects of dicts and overlays.
+
+        ``tracked`` counts keys held in a set per key group (the keys changed
+        since its full entry, ``chains``): a set entry each, and under Arrow
+        the whole cost of a dict key (they are the only Python objects of
+        their keys).
+        """
         per_key = self._estimate_bytes_per_key()
         sizes = {g: fetched.nbytes() for g, fetched in self._unloaded.items()}
         for g, group in self._groups.items():
             sizes[g] = sizes.get(g, 0) + int(sum(len(values) for values in group) * per_key)
+        for g, count in (tracked or {}).items():
+            if g in sizes:  # the set's entries; under Arrow also the key objects, which nothing else holds
+                sizes[g] += int(count * (per_key if g in self._unloaded else SET_ENTRY_BYTES))
         return sizes
 
     def _estimate_bytes_per_key(self) -> float:

@@ -566,9 +566,10 @@ def advance_chains(chains: dict[int, tuple[str, ...]], blobs: dict[str, BlobRef]
     """Apply the entries of a checkpoint's new blobs to the chains, in place; add the blobs.
 
     For every entry: ``full`` replaces the key group's chain (a ``full``
-    entry with zero rows clears it), ``delta`` appends to it; a delta with
-    rows for a key group without a chain raises ``CheckpointError``. Both
-    the writer of a checkpoint and the reader of its delta record apply it.
+    entry with zero rows clears it), ``delta`` appends to it, ``merge``
+    replaces its entries after the full one; a delta or merge with rows for
+    a key group without a chain raises ``CheckpointError``. Both the writer
+    of a checkpoint and the reader of its delta record apply it.
     """
     for blob in new_blobs:
         blobs[blob.path] = blob
@@ -579,10 +580,11 @@ def advance_chains(chains: dict[int, tuple[str, ...]], blobs: dict[str, BlobRef]
                 else:
                     chains.pop(entry.key_group, None)
             elif entry.key_group in chains:
-                chains[entry.key_group] = chains[entry.key_group] + (blob.path,)
+                kept = chains[entry.key_group] if entry.kind == "delta" else chains[entry.key_group][:1]
+                chains[entry.key_group] = kept + (blob.path,)
             elif entry.rows:
                 raise CheckpointError(
-                    f"blob {blob.path} has a delta for key group {entry.key_group}, which has no "
+                    f"blob {blob.path} has a {entry.kind} entry for key group {entry.key_group}, which has no "
                     "base state; the writer must write a full entry first"
                 )
 

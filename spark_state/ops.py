@@ -255,9 +255,14 @@ def _check_chains(component: ComponentManifest, checkpoint_id: int, problem) -> 
         except SparkStateError as exc:
             problem("chain", f"checkpoint {checkpoint_id}", str(exc))
             continue
-        if links[0][1].kind != "full":
+        kinds = [entry.kind for _, entry in links]
+        if kinds[0] != "full":
             problem("chain", f"checkpoint {checkpoint_id}",
-                    f"component {component.name!r} key group {key_group}: its chain starts with a delta entry")
+                    f"component {component.name!r} key group {key_group}: its chain starts with a {kinds[0]} entry")
+        elif "full" in kinds[1:] or "merge" in kinds[2:]:
+            problem("chain", f"checkpoint {checkpoint_id}",
+                    f"component {component.name!r} key group {key_group}: its chain has entries {kinds}; a full "
+                    "entry may only start it and a merge entry may only follow the full one")
 
 
 def _expect(files, path, size, crc, blob, problem) -> None:

@@ -321,11 +321,22 @@ def _pair_changes(blobs: BlobStore, old: ComponentManifest | None, new: Componen
     for g in changed:
         running = _state_of(base.get(g, []), schema, chosen)
         links = wanted.get(g, ())
-        for (path, _), (kind, batch) in zip(links, fetched.get(g, [])):
+        steps_of_g = [(path, kind, batch) for (path, _), (kind, batch) in zip(links, fetched.get(g, []))]
+        for position, (path, kind, batch) in enumerate(steps_of_g):
+            if kind == "merge" and position > 0 and steps_of_g[position - 1][1] == "full":
+                continue  # folded with the full entry before it
             written_at = new.blobs[path].checkpoint_id
             keys, values = _rows(batch, schema, chosen)
             if kind == "full":
                 incoming = dict(zip(keys, values))
+                if position + 1 < len(steps_of_g) and steps_of_g[position + 1][1] == "merge":
+                    # The full entry and the merge after it are one state, that of the merge's checkpoint:
+                    # the full entry alone would undo changes the merge redoes.
+                    merge_path, _, merge_batch = steps_of_g[position + 1]
+                    written_at = new.blobs[merge_path].checkpoint_id
+                    for k, v in zip(*_rows(merge_batch, schema, chosen)):
+                        incoming.pop(k, None)
+                        incoming[k] = v
                 incoming = {k: v for k, v in incoming.items() if v is not None}
                 for k in [k for k in running if k not in incoming]:
                     rows.append(_change(DELETE, written_at, k, None, width))

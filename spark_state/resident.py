@@ -16,7 +16,9 @@ and, when its component has timers, the index of its due timers
 3. ``checkpoint(blobs, ...)`` writes the changed key groups as the instance's
    blob for the checkpoint, and the items if they changed (step 1 of the
    commit protocol in ``manifestlog``). A key group it compacts (``chains``)
-   is written as its stored chain (read back from the store, as a restore
+   gets a ``merge`` entry, the keys changed since its full entry, when the
+   state knows them and they are under half of its keys; otherwise it is
+   written as its stored chain (read back from the store, as a restore
    would) folded with this batch's changes, in Arrow: what compaction costs
    grows with the bytes of the key group, not with Python work per key, and
    a key group kept as Arrow under an overlay stays so.
@@ -173,7 +175,7 @@ class ResidentState:
 
     def note_peak(self) -> int:
         """Record the current estimate as a candidate for this task's peak (between steps of a task); returns it."""
-        now = sum(self.table.nbytes().values())
+        now = sum(self.table.nbytes(self.chains.since_full_counts()).values())
         self._peak = max(self._peak, now)
         return now
 
@@ -197,7 +199,7 @@ class ResidentState:
         the high-water mark of this state, what was evicted and what is cold.
         """
         started = time.perf_counter()
-        sizes = self.table.nbytes()
+        sizes = self.table.nbytes(self.chains.since_full_counts())
         before = sum(sizes.values())
         peak, self._peak = max(self._peak, before), 0
         self.high_water_bytes = max(self.high_water_bytes, peak)
@@ -244,17 +246,18 @@ class ResidentState:
         would take more bytes in the blob); the cost is per row, not per key
         group.
         With timers, ``earliest`` then holds each written key group's earliest
-        timers, for its index entry. With ``stored``, a compacted key group
-        (few of its keys changed) whose stored chain is the one this state
+        timers, for its index entry. With ``stored``, a key group compacted
+        into a full entry (few of its keys changed, but too many since its
+        full entry for a ``merge``) whose stored chain is the one this state
         reflects is written as that chain folded with its changed keys
         (``StoredChains``); a key group whose keys mostly changed is written
         from memory.
         """
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
-        planned = self.chains.plan(
-            {g: len(keys) for g, keys in changes.items()}, self.table.key_count, max_chain_length
-        )
+        # A released key group holds only the keys this batch looked up: it is compacted from the store, not merged.
+        self.chains.forget_since_full(self.table.released())
+        planned = self.chains.plan(changes, self.table.key_count, max_chain_length)
         from_store = {e.key_group for e in planned
                       if stored is not None and e.kind == "full" and not e.empty
                       and (e.compacted or self.table.is_released(e.key_group))
@@ -265,7 +268,10 @@ class ResidentState:
         bounds: list[tuple[PlannedEntry, int, int]] = []
         for entry in planned:
             start = len(keys)
-            wanted = None if entry.kind == "full" and entry.key_group not in from_store else changes[entry.key_group]
+            if entry.kind != "full":
+                wanted = entry.keys  # a delta's changed keys, or a merge's keys changed since the full entry
+            else:
+                wanted = changes[entry.key_group] if entry.key_group in from_store else None
             chosen, per_variable = self.table.rows(entry.key_group, wanted)
             keys.extend(chosen)
             for column, part in zip(values, per_variable):

@@ -755,9 +755,17 @@ def test_chains_never_exceed_max_chain_length(max_chain_length):
         manifest = job.checkpoint(checkpoint_id)
         kinds.append(job.written[checkpoint_id][3])
         lengths.append(manifest.components[COMPONENT].chain_length(3))
-    cycle = ["full"] + ["delta"] * (max_chain_length - 1)
-    assert kinds == (cycle * 12)[:12]
-    assert lengths == ([n + 1 for n in range(max_chain_length)] * 12)[:12]
+    # At the limit a chain is compacted: a merge of the keys changed since its full entry while they are
+    # under half of the twelve (one more each checkpoint), then a full entry again.
+    expected = {
+        1: (["full"] * 12, [1] * 12),
+        2: (["full", "delta", "merge", "merge", "merge", "merge"] * 2, [1, 2, 2, 2, 2, 2] * 2),
+        3: (["full", "delta", "delta", "merge", "delta", "merge", "delta", "full", "delta", "delta", "merge", "delta"],
+            [1, 2, 3, 2, 3, 2, 3, 1, 2, 3, 2, 3]),
+        5: (["full", "delta", "delta", "delta", "delta", "merge", "delta", "delta", "delta", "full", "delta", "delta"],
+            [1, 2, 3, 4, 5, 2, 3, 4, 5, 1, 2, 3]),
+    }
+    assert (kinds, lengths) == expected[max_chain_length]
     assert restore_all(store, 12, 1) == job.live
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from spark_state.blobstore import BlobStore
 from spark_state.errors import CorruptBlobError, KeyGroupOwnershipError
+from spark_state.keyed_table import SET_ENTRY_BYTES
 from spark_state.keygroups import key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
 from spark_state.resident import ResidentState, keep, resident_instances, take
@@ -159,21 +160,25 @@ def test_a_process_drops_resident_states_of_another_parallelism():
 
 
 @pytest.mark.parametrize("overlay", [False, True])
-def test_compaction_folds_the_stored_chain_with_the_changes_and_restores_exactly(store, overlay):
+def test_compaction_merges_or_folds_the_stored_chain_with_the_changes_and_restores_exactly(store, overlay):
     """Batches as Spark runs them (catch up, change, checkpoint); chains of at most 2 entries compact.
 
-    A compacted key group is written from its stored chain read back and
-    folded with the batch's changes (deletions included); every checkpoint
-    restores to the model, and the state need not fold a key group kept as
-    Arrow under an overlay (``get_many``/``put_many``).
+    In the process that wrote a chain since its full entry, compaction writes
+    a merge entry: the keys changed since the full entry, from memory. A new
+    process every batch (``overlay``) knows that only of a chain that is one
+    full entry; any other is written as its stored chain read back and folded
+    with the batch's changes (deletions included), and its key groups stay
+    Arrow under overlays (``get_many``/``put_many``): nothing folds them.
+    Every checkpoint restores to the model.
     """
-    state, model, compacted = _dense_state(), {f"k{n}": n for n in range(200)}, 0
+    state, model = _dense_state(), {f"k{n}": n for n in range(200)}
     spec = ComponentSpec("c", M, 1, SCHEMA)
     blob, _ = state.checkpoint(store.blobs, "c", 1, 0, max_chain_length=2)
     component = store.commit(1, {"c": (spec, [blob])}, {}).components["c"]
-    if overlay:  # a new process: its key groups are restored as Arrow and stay so under overlays
-        state = ResidentState(SCHEMA, key_group_range(0, 1, M))
+    compacted, merges = 0, 0
     for checkpoint_id in range(2, 12):
+        if overlay:  # a new process: its key groups are restored as Arrow and stay so under overlays
+            state = ResidentState(SCHEMA, key_group_range(0, 1, M))
         state.catch_up(store.blobs, component, 0, 1)
         changed = [f"k{(checkpoint_id * 7 + i) % 220}" for i in range(9)]
         groups = [key_group_for(k, M) for k in changed]
@@ -187,14 +192,17 @@ def test_compaction_folds_the_stored_chain_with_the_changes_and_restores_exactly
             model.pop(gone, None)
         blob, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=2)
         compacted += state.compaction.get("key_groups", 0)
-        if overlay and checkpoint_id == 2:  # the first batch compacted without folding the restored key groups
-            assert state.compaction and len(state.table._unloaded) == M
+        merges += sum(entry.kind == "merge" for entry in blob.index.entries) if blob else 0
+        if overlay:
+            assert len(state.table._unloaded) == M  # nothing was folded, merged or compacted
         component = store.commit(checkpoint_id, {"c": (spec, [blob] if blob else [])}, {}).components["c"]
         restored = ResidentState(SCHEMA, key_group_range(0, 1, M))
         restored.catch_up(store.blobs, component, 0, 1)
         assert _contents(restored) == model, checkpoint_id
         assert all(len(chain) <= 2 for chain in component.chains.values())
-    assert compacted > 0  # the store path ran
+    assert merges > 0 and compacted > 0  # both paths ran
+    if not overlay:  # the store path only once half of a key group changed since its full entry
+        assert merges > 2 * compacted
 
 
 def test_a_restored_key_group_is_hashed_for_lookups_once_then_folded(store):
@@ -343,3 +351,18 @@ def test_a_bounded_state_keeps_written_key_groups_as_arrow(store):
     restored = ResidentState(SCHEMA, key_group_range(0, 1, M))
     restored.catch_up(store.blobs, component, 0, 1)
     assert _contents(bounded) == _contents(restored)
+
+
+def test_the_keys_changed_since_a_full_entry_count_in_the_memory_estimate(store):
+    """The tracked keys of a merge are memory too: a set entry each, and under Arrow their key objects."""
+    state = _dense_state()
+    _commit(store, 1, state)
+    for n in range(5):
+        _put(state, f"k{n}", -n)
+    _commit(store, 2, state)  # deltas: the five keys are now known as changed since the full entries
+    tracked = state.chains.since_full_counts()
+    assert sum(tracked.values()) == 5
+    plain = state.table.nbytes()
+    counted = state.table.nbytes(tracked)
+    assert all(counted[g] - plain[g] == tracked[g] * SET_ENTRY_BYTES for g in tracked)  # dicts hold the key objects already
+    assert state.bound_memory(None)["after_checkpoint_bytes"] == sum(counted.values())

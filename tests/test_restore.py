@@ -320,16 +320,19 @@ def _run_job(max_chain_length: int = 4) -> _Job:
     return job
 
 
-def test_chains_are_planned_oldest_first_full_then_deltas():
+def test_chains_are_planned_oldest_first_full_then_a_merge_or_deltas():
     job = _run_job()
     component = job.component
     assert any(len(chain) > 1 for chain in component.chains.values())  # the scenario has deltas
+    merges = 0
     for new_p in range(1, 17):
         for plan in plan_restore(component, new_p):
             for g, links in plan.chains.items():
                 ids = [component.blobs[path].checkpoint_id for path, _ in links]
                 assert ids == sorted(ids) and len(set(ids)) == len(ids)
-                assert [entry.kind for _, entry in links] == ["full"] + ["delta"] * (len(links) - 1)
+                kinds = [entry.kind for _, entry in links]
+                merges += kinds[1:2] == ["merge"]
+                assert kinds[0] == "full" and set(kinds[1:2]) <= {"delta", "merge"} and set(kinds[2:]) <= {"delta"}
                 assert [path for path, _ in links] == list(component.chains[g])
                 assert all(entry.key_group == g for _, entry in links)
 
@@ -384,13 +387,40 @@ def test_delta_without_base_state_is_rejected_but_an_empty_one_is_ignored():
         return BlobRef(f"b{checkpoint_id}", checkpoint_id, 0, KeyGroupRange(0, 3), len(data), zlib.crc32(data), index)
 
     base = next_component(None, 1, ComponentUpdate(spec, [ref(1, [(1, "full", one)])]))
-    with pytest.raises(CheckpointError, match="delta for key group 2, which has no base state"):
+    with pytest.raises(CheckpointError, match="delta entry for key group 2, which has no base state"):
         next_component(base, 2, ComponentUpdate(spec, [ref(2, [(2, "delta", one)])]))
     after = next_component(base, 2, ComponentUpdate(spec, [ref(2, [(1, "delta", one), (2, "delta", empty)])]))
     assert after.chains == {1: ("b1", "b2")}
     for plan in plan_restore(after, 2):
         for links in plan.chains.values():
             assert links[0][1].kind == "full"
+
+
+def test_a_merge_entry_replaces_the_deltas_after_the_full_entry_and_needs_a_base():
+    spec = ComponentSpec("c", 4, 1, SCHEMA)
+    schema = SCHEMA.blob_schema
+
+    def rows(*pairs, deleted=()):
+        keys = [(k,) for k, _ in pairs]
+        table = SCHEMA.rows_to_columns(keys, [[(v,) for _, v in pairs]], [k in deleted for k, _ in pairs])
+        return table.combine_chunks().to_batches()[0]
+
+    def ref(checkpoint_id, entries):
+        data, index = encode_blob(schema, entries, key_group_range=KeyGroupRange(0, 3), metadata={})
+        return BlobRef(f"b{checkpoint_id}", checkpoint_id, 0, KeyGroupRange(0, 3), len(data), zlib.crc32(data), index)
+
+    component = next_component(None, 1, ComponentUpdate(spec, [ref(1, [(1, "full", rows(("a", 1), ("b", 2), ("c", 3)))])]))
+    component = next_component(component, 2, ComponentUpdate(spec, [ref(2, [(1, "delta", rows(("a", 10)))])]))
+    component = next_component(component, 3, ComponentUpdate(spec, [ref(3, [(1, "delta", rows(("b", 0), deleted={"b"}))])]))
+    assert component.chains == {1: ("b1", "b2", "b3")}
+    merged = rows(("a", 10), ("b", 0), ("d", 4), deleted={"b"})  # every key changed since the full entry
+    component = next_component(component, 4, ComponentUpdate(spec, [ref(4, [(1, "merge", merged)])]))
+    assert component.chains == {1: ("b1", "b4")} and sorted(component.blobs) == ["b1", "b4"]
+    live = fold_chain([("full", rows(("a", 1), ("b", 2), ("c", 3))), ("merge", merged)], SCHEMA.key_columns)
+    assert dict(zip(live.column("key").to_pylist(), [v["value"] for v in live.column("_spark_state_value").to_pylist()])) == {
+        "a": 10, "c": 3, "d": 4}
+    with pytest.raises(CheckpointError, match="merge entry for key group 2, which has no base state"):
+        next_component(component, 5, ComponentUpdate(spec, [ref(5, [(2, "merge", rows(("x", 1)))])]))
 
 
 # --------------------------------------------------------------------------- the fold of chains
