@@ -17,7 +17,8 @@ A ``merge`` entry holds every key changed since the chain's full entry (the
 union of its deltas and this batch's changes) and replaces the deltas: the
 chain becomes ``(full, merge)``. The tracker knows that union for a key
 group whose chain it wrote itself since the full entry (or that it holds
-as a lone full entry), and merges while the union is under half of the key
+as a lone full entry; a tracker made with ``merges=False`` keeps none), and
+merges while the union is under half of the key
 group's keys; otherwise (unknown, mostly changed, or a chain limit of 1)
 compaction writes the key group in full. So what compaction writes grows with the keys that
 changed, not with the state: a stream updating the same few keys of a large
@@ -105,7 +106,8 @@ class PlannedEntry:
 class ChainTracker:
     """See the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, merges: bool = True) -> None:
+        self._merges = merges  # False: keep no keys changed since full entries, compact into full entries only
         self._chains: dict[int, Chain | None] = {}
         self._since_full: dict[int, set] = {}  # key group -> keys changed since its chain's full entry
         self._planned: list[PlannedEntry] = []
@@ -125,7 +127,7 @@ class ChainTracker:
     def set(self, key_group: int, chain: Chain) -> None:
         """The key group's content is now exactly stored chain ``chain`` (read from the store)."""
         self._chains[key_group] = tuple(chain)
-        if len(chain) == 1:
+        if len(chain) == 1 and self._merges:
             self._since_full[key_group] = set()
         else:
             self._since_full.pop(key_group, None)
@@ -197,6 +199,6 @@ class ChainTracker:
                 self._chains[entry.key_group] = () if entry.empty else (path,)
             else:
                 self._chains[entry.key_group] = (entry.previous or ()) + (path,)
-            if entry.since_full is not None and self._chains[entry.key_group]:
+            if entry.since_full is not None and self._chains[entry.key_group] and self._merges:
                 self._since_full[entry.key_group] = entry.since_full
         self._planned = []

@@ -17,7 +17,9 @@ and, when its component has timers, the index of its due timers
    blob for the checkpoint, and the items if they changed (step 1 of the
    commit protocol in ``manifestlog``). A key group it compacts (``chains``)
    gets a ``merge`` entry, the keys changed since its full entry, when the
-   state knows them and they are under half of its keys; otherwise it is
+   state knows them and they are under half of its keys (never under a
+   memory bound: those keys would be Python objects it does not hold to the
+   bound); otherwise it is
    written as its stored chain (read back from the store, as a restore
    would) folded with this batch's changes, in Arrow: what compaction costs
    grows with the bytes of the key group, not with Python work per key, and
@@ -91,7 +93,9 @@ class ResidentState:
         self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded)
         if self.bounded:
             self.table.evict_all()
-        self.chains = ChainTracker()
+        # Under a memory bound, the keys changed since each full entry would be Python objects the bound does not
+        # hold (its key groups are kept as Arrow): a bounded state compacts into full entries only.
+        self.chains = ChainTracker(merges=not self.bounded)
         self.items = InstanceItems()
         self._items_ref: ItemsRef | None = None  # the committed items file ``items`` reflects
         self._component: ComponentManifest | None = None  # the committed component the last catch-up reached

@@ -366,3 +366,22 @@ def test_the_keys_changed_since_a_full_entry_count_in_the_memory_estimate(store)
     counted = state.table.nbytes(tracked)
     assert all(counted[g] - plain[g] == tracked[g] * SET_ENTRY_BYTES for g in tracked)  # dicts hold the key objects already
     assert state.bound_memory(None)["after_checkpoint_bytes"] == sum(counted.values())
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_a_bounded_state_compacts_into_full_entries_only(bounded):
+    """Under a memory bound the keys changed since a full entry are not kept: they would be memory it does not bound."""
+    store, spec = Store(MemoryStorage(), retained=3), ComponentSpec("c", M, 1, SCHEMA)
+    blob, _ = _dense_state().checkpoint(store.blobs, "c", 1, 0, max_chain_length=2)
+    component = store.commit(1, {"c": (spec, [blob])}, {}).components["c"]
+    state, kinds = ResidentState(SCHEMA, key_group_range(0, 1, M), bounded=bounded), []
+    for checkpoint_id in range(2, 8):
+        state.catch_up(store.blobs, component, 0, 1)
+        key = "k0"  # one key of key group 0's fifty, again and again
+        state.load(store.blobs, [key_group_for(key, M)])
+        state.table.put(key_group_for(key, M), (key,), (checkpoint_id,))
+        blob, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=2)
+        kinds += [entry.kind for entry in blob.index.entries]
+        component = store.commit(checkpoint_id, {"c": (spec, [blob])}, {}).components["c"]
+    assert kinds == (["delta", "full"] * 3 if bounded else ["delta"] + ["merge"] * 5)
+    assert state.chains.since_full_counts() == ({} if bounded else {key_group_for("k0", M): 1})
