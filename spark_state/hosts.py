@@ -123,7 +123,8 @@ def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterat
     from pyspark import cloudpickle
 
     daemon_pid = os.getppid()
-    connection = _connect(host_address(daemon_pid, task.store_uri, task.component, instance), daemon_pid)
+    connection = _connect(host_address(daemon_pid, task.store_uri, task.component, instance), daemon_pid,
+                          task.store_uri)
     with connection:
         _send(connection, TASK, cloudpickle.dumps((task, instance)))
         for batch in batches:
@@ -145,8 +146,8 @@ def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterat
                 raise pickle.loads(payload)
 
 
-def _connect(address: Path, daemon_pid: int) -> socket.socket:
-    """A connection to the host at ``address``; starts the host first when none listens there."""
+def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:
+    """A connection to the host at ``address``; starts the host (of a state in ``store_uri``) when none listens."""
     connection = _try_connect(address)
     if connection is not None:
         return connection
@@ -159,7 +160,7 @@ def _connect(address: Path, daemon_pid: int) -> socket.socket:
             return connection
         address.unlink(missing_ok=True)
         log = address.with_suffix(".log")
-        host = _start_host(address, daemon_pid, log)
+        host = _start_host(address, daemon_pid, log, store_uri)
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
             connection = _try_connect(address)
@@ -172,17 +173,18 @@ def _connect(address: Path, daemon_pid: int) -> socket.socket:
         raise InstanceHostLostError(f"the instance host at {address} did not start; its log ends with:\n{tail}")
 
 
-def _start_host(address: Path, daemon_pid: int, log: Path) -> int:
+def _start_host(address: Path, daemon_pid: int, log: Path, store_uri: str) -> int:
     """Fork the host from this worker (its modules are loaded: no interpreter start-up); its pid.
 
     A double fork: the host is nobody's child that would have to reap it.
     In the host, standard input is ``/dev/null``, output goes to ``log`` and
     every other inherited descriptor (the worker's connection to the JVM
-    among them) is closed before it listens. The modules a host needs are
-    loaded here first (``_load_host_modules``), once per worker, so that no
-    host loads them on its first task.
+    among them) is closed before it listens. The modules a host needs, and
+    the store's client libraries and models, are loaded here first
+    (``_load_host_modules``), once per worker, so that no host loads them on
+    its first task.
     """
-    _load_host_modules()
+    _load_host_modules(store_uri)
     reader, writer = os.pipe()
     middle = os.fork()
     if middle == 0:
@@ -202,12 +204,32 @@ def _start_host(address: Path, daemon_pid: int, log: Path) -> int:
     return host
 
 
-def _load_host_modules() -> None:
-    """Import what a host's first task would: the operator, and pandas, which pyarrow imports on its first
-    conversion to NumPy (a quarter of a second, paid by every new host on its first batch otherwise)."""
+_PRELOADED: set[str] = set()
+
+
+def _load_host_modules(store_uri: str) -> None:
+    """Import what a host's first task would: the operator and the storage backends with what they import
+    lazily (a thread pool for timeouts, fault injection), pandas and pyarrow's pandas layer, which pyarrow
+    imports on its first conversion to NumPy (a quarter of a second, paid by every new host on its first
+    batch otherwise); and for a remote store its client library and models (``storage.preload``: for S3
+    a quarter of a second more per new host, every instance of a restart or a rescale)."""
+    import concurrent.futures  # noqa: F401
+
     import pandas  # noqa: F401
+    import pyarrow.pandas_compat  # noqa: F401
 
     import spark_state.operator  # noqa: F401
+    import spark_state.storage.faults  # noqa: F401
+    import spark_state.storage.local  # noqa: F401
+    import spark_state.storage.timeouts  # noqa: F401
+    from spark_state.storage import preload
+
+    if store_uri not in _PRELOADED:
+        _PRELOADED.add(store_uri)
+        try:
+            preload(store_uri)
+        except Exception:  # noqa: BLE001 - only a head start: the host's own first client raises it, typed, in its task
+            pass
 
 
 def _become_host(address: Path, daemon_pid: int, log: Path) -> None:

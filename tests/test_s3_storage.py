@@ -238,3 +238,27 @@ def test_a_secret_put_in_a_uri_is_refused_without_echoing_it(uri):
     assert "hunter2secret" not in str(error.value)
     assert "hunter2secret" not in redacted(uri)
     assert "bucket" in str(error.value)
+
+
+def test_sessions_share_one_loader_of_service_models(monkeypatch):
+    """A new client need not read botocore's models again; an instance host inherits them loaded."""
+    from spark_state.storage import s3
+
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    first, second = s3._session(None), s3._session(None)
+    loader = first._session.get_component("data_loader")
+    assert second._session.get_component("data_loader") is loader
+    assert len(loader.search_paths) == len(set(loader.search_paths))  # boto3 adds its directory once, not per session
+
+
+def test_preload_loads_the_client_and_sends_nothing(monkeypatch):
+    from spark_state.storage import preload
+
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "preload-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "preload-secret")
+    preload("s3://bucket/prefix?endpoint=http://127.0.0.1:9&region=us-east-1")  # nothing listens on port 9
+    preload("/a/local/path")
+    preload("memory://preload")
+    with pytest.raises(ConfigError, match="'nobody'"):
+        preload("s3://bucket/prefix?endpoint=http://127.0.0.1:9&region=us-east-1&profile=nobody")

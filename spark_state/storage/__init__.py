@@ -80,6 +80,20 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def preload(uri: str) -> None:
+    """Import and load what opening ``uri`` and making its first client need, sending nothing to the store.
+
+    For S3 that includes resolving credentials, as the first client does. See ``hosts``.
+    """
+    scheme = urlsplit(uri).scheme.lower() if _SCHEME.match(uri) else ""
+    if scheme in ("s3", "s3a"):
+        from spark_state.storage import s3, s3_location
+
+        s3.warm(s3_location.parse(uri))
+    elif scheme in ("webhdfs", "hdfs"):
+        import spark_state.storage.hdfs  # noqa: F401
+
+
 def open_storage(uri: str) -> Storage:
     """Return the storage that ``uri`` names; ``ConfigError`` (naming the URI) if it names none."""
     storage = _open(uri)
