@@ -16,17 +16,18 @@ compacted; a compacted chain gets a ``merge`` entry or a ``full`` one.
 A ``merge`` entry holds every key changed since the chain's full entry (the
 union of its deltas and this batch's changes) and replaces the deltas: the
 chain becomes ``(full, merge)``. The tracker knows that union for a key
-group whose chain it wrote itself since the full entry (or that it holds
-as a lone full entry; a tracker made with ``merges=False`` keeps none), and
-merges while the union is under half of the key
-group's keys; otherwise (unknown, mostly changed, or a chain limit of 1)
-compaction writes the key group in full. So what compaction writes grows with the keys that
-changed, not with the state: a stream updating the same few keys of a large
-key group rewrites those keys every few batches, and the whole key group
-only once half of it changed since it was last written in full. Folding a
+group whose chain it wrote itself since the full entry, or that it holds as
+a lone full entry (a tracker made with ``merges=False`` keeps none), and
+merges while the union is under half of the key group's keys; otherwise
+(unknown, mostly changed, or a chain limit of 1) compaction writes the key
+group in full. So what compaction writes grows with the keys that changed,
+not with the state: a stream updating the same few keys of a large key
+group rewrites those keys every few batches, and the whole key group only
+once half of it changed since it was last written in full. Folding a
 ``merge`` after the full entry gives the same content as folding the
 deltas it replaces, since it holds the latest value (or a tombstone) of
-every key they name.
+every key they name. The price: a restore reads the full entry and the
+merge, up to half as much again as the live keys.
 
 Compaction bounds what a restore reads, and is spread over batches: a chain
 is *due* from ``compaction_due(L)`` entries (about half of
