@@ -84,3 +84,26 @@ def test_state_reader_options_parse_case_insensitively():
                                   "changeStartCheckpoint": "before", "partitions": "3"})
     assert (parsed.store, parsed.component, parsed.change_feed, parsed.change_start, parsed.partitions) == (
         "/s", "c", True, "before", 3)
+
+
+def test_verify_names_a_chain_whose_entries_are_out_of_order():
+    """A chain starts with its full entry; a merge entry may only follow it directly (``chains``)."""
+    from dataclasses import replace
+
+    from spark_state.ops import _check_chains
+
+    store = Store(MemoryStorage(), retained=8)
+    job = Job(store, 1, max_chain_length=3)
+    for key in KEYS[0]:
+        job.put(key, 0)
+    for checkpoint_id in range(1, 6):
+        job.put(KEYS[0][0], checkpoint_id)  # one key of twelve, again and again: full, delta, delta, merge, delta
+        job.checkpoint(checkpoint_id)
+    component = store.manifests.load(5).components[COMPONENT]
+    full, merge, delta = component.chains[0]
+    assert [component.blobs[p].index.entry_for(0).kind for p in (full, merge, delta)] == ["full", "merge", "delta"]
+    for chain, wrong in [((full, merge, delta), None), ((merge,), "starts with a merge entry"),
+                         ((full, delta, merge), "may only follow the full"), ((full, merge, full), "may only start it")]:
+        problems = []
+        _check_chains(replace(component, chains={0: chain}), 5, lambda *args: problems.append(args))
+        assert [wrong in p[2] for p in problems] == ([] if wrong is None else [True]), (chain, problems)
