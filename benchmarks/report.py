@@ -39,6 +39,12 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _gap() -> int:
+    from spark_state.resident import CATCH_UP_MAX_GAP_BYTES
+
+    return CATCH_UP_MAX_GAP_BYTES
+
+
 def _x(r: float) -> str:
     return f"{r:.2f}x"
 
@@ -486,6 +492,14 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
             out.append(f"- Keyed count, target missed: {target['target']} ({target.get('compares', target.get('rule'))}): "
                        f"{target['measured']} (at most {target['at_most']}).")
     none = checkpoint["runs"]["no_compaction"]
+    compacted = checkpoint["runs"]["compaction"]
+    restored = compacted["restore"]
+    out.append(f"- A cold restore after compaction reads {_x(restored['bytes_read'] / compacted['full_state_bytes'])} "
+               f"the bytes of the live state ({_mb(restored['bytes_read'])} in {restored['requests']:,} requests, "
+               f"{checkpoint['state_keys']:,} keys): a chain is its full entry, a merge of up to half of its keys "
+               f"and the deltas since, and the catch-up reads through holes of at most {_gap() // 1024} KB between "
+               "the entries it needs, so entries spread over many blobs cost requests (on object stores, round "
+               "trips).")
     fewest = checkpoint["changed_keys"][0]
     out.append(f"- Sparse checkpoints pay about {none['bytes_model']['bytes_per_entry']:.0f} B per key group "
                f"touched: changing {fewest:,} of {checkpoint['state_keys']:,} keys writes "
