@@ -144,11 +144,6 @@ class ChainTracker:
             self._chains[key_group] = None
             self._since_full.pop(key_group, None)
 
-    def forget_since_full(self, key_groups) -> None:
-        """The keys changed since these key groups' full entries can no longer be written (a merge is not planned)."""
-        for key_group in key_groups:
-            self._since_full.pop(key_group, None)
-
     def plan(self, changes: Mapping[int, Collection[Any]], size: Callable[[int], int],
              max_chain_length: int) -> list[PlannedEntry]:
         """The entries to write for the changed key groups (``changes``: key group -> the keys changed).

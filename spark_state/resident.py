@@ -19,11 +19,11 @@ and, when its component has timers, the index of its due timers
    gets a ``merge`` entry, the keys changed since its full entry, when the
    state knows them and they are under half of its keys (never under a
    memory bound: those keys would be Python objects it does not hold to the
-   bound); otherwise it is
-   written as its stored chain (read back from the store, as a restore
-   would) folded with this batch's changes, in Arrow: what compaction costs
-   grows with the bytes of the key group, not with Python work per key, and
-   a key group kept as Arrow under an overlay stays so.
+   bound); otherwise it is written as its stored chain (read back from the
+   store, as a restore would) folded with this batch's changes, in Arrow:
+   what compaction costs grows with the bytes of the key group, not with
+   Python work per key, and a key group kept as Arrow under an overlay stays
+   so.
 
 Under a memory bound (``spark.state.residentMemory``, a component without
 timers), the state is *bounded*: a new one loads nothing at catch-up; before
@@ -86,15 +86,15 @@ class ResidentState:
     def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, bounded: bool = False):
         self.schema = schema
         self.key_group_range = key_group_range
-        names = [v.name for v in schema.variables]
-        self.timers_variable = names.index(TIMERS.name) if TIMERS.name in names else None
+        self.timers_variable = schema.variable_index(TIMERS.name) if schema.has_variable(TIMERS.name) else None
         self.timers = TimerIndex() if self.timers_variable is not None else None
         self.bounded = bounded and self.timers is None
         self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded)
         if self.bounded:
             self.table.evict_all()
         # Under a memory bound, the keys changed since each full entry would be Python objects the bound does not
-        # hold (its key groups are kept as Arrow): a bounded state compacts into full entries only.
+        # hold (its key groups are kept as Arrow): a bounded state compacts into full entries only. So a released
+        # key group (bounded states only), which holds just the keys this batch looked up, is never merged.
         self.chains = ChainTracker(merges=not self.bounded)
         self.items = InstanceItems()
         self._items_ref: ItemsRef | None = None  # the committed items file ``items`` reflects
@@ -259,8 +259,6 @@ class ResidentState:
         """
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
-        # A released key group holds only the keys this batch looked up: it is compacted from the store, not merged.
-        self.chains.forget_since_full(self.table.released())
         planned = self.chains.plan(changes, self.table.key_count, max_chain_length)
         from_store = {e.key_group for e in planned
                       if stored is not None and e.kind == "full" and not e.empty

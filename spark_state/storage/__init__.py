@@ -32,6 +32,7 @@ when the environment variable ``SPARK_STATE_FAULT_PLAN`` is set,
 from __future__ import annotations
 
 import re
+import sys
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from typing import TYPE_CHECKING
@@ -85,13 +86,10 @@ def preload(uri: str) -> None:
 
     For S3 that includes resolving credentials, as the first client does. See ``hosts``.
     """
-    scheme = urlsplit(uri).scheme.lower() if _SCHEME.match(uri) else ""
-    if scheme in ("s3", "s3a"):
-        from spark_state.storage import s3, s3_location
-
-        s3.warm(s3_location.parse(uri))
-    elif scheme in ("webhdfs", "hdfs"):
-        import spark_state.storage.hdfs  # noqa: F401
+    storage = _open(uri)  # imports the backend's module: boto3 for S3, the WebHDFS client
+    s3 = sys.modules.get("spark_state.storage.s3")
+    if s3 is not None and isinstance(storage, s3.S3Storage):
+        storage.client()  # its service models read and credentials resolved; the storage object is dropped
 
 
 def open_storage(uri: str) -> Storage:

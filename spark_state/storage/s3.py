@@ -114,16 +114,6 @@ def _session(profile: str | None) -> boto3.session.Session:
     return session
 
 
-def warm(location: S3Location) -> None:
-    """Load what a first client for ``location`` needs (modules, service models) without sending anything.
-
-    A Python worker calls this before it forks an instance host
-    (``hosts``): each new host then makes its client in a fraction of the
-    time (no import of boto3, no models read).
-    """
-    S3Storage(location)._new_client()
-
-
 class _Transient(Exception):
     """Internal: one attempt failed in a way worth retrying; ``cause`` is what happened."""
 
