@@ -14,7 +14,11 @@ runs ``MicroBatch.run`` for every micro-batch N:
 3. route rows: key group and instance are computed in the JVM from the same
    hash as ``keygroups.key_group_for``; ``repartitionById`` makes Spark task
    i instance i; each task runs ``operator.run_instance``;
-4. write the output rows to the sink with batch id N (idempotently);
+4. write the output rows to the sink with batch id N (idempotently): the
+   sink's job runs the tasks of step 3, whose reports come back through an
+   accumulator, so a batch is one Spark job; when the sink ran no action on
+   the output (the ``replayable`` sink skips a batch id it holds), the driver
+   runs the tasks itself;
 5. ``Coordinator.commit``: checkpoint N with this batch's source end offsets
    (Spark's ``offsets/N``, the record Spark replays from) and its binding to
    the query;
@@ -23,6 +27,11 @@ runs ``MicroBatch.run`` for every micro-batch N:
 A crash before step 5 leaves checkpoint N uncommitted: Spark replays batch N
 with the same offsets, tasks restart from the same base, and the sink skips
 or overwrites what step 4 had written. A crash after step 5 is step 2's case.
+Each action on the output runs the tasks (a ``foreachBatch`` function that
+uses its DataFrame twice should persist it, as for any Spark query): they
+compute the same output from the same base, the last report of each instance
+is committed, and an instance host whose state ran ahead of the base
+reads back the key groups it changed (``ResidentState.catch_up``).
 """
 
 from __future__ import annotations
@@ -30,20 +39,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import pyarrow as pa
+from pyspark.accumulators import AccumulatorParam
 
 from spark_state.conf import StateConf, check_store_reachable, default_store
-from spark_state.coordinator import Coordinator, SparkBatch, check_reports
+from spark_state.coordinator import Coordinator, InstanceReport, SparkBatch, check_reports
 from spark_state.drain import finish_request, pending_requests
 from spark_state.errors import CheckpointError
 from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
 from spark_state.hosts import run_hosted
 from spark_state.manifest import ComponentSpec
 from spark_state.manifestlog import open_manifest_log
-from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
+from spark_state.operator import INSTANCE_COLUMN, TaskSpec, report_from_meta, run_instance
 from spark_state.sinks import BatchSink
 from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.timers import TIMERS
@@ -73,15 +84,46 @@ def to_spark_schema(schema: pa.Schema):
     return from_arrow_schema(schema)
 
 
-def task_output_schema(output_schema: pa.Schema):
-    """The Spark schema of what a task emits: the output columns and the report column, every one nullable.
+def task_output_schema(output_schema: pa.Schema) -> pa.Schema:
+    """The Arrow schema of what a task emits: the output columns, every one nullable.
 
-    Each task's last row carries only its report, with the output columns
-    null, so a column the input declares not null (a source's ``split``,
-    say, passed on by ``deduplicate``) must be nullable here.
+    The output's schema as it always was: an earlier protocol sent each
+    task's report as a last row with the output columns null, so a column
+    the input declares not null (a source's ``split``, say, passed on by
+    ``deduplicate``) became nullable, and sinks saw it so.
     """
-    fields = [f.with_nullable(True) for f in output_schema] + [pa.field(META_COLUMN, pa.string())]
-    return to_spark_schema(pa.schema(fields))
+    return pa.schema([f.with_nullable(True) for f in output_schema])
+
+
+class _Reports(AccumulatorParam):
+    """Accumulates ``(attempt, report JSON)`` pairs: each task adds its instance's report."""
+
+    def zero(self, value: list) -> list:
+        return []
+
+    def addInPlace(self, value1: list, value2: list) -> list:
+        value1.extend(value2)
+        return value1
+
+
+def reports_of(received: list[tuple[str, str]], attempt: str) -> dict[int, InstanceReport]:
+    """Per instance, the last report that tasks of ``attempt`` sent (each action on the output runs them)."""
+    reports = {}
+    for sent_by, meta in received:
+        if sent_by == attempt:
+            report = report_from_meta(meta)
+            reports[report.instance] = report
+    return reports
+
+
+def _strip_reports(batches, reports, attempt: str, schema: pa.Schema):
+    """A task's output batches without their report column; the report row goes to ``reports``."""
+    for batch in batches:
+        meta = batch.column(batch.num_columns - 1)
+        if meta.null_count < batch.num_rows:
+            reports.add([(attempt, meta[0].as_py())])
+        else:
+            yield pa.RecordBatch.from_arrays(batch.columns[:-1], schema=schema)
 
 
 @dataclass
@@ -97,7 +139,7 @@ class MicroBatch:
     spark_checkpoint: SparkCheckpoint
     sink: BatchSink
     parallelism_override: int | None = None
-    fault_hook: Callable[[str, int], None] | None = None  # tests: called at "tasks_done", "output_written", "committed"
+    fault_hook: Callable[[str, int], None] | None = None  # tests: called at "output_written", "committed"
     history: list[dict] = field(default_factory=list)
     drain_requested: bool = False
     drained_batch: int | None = None
@@ -105,6 +147,7 @@ class MicroBatch:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
     _task_plans: dict[tuple[int, int], "_TaskPlan"] = field(default_factory=dict)
+    _reports: Any = None  # the accumulator the tasks send their reports through (``_Reports``)
     _stopper: threading.Thread | None = None
     _warned_unbounded: bool = False
 
@@ -188,30 +231,28 @@ class MicroBatch:
             resident_memory=conf.resident_memory,
         )
         self._warn_if_unbounded(conf)
-        result = self._run_tasks(batch_df, task, conf.instance_hosts)
-        try:
-            from pyspark.sql import functions as F
-
-            metas = result.where(F.col(META_COLUMN).isNotNull()).select(META_COLUMN).collect()
-            reports = [report_from_meta(row[0]) for row in metas]
-            check_reports(reports, conf.parallelism)
-            self._fault("tasks_done", batch_id)
-            self.sink.write(result.where(F.col(META_COLUMN).isNull()).drop(META_COLUMN), batch_id)
-            self._fault("output_written", batch_id)
-            storage = coordinator.manifests.storage
-            committing, wire = time.perf_counter(), storage.counters()
-            manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
-            commit_seconds, commit_requests = time.perf_counter() - committing, _requests_since(storage, wire)
-            cleanup_seconds, cleanup_requests = 0.0, _requests_since(storage, storage.counters())
-            if manifest is not None:
-                self._fault("committed", batch_id)
-                cleaning, wire = time.perf_counter(), storage.counters()
-                coordinator.cleanup(manifest, grace_seconds=conf.orphan_grace_seconds)
-                cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
-            if drain:
-                self._drained(coordinator, spark_batch)
-        finally:
-            result.unpersist()
+        attempt = uuid.uuid4().hex  # names this attempt's reports among any late ones of an earlier attempt
+        output = self._run_tasks(batch_df, task, conf.instance_hosts, attempt)
+        self.sink.write(output, batch_id)
+        reports = reports_of(self._reports.value, attempt)
+        if sorted(reports) != list(range(conf.parallelism)):  # the sink ran no action on (all of) the output
+            output.write.format("noop").mode("overwrite").save()
+            reports = reports_of(self._reports.value, attempt)
+        reports = [reports[i] for i in sorted(reports)]
+        check_reports(reports, conf.parallelism)
+        self._fault("output_written", batch_id)
+        storage = coordinator.manifests.storage
+        committing, wire = time.perf_counter(), storage.counters()
+        manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
+        commit_seconds, commit_requests = time.perf_counter() - committing, _requests_since(storage, wire)
+        cleanup_seconds, cleanup_requests = 0.0, _requests_since(storage, storage.counters())
+        if manifest is not None:
+            self._fault("committed", batch_id)
+            cleaning, wire = time.perf_counter(), storage.counters()
+            coordinator.cleanup(manifest, grace_seconds=conf.orphan_grace_seconds)
+            cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
+        if drain:
+            self._drained(coordinator, spark_batch)
         self.history.append(
             {
                 "batch_id": batch_id,
@@ -261,23 +302,28 @@ class MicroBatch:
         if self.query.isActive:
             self.query.stop()
 
-    def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool):
-        """Step 3: route every row to its instance's task and run the tasks; the persisted result."""
-        from pyspark import StorageLevel
+    def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool, attempt: str):
+        """Step 3: the output DataFrame, whose every action routes the rows to the instances and runs their tasks.
 
+        Each task sends its report through the ``_Reports`` accumulator,
+        tagged with ``attempt``.
+        """
         plan = self._task_plan(task)
         run = run_hosted if hosted else run_instance
+        if self._reports is None:
+            self._reports = batch_df.sparkSession.sparkContext.accumulator([], _Reports())
+        self._reports.value = []  # reports of earlier batches (a late one of a failed attempt is not this attempt's)
+        reports, schema = self._reports, task_output_schema(task.output_schema)
 
         def process(batches):
             from pyspark import TaskContext
 
-            yield from run(task, TaskContext.get().partitionId(), batches)
+            yield from _strip_reports(run(task, TaskContext.get().partitionId(), batches), reports, attempt, schema)
 
-        routed = batch_df.select(*plan.routed).select(*plan.instance).repartitionById(task.parallelism, plan.by)
+        routed = batch_df.select(*plan.routed).repartitionById(task.parallelism, plan.by)
         if plan.partials is not None:
             routed = routed.groupBy(*plan.partials_keys).agg(*plan.partials)
-        return (routed.drop(INSTANCE_COLUMN).mapInArrow(process, plan.output_schema)
-                .persist(StorageLevel.MEMORY_AND_DISK))
+        return routed.mapInArrow(process, plan.output_schema)
 
     def _warn_if_unbounded(self, conf: StateConf) -> None:
         """Say once per query that ``spark.state.residentMemory`` does not bound a component with timers."""
@@ -312,10 +358,11 @@ class _TaskPlan:
     the instance partitioning (no second shuffle), and a task receives one
     row per key (``functions.PARTIAL_PREFIX`` columns and ``ROWS_COLUMN``)
     instead of every row, which ``Aggregate.apply`` merges as they are.
+    The tasks' input keeps the instance column (they ignore it): dropping it
+    would cost one more plan analysis per batch.
     """
 
     routed: tuple
-    instance: tuple
     by: Any
     output_schema: Any
     partials_keys: tuple | None
@@ -333,16 +380,15 @@ class _TaskPlan:
         event_column = [task.event_time.column] if task.event_time is not None else []
         inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
         needed = list(dict.fromkeys(key_columns + inputs + event_column))
-        instance = instance_column(F.col(KEY_GROUP_COLUMN), task.parallelism, task.max_parallelism)
+        instance = instance_column(key_group, task.parallelism, task.max_parallelism)
         partials = None
         function = task.function
         if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():
             partials = _spark_partials(function)
         return cls(
-            routed=(*needed, key_group.alias(KEY_GROUP_COLUMN)),
-            instance=("*", instance.alias(INSTANCE_COLUMN)),
+            routed=(*needed, key_group.alias(KEY_GROUP_COLUMN), instance.alias(INSTANCE_COLUMN)),
             by=F.col(INSTANCE_COLUMN),
-            output_schema=task_output_schema(task.output_schema),
+            output_schema=to_spark_schema(task_output_schema(task.output_schema)),
             partials_keys=(INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns) if partials is not None else None,
             partials=partials,
         )

@@ -114,8 +114,8 @@ def _matches_some_batching(outputs: dict[int, dict[str, int]], files: list[list[
 
 def test_killed_driver_restarts_to_exact_output(tmp_path):
     files = _write_inputs(tmp_path, 4)
-    # Dies after the tasks of batch 0 wrote their blobs, before output and commit: offsets/0 is complete.
-    assert _run(tmp_path, 2, die_at="tasks_done:0") == 41
+    # Dies after batch 0's tasks wrote their blobs and its output, before the commit: offsets/0 is complete.
+    assert _run(tmp_path, 2, die_at="output_written:0") == 41
     first = (tmp_path / "chk" / "offsets" / "0").read_bytes()
     # Restarted at 3: replays batch 0 from its complete offsets entry (never repaired: only a first write's
     # leftovers are), then dies after committing batch 2, before Spark records it as done.

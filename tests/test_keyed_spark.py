@@ -164,7 +164,7 @@ def test_rescale_3_5_1_8_with_faults_gives_exact_output(spark, tmp_path, monkeyp
     assert _state_counts(tmp_path / "state", "clicks", parallelism=3) == dict(totals)
 
 
-@pytest.mark.parametrize("stage", ["tasks_done", "output_written"])
+@pytest.mark.parametrize("stage", ["sink", "output_written"])
 def test_driver_failure_before_commit_replays_batch_exactly(spark, tmp_path, monkeypatch, stage):
     job = Job(spark, tmp_path)
     job.add_batch(300, keys=40, salt=0)
@@ -175,7 +175,17 @@ def test_driver_failure_before_commit_replays_batch_exactly(spark, tmp_path, mon
         if at == stage and batch_id == 1:
             raise RuntimeError(f"injected driver failure at {at}")
 
-    monkeypatch.setattr(MicroBatch, "_fault", crash)
+    sink = job.sink
+
+    def failing_sink(out, batch_id):  # batch 1: the tasks ran and wrote their blobs, the output is not delivered
+        out.collect()
+        crash(None, "sink", batch_id)
+        sink(out, batch_id)
+
+    if stage == "sink":
+        monkeypatch.setattr(job, "sink", failing_sink)
+    else:
+        monkeypatch.setattr(MicroBatch, "_fault", crash)
     with pytest.raises(Exception, match="injected driver failure"):
         job.run(2)
     store = open_manifest_log(str(tmp_path / "state"))
@@ -183,6 +193,29 @@ def test_driver_failure_before_commit_replays_batch_exactly(spark, tmp_path, mon
     monkeypatch.undo()
     job.run(3)
     assert job.outputs == job.expected()
+
+
+@pytest.mark.parametrize("actions", [0, 2])
+def test_a_foreach_batch_function_may_run_the_output_any_number_of_times(spark, tmp_path, monkeypatch, actions):
+    """No action: the driver runs the tasks itself; two actions: the tasks run twice, from the same base."""
+    job = Job(spark, tmp_path)
+    for salt in range(4):
+        job.add_batch(300, keys=40, salt=salt)
+    sink = job.sink
+
+    def odd_sink(out, batch_id):
+        if batch_id % 2:
+            for _ in range(actions):
+                out.collect()
+        else:
+            sink(out, batch_id)
+
+    monkeypatch.setattr(job, "sink", odd_sink)
+    query = job.run(2)
+    assert [b["batch_id"] for b in query.batches] == [0, 1, 2, 3]
+    assert {b: job.outputs[b] for b in (0, 2)} == {b: job.expected()[b] for b in (0, 2)}
+    totals = Counter(user for rows in job.files for user, _ in rows)
+    assert _state_counts(tmp_path / "state", "clicks", parallelism=2) == dict(totals)
 
 
 def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_path):

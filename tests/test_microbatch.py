@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
-from spark_state.microbatch import task_output_schema
+from spark_state.microbatch import _strip_reports, reports_of, task_output_schema
+from spark_state.coordinator import InstanceReport
 from spark_state.operator import META_COLUMN
 
 
@@ -12,8 +15,8 @@ def test_task_output_columns_are_nullable_even_when_the_input_declares_them_not_
     output = pa.schema([pa.field("key", pa.string()), pa.field("split", pa.int32(), nullable=False),
                         pa.field("offset", pa.int64(), nullable=False)])
     schema = task_output_schema(output)
-    assert [f.name for f in schema.fields] == ["key", "split", "offset", META_COLUMN]
-    assert all(f.nullable for f in schema.fields)
+    assert schema.names == ["key", "split", "offset"]
+    assert all(f.nullable for f in schema)
 
 
 def test_a_memory_bound_on_a_component_with_timers_is_reported_once_not_ignored_silently(caplog):
@@ -37,3 +40,42 @@ def test_a_memory_bound_on_a_component_with_timers_is_reported_once_not_ignored_
         assert [r.getMessage() for r in caplog.records if "residentMemory" in r.getMessage()] == (
             ["spark.state.residentMemory does not bound component 'sessions': it has timers or a time to live, and "
              "its state stays in memory whole; its batch reports say bounded=false"] * expected)
+
+
+def _meta(instance: int, blob_rows: int) -> str:
+    return json.dumps(InstanceReport(instance, None, None, {"rows_in": blob_rows}).to_json())
+
+
+def test_reports_of_keeps_one_attempt_and_the_last_report_of_each_instance():
+    received = [
+        ("old", _meta(0, 1)),  # a late report of an earlier attempt
+        ("now", _meta(1, 2)),
+        ("now", _meta(0, 3)),
+        ("now", _meta(1, 4)),  # the output was computed again (a second action): the last report counts
+    ]
+    reports = reports_of(received, "now")
+    assert sorted(reports) == [0, 1]
+    assert reports[0].info["rows_in"] == 3 and reports[1].info["rows_in"] == 4
+    assert reports_of(received, "other") == {}
+
+
+def test_a_tasks_report_row_goes_to_the_accumulator_and_its_output_rows_lose_the_report_column():
+    output = pa.schema([pa.field("key", pa.string()), pa.field("count", pa.int64())])
+    with_meta = output.append(pa.field(META_COLUMN, pa.string()))
+    rows = pa.RecordBatch.from_arrays([pa.array(["a", "b"]), pa.array([1, 2]), pa.nulls(2, pa.string())],
+                                      schema=with_meta)
+    report = pa.RecordBatch.from_arrays([pa.nulls(1, pa.string()), pa.nulls(1, pa.int64()), pa.array([_meta(1, 7)])],
+                                        schema=with_meta)
+
+    class Accumulator:
+        added: list = []
+
+        def add(self, value):
+            self.added.extend(value)
+
+    sent = Accumulator()
+    emitted = list(_strip_reports([rows, report], sent, "now", task_output_schema(output)))
+    assert [b.to_pydict() for b in emitted] == [{"key": ["a", "b"], "count": [1, 2]}]
+    assert emitted[0].schema == task_output_schema(output)
+    assert [(attempt, InstanceReport.from_json(json.loads(m)).instance) for attempt, m in sent.added] == [
+        ("now", 1)]

@@ -135,7 +135,7 @@ def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after
         return query
 
     def crash(self, at, batch_id):
-        if at == "tasks_done" and batch_id == 0:
+        if at == "output_written" and batch_id == 0:
             raise RuntimeError("injected driver failure in the batch that registers the timers")
 
     monkeypatch.setattr(MicroBatch, "_fault", crash)
