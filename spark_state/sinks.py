@@ -5,7 +5,9 @@ again with the same id when Spark replays the batch after a failure, so a
 sink must leave the same result however often it is called for one id:
 
 - ``ForeachBatchSink(fn)``: the user's ``fn(output_df, batch_id)``, which
-  must itself be idempotent per batch id;
+  must itself be idempotent per batch id; each action on ``output_df`` runs
+  the batch's tasks (``microbatch``), so ``fn`` should persist it to use it
+  more than once;
 - ``FileSink``: any Spark file format (``parquet``, ``json``, ...), each
   batch written with mode overwrite to ``<path>/batch_id=N``, so a replay
   replaces itself;

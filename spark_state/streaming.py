@@ -241,7 +241,9 @@ class StatefulStreamWriter:
     ``replayable`` skips a batch id it already holds; file formats (parquet,
     json, ...) are written with mode overwrite to ``<path>/batch_id=N``;
     ``foreachBatch(fn)`` hands ``(output_df, batch_id)`` to ``fn``, which must
-    be idempotent per batch id (Spark may call it again for the same id).
+    be idempotent per batch id (Spark may call it again for the same id);
+    each action on ``output_df`` runs the batch's tasks, so ``fn`` should
+    persist it to use it more than once.
     """
 
     def __init__(self, stream: StatefulStream):
