@@ -183,8 +183,9 @@ def encode_blob(
         # The writer emits magic and schema lazily with the first batch.
         starts[0] = _MAGIC_PREFIX + len(schema.serialize())
     earliest = earliest or {}
+    view = memoryview(data)
     entries_out = tuple(
-        BlobEntry(e.key_group, e.kind, s, end - s, e.rows, zlib.crc32(data[s:end]), earliest.get(e.key_group))
+        BlobEntry(e.key_group, e.kind, s, end - s, e.rows, zlib.crc32(view[s:end]), earliest.get(e.key_group))
         for e, s, end in zip(index, starts, ends)
     )
     if entries_out:

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from spark_state.errors import ConfigError
 from spark_state.eventtime import END_OF_TIME
 from spark_state.instance_items import InstanceItems
-from spark_state.keyed_table import KeyGroupTable
+from spark_state.keyed_table import ChangedRows, KeyGroupTable
 from spark_state.schema import Key
 from spark_state.timers import (
     EVENT,
@@ -193,9 +193,10 @@ class Aggregate:
         """Merge the batch's partial aggregates per key into the state; one output row per key seen."""
         definition = self.definition
         totals, names = self.partials(rows, key_columns)
+        totals = totals.sort_by(KEY_GROUP_COLUMN)  # the table takes each key group's keys at once
         state_types = definition.state(self.input_type)
         partials = [totals.column(n).cast(t).to_pylist() for n, t in zip(names, state_types)]
-        key_groups = totals.column(KEY_GROUP_COLUMN).to_pylist()
+        key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
         keys = list(zip(*[totals.column(c).to_pylist() for c in key_columns]))
         # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
         olds = table.get_many(key_groups, keys)
@@ -212,7 +213,8 @@ class Aggregate:
                       for i, (op, part) in enumerate(zip(merges, partials)))
                 for row, old in enumerate(olds)
             ]
-        table.put_many(key_groups, keys, new)
+        columns = ChangedRows(key_groups, tuple(totals.column(c).combine_chunks() for c in key_columns), new)
+        table.put_many(key_groups, keys, new, columns)
         output = {c: totals.column(c) for c in key_columns}
         output[self.output_name] = pa.array([definition.finish(s) for s in new], self.output_type())
         return pa.table(output)

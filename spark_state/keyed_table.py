@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -142,6 +143,25 @@ class FetchedChain:
         return self._live
 
 
+def _runs(key_groups: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(key group, start, end)`` of each run of equal consecutive key groups (one per key group when sorted)."""
+    groups = np.asarray(key_groups)
+    if len(groups) == 0:
+        return iter(())
+    starts = np.concatenate(([0], np.flatnonzero(groups[1:] != groups[:-1]) + 1))
+    ends = np.append(starts[1:], len(groups))
+    return zip(groups[starts].tolist(), starts.tolist(), ends.tolist())
+
+
+@dataclass(frozen=True)
+class ChangedRows:
+    """Rows ``put_many`` stored, as Arrow: key groups, key columns and the values (tuples), each key once."""
+
+    key_groups: np.ndarray
+    keys: tuple[pa.Array, ...]
+    values: Sequence[Value]
+
+
 class KeyGroupTable:
     """See the module docstring; ``variable`` arguments are indexes into ``schema.variables`` (0: ``value``)."""
 
@@ -152,6 +172,7 @@ class KeyGroupTable:
         self._groups: dict[int, list[dict[Key, Value]]] = {}
         self._unloaded: dict[int, FetchedChain] = {}
         self._dirty: dict[int, set[Key]] = {}
+        self._changed_rows: list[ChangedRows] | None = []  # see ``changed_rows``; None: other changes too
         self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
         self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
         self._overlays = self._width == 1 and len(schema.key_columns) == 1
@@ -173,7 +194,8 @@ class KeyGroupTable:
     def _check_all(self, key_groups: Sequence[int]) -> None:
         if len(key_groups) == 0:
             return
-        low, high = min(key_groups), max(key_groups)
+        low, high = (int(key_groups.min()), int(key_groups.max())) if isinstance(key_groups, np.ndarray) else (
+            min(key_groups), max(key_groups))
         if low < self.key_group_range.start or high > self.key_group_range.end:
             self._check(next(g for g in key_groups if g not in self.key_group_range))
         if self._cold and not self._cold.isdisjoint(key_groups):
@@ -215,6 +237,8 @@ class KeyGroupTable:
         """Make the ``value`` of every ``(key_groups[i], keys[i])`` readable from the dicts."""
         if not self._unloaded:
             return
+        if isinstance(key_groups, np.ndarray):
+            key_groups = key_groups.tolist()
         if not self._overlays:
             for key_group in self._unloaded.keys() & set(key_groups):
                 self._group(key_group)
@@ -284,6 +308,7 @@ class KeyGroupTable:
         self._check(key_group)
         self._group(key_group)[variable][key] = value
         self._dirty.setdefault(key_group, set()).add(key)
+        self._changed_rows = None
 
     def delete(self, key_group: int, key: Key, variable: int | None = None) -> None:
         """Remove ``key`` from one variable, or (``variable=None``) all of its state."""
@@ -293,28 +318,45 @@ class KeyGroupTable:
         removed = [values.pop(key) for values in targets if key in values]
         if removed:
             self._dirty.setdefault(key_group, set()).add(key)
+            self._changed_rows = None
 
     def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
         """``[get(g, k, default) for g, k in zip(key_groups, keys)]`` for the ``value`` variable."""
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
-        groups, empty = self._groups, ({},)
-        return [groups.get(g, empty)[0].get(k, default) for g, k in zip(key_groups, keys)]
+        groups, empty, found = self._groups, ({},), []
+        for g, start, end in _runs(key_groups):
+            values = groups.get(g, empty)[0]
+            if default is None:
+                found.extend(map(values.get, keys[start:end]))
+            else:
+                found.extend(values.get(k, default) for k in keys[start:end])
+        return found
 
-    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value]) -> None:
-        """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences."""
+    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value],
+                 columns: "ChangedRows | None" = None) -> None:
+        """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences.
+
+        ``columns``, the same rows with key groups and keys as Arrow arrays
+        (each key once), lets a checkpoint write them without reading them
+        back from the dicts (``changed_rows``).
+        """
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
+        if columns is None or self._changed_rows is None:
+            self._changed_rows = None
+        else:
+            self._changed_rows.append(columns)
         groups, dirty, width = self._groups, self._dirty, self._width
-        for g, k, v in zip(key_groups, keys, values):
+        for g, start, end in _runs(key_groups):
             group = groups.get(g)
             if group is None:
                 group = groups[g] = [{} for _ in range(width)]
-            group[0][k] = v
+            group[0].update(zip(keys[start:end], values[start:end]))
             changed = dirty.get(g)
             if changed is None:
                 changed = dirty[g] = set()
-            changed.add(k)
+            changed.update(keys[start:end])
 
     def values(self, key_group: int, variable: int) -> dict[Key, Value]:
         """One variable's ``key -> value`` of a key group (folds it; do not change the dict, use put/delete)."""
@@ -347,8 +389,17 @@ class KeyGroupTable:
 
     def take_changes(self) -> dict[int, set[Key]]:
         """The keys changed per key group since the last call, which clears them."""
-        changes, self._dirty = self._dirty, {}
+        changes, self._dirty, self._changed_rows = self._dirty, {}, []
         return changes
+
+    def changed_rows(self) -> "ChangedRows | None":
+        """Every change since ``take_changes`` as Arrow rows, when one ``put_many`` with ``columns`` made them all.
+
+        None when anything else changed the table since (a ``put``, a
+        ``delete``, a second ``put_many``, a key group cleared or replaced).
+        """
+        rows = self._changed_rows
+        return rows[0] if rows is not None and len(rows) == 1 else None
 
     def key_count(self, key_group: int) -> int:
         if key_group in self._unloaded:
@@ -364,10 +415,12 @@ class KeyGroupTable:
         overlay = self._groups.get(key_group) if key_group in self._unloaded else None
         if overlay is not None and keys is not None and all(key in overlay[0] for key in keys):
             chosen = list(keys)
-            return chosen, [[values.get(key) for key in chosen] for values in overlay]
+            return chosen, [list(map(values.get, chosen)) for values in overlay]
         group = self._group(key_group)
+        if keys is None and len(group) == 1:  # every key of one variable: the dict as it is
+            return list(group[0]), [list(group[0].values())]
         chosen = list(_keys(group)) if keys is None else list(keys)
-        return chosen, [[values.get(key) for key in chosen] for values in group]
+        return chosen, [list(map(values.get, chosen)) for values in group]
 
     def drop_if_empty(self, key_group: int) -> None:
         group = self._groups.get(key_group)
@@ -383,7 +436,8 @@ class KeyGroupTable:
             self._check(key_group)
         self._cold.discard(key_group)
         self._groups.pop(key_group, None)
-        self._dirty.pop(key_group, None)
+        if self._dirty.pop(key_group, None) is not None:
+            self._changed_rows = None
         self._absent.pop(key_group, None)
         self._looked_up.discard(key_group)
         self._unloaded[key_group] = fetched
@@ -399,7 +453,8 @@ class KeyGroupTable:
         self._cold.discard(key_group)
         self._groups.pop(key_group, None)
         self._unloaded.pop(key_group, None)
-        self._dirty.pop(key_group, None)
+        if self._dirty.pop(key_group, None) is not None:
+            self._changed_rows = None
         self._absent.pop(key_group, None)
         self._looked_up.discard(key_group)
 

@@ -61,7 +61,7 @@ from spark_state.chains import DEFAULT_MAX_CHAIN_LENGTH, ChainTracker, PlannedEn
 from spark_state.errors import KeyGroupOwnershipError
 from spark_state.instance_items import InstanceItems, redistribute_items
 from spark_state.keygroups import KeyGroupRange, key_group_range
-from spark_state.keyed_table import FetchedChain, KeyGroupTable
+from spark_state.keyed_table import ChangedRows, FetchedChain, KeyGroupTable
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
 from spark_state.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
 from spark_state.schema import KeyedSchema
@@ -248,7 +248,9 @@ class ResidentState:
         The rows of all entries become one record batch, then each entry gets
         a compact copy of its slice (a zero-copy slice of a string column
         would take more bytes in the blob); the cost is per row, not per key
-        group.
+        group. When one ``put_many`` made every change (the built-in
+        aggregates), its Arrow rows are the delta entries, sorted by key
+        group, instead of rows read back from the dicts.
         With timers, ``earliest`` then holds each written key group's earliest
         timers, for its index entry. With ``stored``, a key group compacted
         into a full entry (few of its keys changed, but too many since its
@@ -257,6 +259,7 @@ class ResidentState:
         (``StoredChains``); a key group whose keys mostly changed is written
         from memory.
         """
+        changed = self.table.changed_rows() if self.timers_variable is None else None
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
         planned = self.chains.plan(changes, self.table.key_count, max_chain_length)
@@ -264,11 +267,17 @@ class ResidentState:
                       if stored is not None and e.kind == "full" and not e.empty
                       and (e.compacted or self.table.is_released(e.key_group))
                       and stored.holds(e.key_group, e.previous)}
+        fast = self._changed_batch(changed, changes) if changed is not None else None
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []
-        bounds: list[tuple[PlannedEntry, int, int]] = []
+        bounds: list[tuple[PlannedEntry, bool, int, int]] = []  # entry, from ``fast``, first row, rows
         for entry in planned:
+            if fast is not None and entry.kind == "delta":  # exactly the rows the batch put in the key group
+                first, rows = fast[1][entry.key_group]
+                bounds.append((entry, True, first, rows))
+                self.table.drop_if_empty(entry.key_group)
+                continue
             start = len(keys)
             if entry.kind != "full":
                 wanted = entry.keys  # a delta's changed keys, or a merge's keys changed since the full entry
@@ -279,10 +288,10 @@ class ResidentState:
             for column, part in zip(values, per_variable):
                 column.extend(part)
             if len(per_variable) == 1:
-                deleted.extend(value is None for value in per_variable[0])
+                deleted.extend([value is None for value in per_variable[0]])
             else:
                 deleted.extend(all(part[row] is None for part in per_variable) for row in range(len(chosen)))
-            bounds.append((entry, start, len(chosen)))
+            bounds.append((entry, False, start, len(chosen)))
             if self.timers_variable is not None:
                 self.earliest[entry.key_group] = minima(self.table.values(entry.key_group, self.timers_variable).values())
             self.table.drop_if_empty(entry.key_group)
@@ -290,14 +299,35 @@ class ResidentState:
             self.table.drop_if_empty(key_group)
         if not bounds:
             return []
-        table = self.schema.rows_to_columns(keys, values, deleted)
-        batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns], schema=table.schema)
-        entries = [(entry.key_group, entry.kind, pa.concat_batches([batch.slice(start, n)])) for entry, start, n in bounds]
+        batch = None
+        if not all(from_fast for _, from_fast, _, _ in bounds):
+            table = self.schema.rows_to_columns(keys, values, deleted)
+            batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns],
+                                               schema=table.schema)
+        entries = [(entry.key_group, entry.kind, pa.concat_batches([(fast[0] if from_fast else batch).slice(start, n)]))
+                   for entry, from_fast, start, n in bounds]
         self.compaction = {}
         if from_store:
             entries = stored.compact(entries, from_store)
             self.compaction = stored.last
         return entries
+
+    def _changed_batch(self, changed: ChangedRows, changes: dict[int, set]) -> tuple[pa.RecordBatch, dict] | None:
+        """The rows one ``put_many`` changed as one blob-schema batch in key-group order, and each group's slice.
+
+        None (write from the dicts) when they are not exactly the changes.
+        """
+        if len(changed.values) != sum(map(len, changes.values())):
+            return None
+        order = np.argsort(changed.key_groups, kind="stable")
+        groups = changed.key_groups[order]
+        present, firsts, counts = np.unique(groups, return_index=True, return_counts=True)
+        if len(present) != len(changes):
+            return None
+        values = changed.values
+        batch = self.schema.arrays_to_batch([column.take(pa.array(order)) for column in changed.keys],
+                                            [[values[i] for i in order.tolist()]])
+        return batch, dict(zip(present.tolist(), zip(firsts.tolist(), counts.tolist())))
 
     def checkpoint(
         self,

@@ -161,3 +161,26 @@ def test_a_value_that_expired_stays_expired_through_its_keys_timers():
     assert state.table.get(key_group_for("a", M), ("a",)) is None
     function.expire(state, late)
     assert state.table.get(key_group_for("a", M), ("a",)) is None
+
+
+def _entries(entries) -> list[tuple[int, str, list]]:
+    return [(g, kind, sorted(map(str, batch.to_pylist()))) for g, kind, batch in entries]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), put_between=st.booleans())
+def test_a_checkpoint_writes_the_aggregates_rows_as_they_were_put_the_same_entries_as_read_from_the_dicts(
+        batches, kind, put_between):
+    aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else pa.int64())
+    schema = KeyedSchema.of_values([KEY], aggregate.state_fields())
+    fast, slow = ResidentState(schema, KeyGroupRange(0, M - 1)), ResidentState(schema, KeyGroupRange(0, M - 1))
+    slow.table.changed_rows = lambda: None  # always read back from the dicts
+    for pairs in batches:
+        for state in (fast, slow):
+            aggregate.apply(state.table, _rows(pairs, pa.int64()), ("key",))
+            if put_between and pairs:  # another change than put_many's: the rows come from the dicts
+                key = pairs[0][0]
+                state.table.put(key_group_for(key, M), (key,), state.table.get(key_group_for(key, M), (key,)))
+        used = fast.table.changed_rows() is not None
+        assert used == (not (put_between and pairs))
+        assert _entries(fast.snapshot(max_chain_length=3)) == _entries(slow.snapshot(max_chain_length=3))
