@@ -156,13 +156,13 @@ def encode_blob(
     options = pa.ipc.IpcWriteOptions(compression=compression)
     sink = pa.BufferOutputStream()
     writer = pa.ipc.new_file(sink, schema, options=options)
-    index: list[BlobEntry] = []
+    index: list[tuple[int, EntryKind, int]] = []  # key group, kind, rows
     starts: list[int] = []
-    previous = -1
+    previous, last = key_group_range.start - 1, key_group_range.end
     for key_group, kind, rows in entries:
         if kind not in ENTRY_KINDS:
             raise ConfigError(f"entry kind must be one of {ENTRY_KINDS}, got {kind!r}")
-        if key_group <= previous or key_group not in key_group_range:
+        if not previous < key_group <= last:
             raise ConfigError(
                 f"blob entries must have strictly increasing key groups inside {key_group_range}; "
                 f"got {key_group} after {previous}"
@@ -175,7 +175,7 @@ def encode_blob(
             writer.write_batch(batch, custom_metadata=batch_metadata)
         except pa.ArrowInvalid:  # names and types must match; field nullability and metadata may differ
             writer.write_batch(_as_single_batch(batch, schema), custom_metadata=batch_metadata)
-        index.append(BlobEntry(key_group, kind, 0, 0, batch.num_rows, 0))
+        index.append((key_group, kind, batch.num_rows))
     ends = starts[1:] + [sink.tell()]
     writer.close()
     data = sink.getvalue().to_pybytes()
@@ -185,8 +185,8 @@ def encode_blob(
     earliest = earliest or {}
     view = memoryview(data)
     entries_out = tuple(
-        BlobEntry(e.key_group, e.kind, s, end - s, e.rows, zlib.crc32(view[s:end]), earliest.get(e.key_group))
-        for e, s, end in zip(index, starts, ends)
+        BlobEntry(key_group, kind, s, end - s, rows, zlib.crc32(view[s:end]), earliest.get(key_group))
+        for (key_group, kind, rows), s, end in zip(index, starts, ends)
     )
     if entries_out:
         first = entries_out[0]

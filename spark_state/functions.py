@@ -20,7 +20,9 @@ timers in time order, then the expiries.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -49,11 +51,13 @@ PARTIAL_PREFIX = "_spark_state_partial_"
 ROWS_COLUMN = "_spark_state_rows"
 """With partials computed in the JVM, the number of input rows each partial row stands for."""
 
-_MERGES: dict[str, Callable[[Any, Any], Any]] = {
-    "sum": lambda a, b: a + b,
+_MERGES: dict[str, Callable[[Any, Any], Any]] = {  # builtins: ``map`` runs them without Python frames
+    "sum": operator.add,
     "min": min,
     "max": max,
 }
+_first = itemgetter(0)
+"""``finish`` of the aggregates whose output is their one state column."""
 
 
 def _merge(op: str, old: Any, new: Any) -> Any:
@@ -125,12 +129,12 @@ AGGREGATES: dict[str, AggregateDef] = {
     d.name: d
     for d in (
         AggregateDef("count", False, lambda *_: None, lambda _: (pa.int64(),), ("count_all",), ("sum",),
-                     lambda _: pa.int64(), lambda s: s[0], _always),
+                     lambda _: pa.int64(), _first, _always),
         AggregateDef("sum", True, _numeric, lambda t: (_sum_type(t),), ("sum",), ("sum",), _sum_type,
-                     lambda s: s[0], _jvm_sums),
-        AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, lambda s: s[0],
+                     _first, _jvm_sums),
+        AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, _first,
                      _jvm_orders),
-        AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, lambda s: s[0],
+        AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, _first,
                      _jvm_orders),
         AggregateDef("mean", True, _numeric, lambda _: (pa.float64(), pa.int64()), ("sum", "count"),
                      ("sum", "sum"), lambda _: pa.float64(),
@@ -201,22 +205,36 @@ class Aggregate:
         # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
         olds = table.get_many(key_groups, keys)
         merges = definition.merges
-        if olds.count(None) == len(olds) and len(merges) == 1:
-            new = [(p,) for p in partials[0]]
-        elif len(merges) == 1:  # the common case, as one comprehension (the rule of ``_merge``)
-            merge = _MERGES[merges[0]]
-            new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
-                   for o, p in zip(olds, partials[0])]
+        merged = None  # the one state column, when there is one and it could be merged at C speed
+        if len(merges) == 1:
+            part = partials[0]
+            if olds.count(None) == len(olds):
+                merged = part
+            else:
+                firsts = list(map(_first, olds)) if None not in olds else None
+                if firsts is not None and None not in firsts and None not in part:
+                    merged = list(map(_MERGES[merges[0]], firsts, part))
+                else:  # the rule of ``_merge``, as one comprehension
+                    merge = _MERGES[merges[0]]
+                    new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
+                           for o, p in zip(olds, part)]
+            if merged is not None:
+                new = list(zip(merged))
         else:
             new = [
                 tuple(_merge(op, old[i] if old is not None else None, part[row])
                       for i, (op, part) in enumerate(zip(merges, partials)))
                 for row, old in enumerate(olds)
             ]
-        columns = ChangedRows(key_groups, tuple(totals.column(c).combine_chunks() for c in key_columns), new)
+        columns = ChangedRows(key_groups, tuple(totals.column(c).combine_chunks() for c in key_columns), new,
+                              None if merged is None else (pa.array(merged, state_types[0]),))
         table.put_many(key_groups, keys, new, columns)
         output = {c: totals.column(c) for c in key_columns}
-        output[self.output_name] = pa.array([definition.finish(s) for s in new], self.output_type())
+        if definition.finish is _first:
+            finished = merged if merged is not None else list(map(_first, new))
+        else:
+            finished = [definition.finish(s) for s in new]
+        output[self.output_name] = pa.array(finished, self.output_type())
         return pa.table(output)
 
 

@@ -155,11 +155,16 @@ def _runs(key_groups: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class ChangedRows:
-    """Rows ``put_many`` stored, as Arrow: key groups, key columns and the values (tuples), each key once."""
+    """Rows ``put_many`` stored, as Arrow: key groups, key columns and the values (tuples), each key once.
+
+    ``fields``, when given, are the value variable's columns as Arrow, the
+    same values as ``values`` (where no value tuple is None).
+    """
 
     key_groups: np.ndarray
     keys: tuple[pa.Array, ...]
     values: Sequence[Value]
+    fields: tuple[pa.Array, ...] | None = None
 
 
 class KeyGroupTable:

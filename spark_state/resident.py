@@ -324,9 +324,13 @@ class ResidentState:
         present, firsts, counts = np.unique(groups, return_index=True, return_counts=True)
         if len(present) != len(changes):
             return None
-        values = changed.values
-        batch = self.schema.arrays_to_batch([column.take(pa.array(order)) for column in changed.keys],
-                                            [[values[i] for i in order.tolist()]])
+        take = pa.array(order)
+        keys = [column.take(take) for column in changed.keys]
+        if changed.fields is not None:
+            batch = self.schema.fields_to_batch(keys, [column.take(take) for column in changed.fields])
+        else:
+            values = changed.values
+            batch = self.schema.arrays_to_batch(keys, [[values[i] for i in order.tolist()]])
         return batch, dict(zip(present.tolist(), zip(firsts.tolist(), counts.tolist())))
 
     def checkpoint(

@@ -174,6 +174,16 @@ class KeyedSchema:
         arrays.append(pa.array(list(deleted), pa.bool_()))
         return pa.Table.from_arrays(arrays, schema=schema)
 
+    def fields_to_batch(self, keys: Sequence[pa.Array], fields: Sequence[pa.Array]) -> pa.RecordBatch:
+        """A blob-schema batch of one variable given as Arrow columns, no row deleted."""
+        schema = self.blob_schema
+        (variable,) = self.variables
+        arrays = [column if column.type == field.type else column.cast(field.type)
+                  for column, field in zip([*keys, *fields], [*self.keys, *variable.fields])]
+        value = pa.StructArray.from_arrays(arrays[len(keys):], fields=list(variable.fields))
+        deleted = pa.array(np.zeros(len(value), bool))
+        return pa.RecordBatch.from_arrays([*arrays[:len(keys)], value, deleted], schema=schema)
+
     def arrays_to_batch(self, keys: Sequence[pa.Array], values: Sequence[Sequence[Value | None]]) -> pa.RecordBatch:
         """A blob-schema batch of key columns given as Arrow and, per variable, values (a row is deleted where all
         are None)."""
