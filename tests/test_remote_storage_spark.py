@@ -60,9 +60,9 @@ class LogJob:
         self.rows += users
 
     def sink(self, out, batch_id: int) -> None:
+        self.outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}  # runs the batch's tasks
         if self.on_batch is not None:
             self.on_batch(batch_id)
-        self.outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
 
     def start(self, parallelism: int, **settings: str):
         self.spark.conf.set("spark.state.parallelism", str(parallelism))
