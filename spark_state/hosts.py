@@ -23,7 +23,10 @@ Lifetime: a worker forks the host when none answers (under a file lock, so
 two workers start one; forking skips an interpreter start-up, which would
 cost each new instance a third of a second); the host exits when the
 executor's Python daemon (its starter's parent, which lives as long as the
-executor) is gone, or after ``IDLE_SECONDS`` without a task. It keeps the
+executor) is gone, after ``IDLE_SECONDS`` without a task, or as soon as an
+idle host finds that the store has no more use for its state (``obsolete``:
+the query was rescaled away from its instance, or the store was deleted), so
+that the memory of rescaled or removed queries does not linger. It keeps the
 worker's process group and environment, and none of its descriptors,
 resident states or storage clients. Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
@@ -42,6 +45,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -53,6 +57,10 @@ from spark_state.errors import SparkStateError
 
 IDLE_SECONDS = 300.0
 """A host with no task for this long exits (its state is in the store; the next task reloads it)."""
+OBSOLETE_CHECK_SECONDS = 15.0
+"""An idle host asks the store this often whether its state is still of use (``obsolete``)."""
+UNCOMMITTED_SECONDS = 60.0
+"""A host whose first task's checkpoint is still not committed this long after it holds state no task will use."""
 START_SECONDS = 60.0
 """How long a worker waits for a host it started to listen."""
 
@@ -288,8 +296,9 @@ def _alive(pid: int) -> bool:
 
 def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS) -> None:
     """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out."""
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGHUP, _exit_on_signal)
+    if threading.current_thread() is threading.main_thread():  # a host's; a test may serve from a thread
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGHUP, _exit_on_signal)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(address))
     listener.listen(8)
@@ -298,16 +307,24 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
 
     query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
     resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
-    last_task = time.monotonic()
+    last_task = last_check = time.monotonic()
+    served = None  # the last task this host ran
     try:
         while _alive(daemon_pid) and time.monotonic() - last_task < idle_seconds:
             try:
                 connection, _ = listener.accept()
             except socket.timeout:
+                now = time.monotonic()
+                if served is not None and now - max(last_task, last_check) >= OBSOLETE_CHECK_SECONDS:
+                    last_check = now
+                    if obsolete(served, now - last_task):
+                        address.unlink(missing_ok=True)  # no new connection finds this host; a queued one is served
+                        _serve_queued(listener)
+                        break
                 continue
             with connection:
                 connection.settimeout(None)
-                _serve_task(connection)
+                served = _serve_task(connection) or served
             last_task = time.monotonic()
     finally:
         listener.close()
@@ -315,23 +332,61 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
             address.unlink(missing_ok=True)
 
 
+def _serve_queued(listener: socket.socket) -> None:
+    """Serve the connections already waiting on ``listener`` (a worker connected just before the host left)."""
+    listener.setblocking(False)
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except (BlockingIOError, socket.timeout):
+            return
+        with connection:
+            connection.setblocking(True)
+            _serve_task(connection)
+
+
+def obsolete(task, idle_seconds: float) -> bool:
+    """Whether the store has no more use for the state a host holds after running ``task``.
+
+    True when the store holds no checkpoint although the task had a base
+    (the store was deleted), or still none ``UNCOMMITTED_SECONDS`` after a
+    first task (its checkpoint was never committed); or when a checkpoint at
+    least as new as the task's runs the component at another parallelism
+    (the instance was rescaled away: a task at another parallelism builds
+    its state anew from the store). Never when the store cannot be read:
+    the idle timeout still ends the host.
+    """
+    from spark_state.operator import manifest_reader
+
+    try:
+        latest = manifest_reader(task.store_uri).latest()
+    except Exception:  # noqa: BLE001  (a store unreachable now may come back)
+        return False
+    if latest is None:
+        return task.base_checkpoint_id is not None or idle_seconds >= UNCOMMITTED_SECONDS
+    if latest.checkpoint_id < task.checkpoint_id:
+        return False  # the task's checkpoint is not committed yet
+    component = latest.components.get(task.component)
+    return component is None or component.parallelism != task.parallelism
+
+
 def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _serve_task(connection: socket.socket) -> None:
-    """Receive one task and its rows, run it, send its output (or its error)."""
+def _serve_task(connection: socket.socket):
+    """Receive one task and its rows, run it, send its output (or its error); the task, once received."""
     from spark_state.operator import run_instance
 
     frame = _receive(connection)
     if frame is None or frame[0] != TASK:
-        return
+        return None
     task, instance = pickle.loads(frame[1])
     batches = []
     while True:
         frame = _receive(connection)
         if frame is None:
-            return  # the worker is gone: its task failed and will be retried
+            return task  # the worker is gone: its task failed and will be retried
         kind, payload = frame
         if kind == END:
             break
@@ -340,16 +395,17 @@ def _serve_task(connection: socket.socket) -> None:
         for batch in run_instance(task, instance, batches):
             _send(connection, BATCH, memoryview(_batch_bytes(batch)))
     except (BrokenPipeError, ConnectionResetError):
-        return
+        return task
     except Exception as error:  # noqa: BLE001  (handed to the worker, which raises it in the task)
         if hasattr(error, "add_note"):
             error.add_note("raised in the instance host:\n" + traceback.format_exc())
         _send_error(connection, error)
-        return
+        return task
     try:
         _send(connection, END)
     except (BrokenPipeError, ConnectionResetError):
         pass
+    return task
 
 
 def _send_error(connection: socket.socket, error: Exception) -> None:

@@ -104,6 +104,11 @@ def _stores(uri: str) -> tuple[BlobStore, ManifestReader]:
         return stores
 
 
+def manifest_reader(uri: str) -> ManifestReader:
+    """This process's manifest reader of the store at ``uri`` (the one its tasks use)."""
+    return _stores(uri)[1]
+
+
 def forget_stores() -> None:
     """Drop this process's blob stores and manifest readers (a forked process opens its own)."""
     with _LOCK:

@@ -1,0 +1,108 @@
+"""Instance hosts leave when the store has no more use for their state (no Spark: the host's own loop)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pytest
+
+from spark_state import hosts
+from spark_state.manifest import ComponentSpec
+from spark_state.operator import forget_stores
+from spark_state.schema import KeyedSchema
+from spark_state.storage.local import LocalStorage
+from tests.stores import Store
+
+SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
+
+
+def _task(store: Path, checkpoint_id: int, base: int | None, parallelism: int):
+    return SimpleNamespace(store_uri=str(store), component="c", checkpoint_id=checkpoint_id,
+                           base_checkpoint_id=base, parallelism=parallelism)
+
+
+def _commit(store: Path, checkpoint_id: int, parallelism: int) -> None:
+    Store(LocalStorage(str(store))).commit(checkpoint_id, {"c": (ComponentSpec("c", 8, parallelism, SCHEMA), [])}, {})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_readers():
+    forget_stores()
+    yield
+    forget_stores()
+
+
+def test_a_host_of_a_store_that_runs_its_instance_at_its_parallelism_stays(tmp_path):
+    _commit(tmp_path, 1, 2)
+    _commit(tmp_path, 2, 2)
+    assert not hosts.obsolete(_task(tmp_path, 2, 1, 2), idle_seconds=600)
+    assert not hosts.obsolete(_task(tmp_path, 3, 2, 2), idle_seconds=600)  # its checkpoint is not committed yet
+
+
+def test_a_host_rescaled_away_from_leaves_once_a_newer_checkpoint_runs_another_parallelism(tmp_path):
+    _commit(tmp_path, 1, 2)
+    _commit(tmp_path, 2, 3)
+    assert hosts.obsolete(_task(tmp_path, 1, None, 2), idle_seconds=1)
+    assert hosts.obsolete(_task(tmp_path, 2, 1, 2), idle_seconds=1)  # a failed attempt at 2, committed at 3
+
+
+def test_a_host_of_a_deleted_store_leaves_and_one_of_a_first_batch_waits_for_its_commit(tmp_path):
+    store = tmp_path / "state"
+    store.mkdir()
+    assert not hosts.obsolete(_task(store, 1, None, 2), idle_seconds=1)  # the driver commits after the tasks
+    assert hosts.obsolete(_task(store, 1, None, 2), idle_seconds=hosts.UNCOMMITTED_SECONDS)
+    _commit(store, 1, 2)
+    assert not hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
+    shutil.rmtree(store)
+    assert hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
+
+
+def test_a_store_that_cannot_be_read_never_ends_a_host_early():
+    assert not hosts.obsolete(_task(Path("no-such-scheme://bucket/state"), 2, 1, 2), idle_seconds=10_000)
+
+
+@pytest.mark.parametrize("leaves", [False, True])
+def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypatch, leaves):
+    directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))  # a short path: AF_UNIX limits its length
+    address = directory / "q-0.sock"
+    task = _task(directory, 1, None, 2)
+    asked = []
+
+    def serve_task(connection):
+        connection.recv(1)
+        return task
+
+    def obsolete(served, idle_seconds):
+        asked.append(served)
+        return leaves
+
+    monkeypatch.setattr(hosts, "OBSOLETE_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(hosts, "_serve_task", serve_task)
+    monkeypatch.setattr(hosts, "obsolete", obsolete)
+    server = threading.Thread(target=hosts.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 30},
+                              daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not address.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(address))
+            client.sendall(b"T")
+        server.join(timeout=4)
+        assert asked and asked[0] is task  # asked about the task it ran, only once idle
+        assert server.is_alive() != leaves
+        assert address.exists() != leaves
+    finally:
+        if server.is_alive():
+            monkeypatch.setattr(hosts, "obsolete", lambda served, idle_seconds: True)
+            server.join(timeout=4)
+        shutil.rmtree(directory, ignore_errors=True)
