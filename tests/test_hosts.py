@@ -69,6 +69,21 @@ def test_a_store_that_cannot_be_read_never_ends_a_host_early():
     assert not hosts.obsolete(_task(Path("no-such-scheme://bucket/state"), 2, 1, 2), idle_seconds=10_000)
 
 
+def _connected(address: Path, timeout: float = 10.0) -> socket.socket:
+    """A connection to the host at ``address`` once it listens (it binds, then listens)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            client.connect(str(address))
+            return client
+        except (FileNotFoundError, ConnectionRefusedError):
+            client.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 @pytest.mark.parametrize("leaves", [False, True])
 def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypatch, leaves):
     directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))  # a short path: AF_UNIX limits its length
@@ -91,11 +106,7 @@ def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypa
                               daemon=True)
     server.start()
     try:
-        deadline = time.monotonic() + 10
-        while not address.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-            client.connect(str(address))
+        with _connected(address) as client:  # a task
             client.sendall(b"T")
         server.join(timeout=4)
         assert asked and asked[0] is task  # asked about the task it ran, only once idle
