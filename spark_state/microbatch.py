@@ -380,7 +380,7 @@ class _TaskPlan:
         event_column = [task.event_time.column] if task.event_time is not None else []
         inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
         needed = list(dict.fromkeys(key_columns + inputs + event_column))
-        instance = instance_column(key_group, task.parallelism, task.max_parallelism)
+        instance = instance_column(key_group, task.parallelism, task.max_parallelism, in_range=True)
         partials = None
         function = task.function
         if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():

@@ -92,17 +92,24 @@ def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parall
     return F.pmod(F.hash(*encoded), F.lit(m))
 
 
-def instance_column(key_group_col: str | Column, parallelism: int, max_parallelism: int) -> Column:
+def instance_column(key_group_col: str | Column, parallelism: int, max_parallelism: int, *,
+                    in_range: bool = False) -> Column:
     """Return an int Column with the instance that owns each row's key group.
 
     Equals ``keygroups.instance_for_key_group(g, parallelism, max_parallelism)``.
     A null key group gives null; a key group outside ``[0, max_parallelism)``
-    fails the query rather than routing the row to a nonexistent instance.
+    fails the query rather than routing the row to a nonexistent instance,
+    unless ``in_range`` says it cannot be outside (a ``key_group_column``).
+    The expression names the key group once when ``parallelism`` divides
+    ``max_parallelism`` and twice otherwise (three more times with the
+    range check): an expression given as ``key_group_col`` is repeated
+    where it is named, and every copy costs Spark's analysis time.
 
     Args:
         key_group_col: name or Column of key groups, ``0 <= key_group < max_parallelism``.
         parallelism: ``1 <= parallelism <= max_parallelism``.
         max_parallelism: ``1 <= max_parallelism <= 32768``.
+        in_range: the key groups are known to be in ``[0, max_parallelism)``: no check.
 
     Returns:
         Column of int, ``0 <= instance < parallelism``.
@@ -113,23 +120,15 @@ def instance_column(key_group_col: str | Column, parallelism: int, max_paralleli
     p, m = check_parallelism(parallelism, max_parallelism)
     group = F.col(key_group_col) if isinstance(key_group_col, str) else key_group_col
     q, r = divmod(m, p)
-    first_small = r * (q + 1)
-    # floor() of a double quotient is exact here: operands are at most 2**15, and
+    # The first r instances own q + 1 key groups each, the others q: key group g belongs to g // (q + 1)
+    # below first_small = r * (q + 1), else to r + (g - first_small) // q = (g - r) // q. Below first_small
+    # (g - r) // q <= g // (q + 1), from it on the other way round, so the instance is the greater of the two
+    # (one quotient when r = 0). floor() of a double quotient is exact here: operands are at most 2**15, and
     # a true quotient below an integer is below it by at least 1/divisor >= 2**-15.
-    in_large = F.floor(group / F.lit(q + 1))
-    in_small = F.lit(r) + F.floor((group - F.lit(first_small)) / F.lit(q))
+    by_small = F.floor((group - F.lit(r)) / F.lit(q)) if r else F.floor(group / F.lit(q))
+    instance = F.greatest(F.floor(group / F.lit(q + 1)), by_small) if r else by_small
+    if in_range:
+        return instance.cast("int")
     out_of_range = (group < F.lit(0)) | (group >= F.lit(m))
-    return (
-        F.when(
-            out_of_range,
-            F.raise_error(
-                F.concat(
-                    F.lit(f"key group out of range, need 0 <= key_group < {m}: "),
-                    group.cast("string"),
-                )
-            ),
-        )
-        .when(group < F.lit(first_small), in_large)
-        .otherwise(in_small)
-        .cast("int")
-    )
+    error = F.raise_error(F.concat(F.lit(f"key group out of range, need 0 <= key_group < {m}: "), group.cast("string")))
+    return F.when(out_of_range, error).otherwise(instance).cast("int")

@@ -96,6 +96,7 @@ def test_instances_match_python_for_every_key_group(spark, max_parallelism):
         .select(
             "id",
             *(instance_column("id", p, max_parallelism).alias(f"p{p}") for p in parallelisms),
+            *(instance_column("id", p, max_parallelism, in_range=True).alias(f"unchecked{p}") for p in parallelisms),
         )
         .toArrow()
     )
@@ -104,6 +105,7 @@ def test_instances_match_python_for_every_key_group(spark, max_parallelism):
     for p in parallelisms:
         expected = [instance_for_key_group(g, p, max_parallelism) for g in key_groups]
         assert table[f"p{p}"].to_pylist() == expected, p
+        assert table[f"unchecked{p}"].to_pylist() == expected, p
 
 
 def test_key_groups_match_vectorized_on_spark_arrow(keyed):
