@@ -54,7 +54,7 @@ from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PRE
 from spark_state.hosts import run_hosted
 from spark_state.manifest import ComponentSpec
 from spark_state.manifestlog import open_manifest_log
-from spark_state.operator import INSTANCE_COLUMN, TaskSpec, report_from_meta, run_instance
+from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
 from spark_state.sinks import BatchSink
 from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.timers import TIMERS
@@ -117,13 +117,12 @@ def reports_of(received: list[tuple[str, str]], attempt: str) -> dict[int, Insta
 
 
 def _strip_reports(batches, reports, attempt: str, schema: pa.Schema):
-    """A task's output batches without their report column; the report row goes to ``reports``."""
+    """A task's output batches in the declared (nullable) ``schema``; its report batch goes to ``reports``."""
     for batch in batches:
-        meta = batch.column(batch.num_columns - 1)
-        if meta.null_count < batch.num_rows:
-            reports.add([(attempt, meta[0].as_py())])
+        if batch.schema.names == [META_COLUMN]:
+            reports.add([(attempt, batch.column(0)[0].as_py())])
         else:
-            yield pa.RecordBatch.from_arrays(batch.columns[:-1], schema=schema)
+            yield batch if batch.schema == schema else pa.RecordBatch.from_arrays(batch.columns, schema=schema)
 
 
 @dataclass

@@ -15,9 +15,10 @@
    changes;
 4. write the changed key groups and instance items (step 1 of the commit
    protocol in ``manifestlog``), evict least recently used key groups down
-   to the memory bound, keep the state for the next batch, and emit a last
-   row carrying the instance's ``InstanceReport`` for the driver (with the
-   state's estimated bytes, their high-water mark and the process's RSS).
+   to the memory bound, keep the state for the next batch, and emit, after
+   the output batches, one batch of a single column ``META_COLUMN`` and one
+   row: the instance's ``InstanceReport`` for the driver (with the state's
+   estimated bytes, their high-water mark and the process's RSS).
 
 Executors get a ``BlobStore`` (write and fetch blobs and items) and a
 read-only ``ManifestReader`` (to find the base checkpoint's component); only
@@ -277,7 +278,6 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     input_batches = list(batches)
     table = pa.Table.from_batches(input_batches) if input_batches else None
     phases.end("input")
-    out_with_meta = task.output_schema.append(pa.field(META_COLUMN, pa.string()))
     time_info: dict = {}
     chunked = _in_chunks(task, state) and table is not None and table.num_rows > 0
     if table is not None and table.num_rows:
@@ -297,10 +297,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     phases.end("apply")
     for output in outputs:
         output = output.select(task.output_schema.names).cast(task.output_schema)
-        for batch in output.combine_chunks().to_batches():
-            yield pa.RecordBatch.from_arrays(
-                list(batch.columns) + [pa.nulls(batch.num_rows, pa.string())], schema=out_with_meta
-            )
+        yield from output.combine_chunks().to_batches()
     phases.end("output")
     wire_before = blobs.storage.counters()
     blob, items = state.checkpoint(
@@ -325,8 +322,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
         "seconds": round(time.perf_counter() - started, 4),
         "phase_seconds": phases.seconds,
     })
-    arrays = [pa.nulls(1, f.type) for f in task.output_schema] + [pa.array([json.dumps(report.to_json())], pa.string())]
-    yield pa.RecordBatch.from_arrays(arrays, schema=out_with_meta)
+    yield pa.RecordBatch.from_arrays([pa.array([json.dumps(report.to_json())], pa.string())], names=[META_COLUMN])
 
 
 def _rss() -> dict:
