@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from spark_state.errors import ConfigError
 from spark_state.eventtime import END_OF_TIME
 from spark_state.instance_items import InstanceItems
-from spark_state.keyed_table import ChangedRows, KeyGroupTable
+from spark_state.keyed_table import KeyGroupTable
 from spark_state.schema import Key
 from spark_state.timers import (
     EVENT,
@@ -207,17 +207,14 @@ class Aggregate:
         merges = definition.merges
         merged = None  # the one state column, when there is one and it could be merged at C speed
         if len(merges) == 1:
-            part = partials[0]
+            merge, part = _MERGES[merges[0]], partials[0]
             if olds.count(None) == len(olds):
                 merged = part
-            else:
-                firsts = list(map(_first, olds)) if None not in olds else None
-                if firsts is not None and None not in firsts and None not in part:
-                    merged = list(map(_MERGES[merges[0]], firsts, part))
-                else:  # the rule of ``_merge``, as one comprehension
-                    merge = _MERGES[merges[0]]
-                    new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
-                           for o, p in zip(olds, part)]
+            elif None not in olds and None not in part and None not in (firsts := list(map(_first, olds))):
+                merged = list(map(merge, firsts, part))
+            else:  # the rule of ``_merge``, as one comprehension
+                new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
+                       for o, p in zip(olds, part)]
             if merged is not None:
                 new = list(zip(merged))
         else:
@@ -226,9 +223,10 @@ class Aggregate:
                       for i, (op, part) in enumerate(zip(merges, partials)))
                 for row, old in enumerate(olds)
             ]
-        columns = ChangedRows(key_groups, tuple(totals.column(c).combine_chunks() for c in key_columns), new,
-                              None if merged is None else (pa.array(merged, state_types[0]),))
-        table.put_many(key_groups, keys, new, columns)
+        # No state is ever None here (a key with a batch has a value): the columns are the values as put.
+        fields = [merged] if merged is not None else [[s[i] for s in new] for i in range(len(state_types))]
+        table.put_many(key_groups, keys, new, key_columns=[totals.column(c).combine_chunks() for c in key_columns],
+                       value_columns=[pa.array(f, t) for f, t in zip(fields, state_types)])
         output = {c: totals.column(c) for c in key_columns}
         if definition.finish is _first:
             finished = merged if merged is not None else list(map(_first, new))

@@ -155,16 +155,11 @@ def _runs(key_groups: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class ChangedRows:
-    """Rows ``put_many`` stored, as Arrow: key groups, key columns and the values (tuples), each key once.
-
-    ``fields``, when given, are the value variable's columns as Arrow, the
-    same values as ``values`` (where no value tuple is None).
-    """
+    """The rows one ``put_many`` stored, as Arrow: their key groups, key columns and ``value`` variable columns."""
 
     key_groups: np.ndarray
     keys: tuple[pa.Array, ...]
-    values: Sequence[Value]
-    fields: tuple[pa.Array, ...] | None = None
+    fields: tuple[pa.Array, ...]
 
 
 class KeyGroupTable:
@@ -338,20 +333,21 @@ class KeyGroupTable:
                 found.extend(values.get(k, default) for k in keys[start:end])
         return found
 
-    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value],
-                 columns: "ChangedRows | None" = None) -> None:
+    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value], *,
+                 key_columns: Sequence[pa.Array] | None = None, value_columns: Sequence[pa.Array] | None = None
+                 ) -> None:
         """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences.
 
-        ``columns``, the same rows with key groups and keys as Arrow arrays
-        (each key once), lets a checkpoint write them without reading them
-        back from the dicts (``changed_rows``).
+        ``key_columns`` and ``value_columns``, the same keys and values (each
+        key once, no value None) as Arrow columns, let a checkpoint write the
+        rows without reading them back from the dicts (``changed_rows``).
         """
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
-        if columns is None or self._changed_rows is None:
+        if key_columns is None or value_columns is None or self._changed_rows is None:
             self._changed_rows = None
         else:
-            self._changed_rows.append(columns)
+            self._changed_rows.append(ChangedRows(np.asarray(key_groups), tuple(key_columns), tuple(value_columns)))
         groups, dirty, width = self._groups, self._dirty, self._width
         for g, start, end in _runs(key_groups):
             group = groups.get(g)

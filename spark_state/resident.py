@@ -317,7 +317,7 @@ class ResidentState:
 
         None (write from the dicts) when they are not exactly the changes.
         """
-        if len(changed.values) != sum(map(len, changes.values())):
+        if len(changed.key_groups) != sum(map(len, changes.values())):
             return None
         order = np.argsort(changed.key_groups, kind="stable")
         groups = changed.key_groups[order]
@@ -325,12 +325,8 @@ class ResidentState:
         if len(present) != len(changes):
             return None
         take = pa.array(order)
-        keys = [column.take(take) for column in changed.keys]
-        if changed.fields is not None:
-            batch = self.schema.fields_to_batch(keys, [column.take(take) for column in changed.fields])
-        else:
-            values = changed.values
-            batch = self.schema.arrays_to_batch(keys, [[values[i] for i in order.tolist()]])
+        batch = self.schema.fields_to_batch([column.take(take) for column in changed.keys],
+                                            [column.take(take) for column in changed.fields])
         return batch, dict(zip(present.tolist(), zip(firsts.tolist(), counts.tolist())))
 
     def checkpoint(

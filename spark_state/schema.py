@@ -184,18 +184,6 @@ class KeyedSchema:
         deleted = pa.array(np.zeros(len(value), bool))
         return pa.RecordBatch.from_arrays([*arrays[:len(keys)], value, deleted], schema=schema)
 
-    def arrays_to_batch(self, keys: Sequence[pa.Array], values: Sequence[Sequence[Value | None]]) -> pa.RecordBatch:
-        """A blob-schema batch of key columns given as Arrow and, per variable, values (a row is deleted where all
-        are None)."""
-        schema = self.blob_schema
-        arrays = [column if column.type == field.type else column.cast(field.type)
-                  for column, field in zip(keys, self.keys)]
-        arrays += [_struct_array(variable, column) for variable, column in zip(self.variables, values)]
-        gone = [all(column[row] is None for column in values) for row in range(len(arrays[0]))] if any(
-            None in column for column in values) else np.zeros(len(arrays[0]), bool)
-        arrays.append(pa.array(gone, pa.bool_()))
-        return pa.RecordBatch.from_arrays(arrays, schema=schema)
-
 
 def struct_values(column: Any, width: int) -> list[Value | None]:
     if isinstance(column, pa.ChunkedArray):
