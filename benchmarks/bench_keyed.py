@@ -625,7 +625,7 @@ def main(argv=None) -> dict:
     conf = {
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.shuffle.partitions": "= parallelism under test",
-        "spark.state.maxParallelism": "4096 (default)",
+        "spark.state.maxParallelism": "unset (a new store: 1024 at parallelism 2 and 4)",
         "spark.state.maxChainLength": "8 (default)",
     }
     return common.run_and_save("keyed", config.mode, common.command_line("bench_keyed", args),

@@ -8,8 +8,11 @@ key                                    default                     meaning
                                                                    ``s3://bucket/prefix`` (``default_store``)
 ``spark.state.parallelism``            ``spark.sql.shuffle.``      number of instances; read again at every micro-batch,
                                        ``partitions``              so it may change between batches and restarts
-``spark.state.maxParallelism``         4096                        the key space; fixed by the first checkpoint, a
-                                                                   different value is refused on restore
+``spark.state.maxParallelism``         the store's; new: 1024, or  the key space; fixed by the first checkpoint, a
+                                       32 x the parallelism        different value is refused on restore; unset: the
+                                                                   store's, for a new store the power of two giving each
+                                                                   instance >= 32 key groups, at least 1024
+                                                                   (``keygroups.default_max_parallelism``)
 ``spark.state.checkpointsRetained``    3                           committed checkpoints kept (>= 2: a replayed batch
                                                                    recomputes from the one before it)
 ``spark.state.maxChainLength``         8                           compaction: a key group's chain of entries is
@@ -67,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from spark_state.errors import ConfigError
-from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, UPPER_BOUND_MAX_PARALLELISM
+from spark_state.keygroups import UPPER_BOUND_MAX_PARALLELISM, default_max_parallelism
 from spark_state.storage import s3_location
 
 PREFIX = "spark.state."
@@ -142,7 +145,8 @@ class StateConf:
 
     store: str
     parallelism: int
-    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    max_parallelism: int | None = None
+    """The key space when set; None: the store's, or ``default_max_parallelism`` for a new store (``key_space``)."""
     checkpoints_retained: int = 3
     max_chain_length: int = 8
     compression: str | None = None
@@ -157,20 +161,38 @@ class StateConf:
     def __post_init__(self) -> None:
         if not self.store:
             raise ConfigError(f"{STORE} is empty; set it to a path, a webhdfs:// or an s3:// URI")
-        if not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
+        if self.max_parallelism is not None and not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
             raise ConfigError(
                 f"{MAX_PARALLELISM}={self.max_parallelism} is out of range; set it between 1 and "
                 f"{UPPER_BOUND_MAX_PARALLELISM}"
             )
-        if not 1 <= self.parallelism <= self.max_parallelism:
-            raise ConfigError(
-                f"{PARALLELISM}={self.parallelism} must be between 1 and {MAX_PARALLELISM}="
-                f"{self.max_parallelism}; lower the parallelism (the key space cannot be split finer)"
-            )
+        self.key_space(None)  # the parallelism fits the key space when it is set
         if self.checkpoints_retained < 2:
             raise ConfigError(f"{RETAINED}={self.checkpoints_retained} must be >= 2")
         if self.max_chain_length < 1:
             raise ConfigError(f"{MAX_CHAIN_LENGTH}={self.max_chain_length} must be >= 1")
+
+    def key_space(self, stored: int | None) -> int:
+        """The key space this query runs with: the setting, else ``stored`` (the store's), else a new store's default.
+
+        Raises ``ConfigError`` when the parallelism exceeds it (the key space
+        cannot be split finer); a setting that differs from ``stored`` is
+        refused later, with the restore (``manifest.check_compatible``).
+        """
+        if self.max_parallelism is not None:
+            space, source = self.max_parallelism, f"{MAX_PARALLELISM}={self.max_parallelism}"
+        elif stored is not None:
+            space, source = stored, f"the key space of the store, {stored} (fixed when it was created)"
+        else:
+            space, source = UPPER_BOUND_MAX_PARALLELISM, f"{UPPER_BOUND_MAX_PARALLELISM}, the largest key space"
+        if not 1 <= self.parallelism <= space:
+            raise ConfigError(
+                f"{PARALLELISM}={self.parallelism} must be between 1 and {source}; lower the parallelism (the key "
+                "space cannot be split finer)"
+            )
+        if self.max_parallelism is None and stored is None:
+            return default_max_parallelism(self.parallelism)
+        return space
 
     @classmethod
     def parse(
@@ -200,7 +222,7 @@ class StateConf:
         max_parallelism = (
             _int(MAX_PARALLELISM, value(MAX_PARALLELISM), 1, UPPER_BOUND_MAX_PARALLELISM)
             if value(MAX_PARALLELISM)
-            else DEFAULT_MAX_PARALLELISM
+            else None
         )
         store = value(STORE) or (default_store() if callable(default_store) else default_store)
         return cls(

@@ -330,8 +330,8 @@ class Coordinator:
         self.manifests = manifests
         self.store = store
 
-    def begin(self, batch: SparkBatch, spec: ComponentSpec, *, restore_from: int | None = None) -> BatchPlan:
-        """Decide how to run ``batch`` and check that ``spec`` can continue its base's state.
+    def plan(self, batch: SparkBatch, *, restore_from: int | None = None) -> BatchPlan:
+        """Decide how to run ``batch``: its checkpoint id and the checkpoint it continues.
 
         With ``restore_from`` (``spark.state.restoreFrom``) a query that has
         not committed to the store yet starts from that retained checkpoint
@@ -342,6 +342,11 @@ class Coordinator:
             plan = plan_restore_from(self.manifests, batch, restore_from, store=self.store)
         if plan is None:
             plan = plan_batch(self.manifests.latest(), self.manifests.load, batch, store=self.store)
+        return plan
+
+    def begin(self, batch: SparkBatch, spec: ComponentSpec, *, restore_from: int | None = None) -> BatchPlan:
+        """``plan``, and check that ``spec`` can continue its base's state."""
+        plan = self.plan(batch, restore_from=restore_from)
         if plan.base is not None and spec.name in plan.base.components:
             check_compatible(plan.base.components[spec.name], spec)
         return plan

@@ -52,7 +52,7 @@ from spark_state.drain import finish_request, pending_requests
 from spark_state.errors import CheckpointError
 from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
 from spark_state.hosts import run_hosted
-from spark_state.manifest import ComponentSpec
+from spark_state.manifest import ComponentManifest, ComponentSpec, check_compatible
 from spark_state.manifestlog import open_manifest_log
 from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
 from spark_state.sinks import BatchSink
@@ -143,6 +143,7 @@ class MicroBatch:
     drain_requested: bool = False
     drained_batch: int | None = None
     query: Any = None  # the StreamingQuery, once started (to stop it after a drain)
+    key_space: int | None = None  # the store's key space, once known (``StateConf.key_space``)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
     _task_plans: dict[tuple[int, int], "_TaskPlan"] = field(default_factory=dict)
@@ -166,11 +167,13 @@ class MicroBatch:
             conf = replace(conf, parallelism=self.parallelism_override)
         return conf
 
-    def component_spec(self, conf: StateConf) -> ComponentSpec:
-        """The component the query declares under ``conf``."""
+    def component_spec(self, conf: StateConf, stored: ComponentManifest | None = None) -> ComponentSpec:
+        """The component the query declares under ``conf``, continuing ``stored`` (whose key space it keeps
+        when ``spark.state.maxParallelism`` is unset: ``StateConf.key_space``)."""
         stream = self.stream
         event_time = stream.keyed.event_time
-        return ComponentSpec(stream.keyed.name, conf.max_parallelism, conf.parallelism, stream.schema,
+        key_space = conf.key_space(stored.max_parallelism if stored is not None else None)
+        return ComponentSpec(stream.keyed.name, key_space, conf.parallelism, stream.schema,
                              event_time.delay_ms if event_time is not None else None)
 
     def spark_batch(self, batch_df, batch_id: int) -> SparkBatch:
@@ -205,9 +208,12 @@ class MicroBatch:
         spark_batch = self.spark_batch(batch_df, batch_id)
         stream = self.stream
         event_time = stream.keyed.event_time
-        spec = self.component_spec(conf)
-        plan = coordinator.begin(spark_batch, spec, restore_from=conf.restore_from)
-        base = plan.base.components.get(spec.name) if plan.base is not None else None
+        plan = coordinator.plan(spark_batch, restore_from=conf.restore_from)
+        base = plan.base.components.get(stream.keyed.name) if plan.base is not None else None
+        spec = self.component_spec(conf, base)
+        if base is not None:
+            check_compatible(base, spec)
+            self.key_space = base.max_parallelism
         drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)
         task = TaskSpec(
             store_uri=coordinator.manifests.storage.uri,
@@ -220,7 +226,7 @@ class MicroBatch:
             base_checkpoint_id=plan.base.checkpoint_id if plan.base is not None else None,
             base_committed_at=plan.base.committed_at if plan.base is not None else None,
             parallelism=conf.parallelism,
-            max_parallelism=conf.max_parallelism,
+            max_parallelism=spec.max_parallelism,
             max_chain_length=conf.max_chain_length,
             compression=conf.compression,
             event_time=event_time,

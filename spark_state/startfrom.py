@@ -139,12 +139,14 @@ def _plan_problems(plan: ComponentPlan, spec: ComponentSpec) -> list[str]:
 
 
 def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: ComponentSpec, *,
-                         allow_non_restored: bool = False,
+                         allow_non_restored: bool = False, key_space_set: bool = True,
                          open_storage: Callable[[str], Storage] | None = None,
                          progress: Callable[[int, int], None] | None = None) -> StartReport:
     """Give ``target`` (the query's store) its first checkpoint from the savepoint; see the module docstring.
 
     ``progress(bytes_done, bytes_total)`` is called after each copied file.
+    Without ``key_space_set`` (``spark.state.maxParallelism`` unset), the
+    query takes the savepoint's key space instead of ``spec``'s.
     """
     if open_storage is None:
         from spark_state.storage import open_storage
@@ -170,6 +172,8 @@ def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: Componen
             + f") and cannot start from savepoint {savepoint.uri}: a start from a savepoint writes to an empty "
             "store. Set spark.state.store to a new location, or remove fromSavepoint to continue this state"
         )
+    if not key_space_set and spec.name in savepoint.components:
+        spec = replace(spec, max_parallelism=savepoint.components[spec.name].max_parallelism)
     restored = check_fits(savepoint, spec, allow_non_restored=allow_non_restored)
     manifest = ManifestReader(source).load(savepoint.checkpoint_id)
     components = {n: manifest.components[n] for n in restored}

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from spark_state.conf import PARALLELISM, StateConf
+from spark_state.conf import PARALLELISM
 from spark_state.coordinator import check_query_start
 from spark_state.errors import ConfigError
 from spark_state.eventtime import EventTime, check_event_time_type, parse_duration
@@ -317,7 +317,6 @@ class StatefulStreamWriter:
         conf = batch.conf()  # fail now on bad settings, not at the first batch
         spark_checkpoint.clear_interrupted_first_batch()
         manifests = batch.coordinator(conf).manifests
-        spec = batch.component_spec(conf)
         savepoint, allow = self._savepoint or (conf.from_savepoint, conf.allow_non_restored)
         if savepoint and conf.restore_from is not None:
             raise ConfigError(
@@ -325,12 +324,15 @@ class StatefulStreamWriter:
                 "state this query starts from; set one of them"
             )
         if savepoint:
-            start_from_savepoint(manifests, savepoint, spec, allow_non_restored=allow)
+            start_from_savepoint(manifests, savepoint, batch.component_spec(conf), allow_non_restored=allow,
+                                 key_space_set=conf.max_parallelism is not None)
         query_id = spark_checkpoint.query_id()
         if conf.restore_from is None or query_id is not None:  # restoring: the latest record may be the damaged one
             latest = manifests.latest()
-            if latest is not None and spec.name in latest.components:
-                check_compatible(latest.components[spec.name], spec)  # refuse a schema that cannot evolve, now
+            stored = latest.components.get(self._stream.keyed.name) if latest is not None else None
+            if stored is not None:  # refuse a schema that cannot evolve, or another key space, now
+                check_compatible(stored, batch.component_spec(conf, stored))
+                batch.key_space = stored.max_parallelism
             check_query_start(
                 latest,
                 query_id,
@@ -365,7 +367,7 @@ class StatefulQuery:
                 f"like {PARALLELISM}"
             )
         conf = self._batch.conf()
-        StateConf(conf.store, parallelism, conf.max_parallelism, conf.checkpoints_retained)
+        replace(conf, parallelism=parallelism).key_space(self._batch.key_space)
         self._batch.parallelism_override = parallelism
 
     def drain(self, timeout: float | None = None) -> bool:

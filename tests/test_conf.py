@@ -12,7 +12,7 @@ DEFAULTS = {"default_store": "/state", "default_parallelism": 2}
 
 def test_defaults_and_values():
     conf = StateConf.from_mapping({"spark.state.parallelism": " 5 ", "spark.state.compression": "ZSTD"}, **DEFAULTS)
-    assert (conf.store, conf.parallelism, conf.max_parallelism, conf.compression) == ("/state", 5, 4096, "zstd")
+    assert (conf.store, conf.parallelism, conf.max_parallelism, conf.compression) == ("/state", 5, None, "zstd")
     lazy = StateConf.parse({}.get, default_store=lambda: "/lazy", default_parallelism=3)
     assert (lazy.store, lazy.parallelism) == ("/lazy", 3)
 
@@ -148,3 +148,19 @@ def test_the_default_store_of_an_s3a_checkpoint_takes_the_s3_settings():
     conf = StateConf.from_mapping({"spark.state.s3.region": "eu-west-1"}, default_store=default_store("s3a://b-1/c"),
                                   default_parallelism=2)
     assert conf.store == "s3://b-1/c/state?region=eu-west-1"
+
+
+def test_the_key_space_is_the_setting_else_the_store_s_else_a_new_store_s_default():
+    unset = StateConf.from_mapping({"spark.state.parallelism": "40"}, **DEFAULTS)
+    assert unset.key_space(None) == 2048  # 32 key groups per instance, rounded up to a power of two
+    assert unset.key_space(4096) == 4096  # a store keeps the key space it was created with
+    with pytest.raises(ConfigError, match="spark.state.parallelism=40 must be between 1 and the key space of the "
+                                          "store, 16"):
+        unset.key_space(16)
+    set_ = StateConf.from_mapping({"spark.state.parallelism": "40", "spark.state.maxParallelism": "64"}, **DEFAULTS)
+    assert set_.key_space(None) == set_.key_space(4096) == 64  # another stored value is refused on restore
+    with pytest.raises(ConfigError, match="spark.state.parallelism=65 must be between 1 and "
+                                          "spark.state.maxParallelism=64"):
+        StateConf.from_mapping({"spark.state.parallelism": "65", "spark.state.maxParallelism": "64"}, **DEFAULTS)
+    with pytest.raises(ConfigError, match="must be between 1 and 32768, the largest key space"):
+        StateConf.from_mapping({"spark.state.parallelism": "40000"}, **DEFAULTS)

@@ -244,14 +244,34 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
     assert job.outputs == job.expected()
 
 
-def test_changed_max_parallelism_is_refused_with_an_explanation(spark, tmp_path):
+def test_the_key_space_is_the_store_s_unless_set_and_another_is_refused(spark, tmp_path):
+    def key_space() -> int:
+        return open_manifest_log(str(tmp_path / "state")).latest().components["clicks"].max_parallelism
+
     job = Job(spark, tmp_path)
     job.add_batch(100, keys=10, salt=0)
     job.run(2)
+    assert key_space() == 1024  # a new store's default at parallelism 2
+    spark.conf.set("spark.state.maxParallelism", "4096")
     job.add_batch(100, keys=10, salt=1)
-    spark.conf.set("spark.state.maxParallelism", "128")
-    with pytest.raises(Exception, match="max parallelism is 128 but the checkpoints were written with 4096"):
+    with pytest.raises(Exception, match="max parallelism is 4096 but the checkpoints were written with 1024"):
         job.run(2)
+    spark.conf.unset("spark.state.maxParallelism")
+    job.run(3)  # unset: the store's key space, whatever the parallelism
+    assert key_space() == 1024
+    assert job.outputs == job.expected()
+
+
+def test_a_store_keeps_the_key_space_it_was_created_with_when_the_setting_is_unset(spark, tmp_path):
+    job = Job(spark, tmp_path)
+    job.add_batch(100, keys=10, salt=0)
+    spark.conf.set("spark.state.maxParallelism", "4096")  # as every store created before the default changed
+    job.run(2)
+    spark.conf.unset("spark.state.maxParallelism")
+    job.add_batch(100, keys=10, salt=1)
+    job.run(3)
+    assert open_manifest_log(str(tmp_path / "state")).latest().components["clicks"].max_parallelism == 4096
+    assert job.outputs == job.expected()
 
 
 def test_sum_and_arrow_apply(spark, tmp_path):

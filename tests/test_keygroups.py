@@ -21,6 +21,7 @@ from spark_state.keygroups import (
     DEFAULT_MAX_PARALLELISM,
     HASH_SEED,
     UPPER_BOUND_MAX_PARALLELISM,
+    default_max_parallelism,
     KeyGroupRange,
     instance_for_key_group,
     instances_for_key_groups,
@@ -119,14 +120,17 @@ def test_instances_for_key_groups_keeps_shape():
 
 
 def test_default_max_parallelism_imbalance():
-    def extra_load(parallelism: int) -> Fraction:
-        sizes = [len(key_group_range(i, parallelism, DEFAULT_MAX_PARALLELISM)) for i in range(parallelism)]
+    def extra_load(parallelism: int, max_parallelism: int) -> Fraction:
+        sizes = [len(key_group_range(i, parallelism, max_parallelism)) for i in range(parallelism)]
         return Fraction(max(sizes) - min(sizes), min(sizes))
 
-    assert max(extra_load(p) for p in range(1, 129)) == Fraction(1, 32)  # 3.125% <= 3.2%
-    assert extra_load(129) == Fraction(1, 31)  # 3.23%: the 3.2% bound ends at 128
-    assert extra_load(200) == Fraction(1, 20)  # 5% at Spark's default shuffle partitions
-    assert max(extra_load(p) for p in range(1, 201)) == Fraction(1, 20)
+    # At its first parallelism a new store's instances own >= 32 key groups each: <= 3.2% extra load.
+    assert max(extra_load(p, default_max_parallelism(p)) for p in range(1, 1025)) == Fraction(1, 32)
+    assert [default_max_parallelism(p) for p in (1, 2, 32, 33, 64, 65, 200, 1024, 1025, 32768)] == [
+        1024, 1024, 1024, 2048, 2048, 4096, 8192, 32768, 32768, 32768]
+    assert extra_load(200, DEFAULT_MAX_PARALLELISM) == Fraction(1, 5)  # a store started small, scaled to 200
+    with pytest.raises(InvalidParallelismError, match="parallelism=0 is out of range"):
+        default_max_parallelism(0)
 
 
 # --------------------------------------------------------------------------- KeyGroupRange

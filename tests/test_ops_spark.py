@@ -105,21 +105,21 @@ def test_cli_inspects_a_store_without_changing_it(rescaled, tmp_path):
     listed = cli_json("checkpoints", str(store))["checkpoints"]
     assert [c["checkpoint_id"] for c in listed] == [2, 1, 0]
     latest = listed[0]
-    assert latest["components"][job.name]["parallelism"] == 2 and latest["components"][job.name]["max_parallelism"] == 4096
+    assert latest["components"][job.name]["parallelism"] == 2 and latest["components"][job.name]["max_parallelism"] == 1024
     assert latest["batch_id"] == 2 and latest["bytes_referenced"] > 0 and latest["savepoints"] == []
     assert len(latest["sources"]) == 1
     text = cli("checkpoints", str(store)).stdout
-    assert "clicks p=2 max=4096" in text and "clicks p=3 max=4096" in text
+    assert "clicks p=2 max=1024" in text and "clicks p=3 max=1024" in text
 
     described = cli_json("describe", str(store), job.name)["components"][0]
     assert described["schema"]["keys"] == [{"name": "user", "type": "string"}]
-    assert [i["key_groups"] for i in described["instances"]] == [[0, 2047], [2048, 4095]]
+    assert [i["key_groups"] for i in described["instances"]] == [[0, 511], [512, 1023]]
     assert sum(g["rows"] >= 1 for g in described["key_groups"]) == described["key_groups_with_state"]
     assert described["longest_chain"] >= 1 and described["watermark"] is None
 
     planned = cli_json("plan", str(store), job.name, "--parallelism", "5")
     assert planned["target"]["parallelism"] == 5 and planned["current"]["parallelism"] == 2
-    assert [i["key_groups"][0] for i in planned["target"]["instances"]] == [0, 820, 1639, 2458, 3277]
+    assert [i["key_groups"][0] for i in planned["target"]["instances"]] == [0, 205, 410, 615, 820]
     assert planned["target"]["bytes"] == planned["current"]["bytes"] == planned["state_bytes"]
     assert all(r["length"] > 0 for i in planned["target"]["instances"] for r in i["reads"])
 
@@ -288,7 +288,7 @@ def test_a_query_started_from_a_savepoint_continues_with_exact_output(spark, tmp
 
     # a start that does not fit is refused before anything runs
     spark.conf.set("spark.state.maxParallelism", "64")
-    with pytest.raises(SavepointMismatchError, match="set spark.state.maxParallelism=4096"):
+    with pytest.raises(SavepointMismatchError, match="set spark.state.maxParallelism=1024"):
         start(str(tmp_path / "chk-x"), str(tmp_path / "x"), 2, savepoint)
     spark.conf.unset("spark.state.maxParallelism")
     with pytest.raises(SavepointMismatchError, match="key columns are \\['split'\\].*keyed by \\['user'\\]"):
