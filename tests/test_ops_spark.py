@@ -105,7 +105,8 @@ def test_cli_inspects_a_store_without_changing_it(rescaled, tmp_path):
     listed = cli_json("checkpoints", str(store))["checkpoints"]
     assert [c["checkpoint_id"] for c in listed] == [2, 1, 0]
     latest = listed[0]
-    assert latest["components"][job.name]["parallelism"] == 2 and latest["components"][job.name]["max_parallelism"] == 1024
+    component = latest["components"][job.name]
+    assert (component["parallelism"], component["max_parallelism"]) == (2, 1024)
     assert latest["batch_id"] == 2 and latest["bytes_referenced"] > 0 and latest["savepoints"] == []
     assert len(latest["sources"]) == 1
     text = cli("checkpoints", str(store)).stdout

@@ -151,7 +151,7 @@ def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after
     assert sorted(r["key"] for _, r in fired) == sorted(first)  # each exactly once, on the rescaled query
     for _, row in fired:
         assert row["fired_at"] == first[row["key"]] + 1000 <= row["watermark"]
-        assert row["instance"] == instance_for_key_group(key_group_for(row["key"], 4096), 3, 4096)
+        assert row["instance"] == instance_for_key_group(key_group_for(row["key"], 1024), 3, 1024)
 
 
 def test_time_to_live_bounds_state_under_churning_keys(spark, tmp_path):
