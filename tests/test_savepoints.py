@@ -16,7 +16,7 @@ from spark_state.errors import (
     SavepointNotFoundError,
     StorageError,
 )
-from spark_state.manifestlog import manifest_path
+from spark_state.manifestlog import ManifestLog, manifest_path
 from spark_state.savepoints import (
     SAVEPOINTS_DIR,
     Savepoints,
@@ -354,6 +354,10 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
         with pytest.raises(SavepointMismatchError, match=message):
             start_from_savepoint(b, uri, spec)
     assert b.latest() is None and files_under(b.storage, "") == set()
+    # with spark.state.maxParallelism unset, the query takes the savepoint's key space
+    assert start_from_savepoint(b, uri, _spec(max_parallelism=32), key_space_set=False).restored == (COMPONENT,)
+    assert b.latest().components[COMPONENT].max_parallelism == M == 8
+    b = ManifestLog(LocalStorage(tmp_path / "b2"))
     # allowed: the renamed component starts empty from the savepoint's offsets, the old state is dropped
     report = start_from_savepoint(b, uri, _spec(name="renamed"), allow_non_restored=True)
     assert report.restored == () and report.dropped == (COMPONENT,) and report.files_copied == 0
