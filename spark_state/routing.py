@@ -66,8 +66,8 @@ def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parall
     """Return an int Column with each row's key group: ``pmod(hash(enc(c1), ...), max_parallelism)``.
 
     Equals ``keygroups.key_group_for((c1, c2, ...), max_parallelism)`` on every
-    row, nulls included. Resolving the key column types analyses ``df`` (no
-    job runs).
+    row, nulls included. Resolving the key column types reads ``df``'s
+    schema (no job runs; other than top-level column names, an analysis).
 
     Args:
         df: the DataFrame the key columns belong to; used only for their types.
@@ -87,7 +87,11 @@ def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parall
             "key_cols must be a non-empty list of column names or Columns, e.g. ['user_id']"
         )
     columns = [F.col(c) if isinstance(c, str) else c for c in key_cols]
-    data_types = [field.dataType for field in df.select(*columns).schema.fields]
+    top_level = {field.name: field.dataType for field in df.schema.fields}  # kept by the DataFrame once read
+    if all(isinstance(c, str) and c in top_level for c in key_cols):
+        data_types = [top_level[c] for c in key_cols]
+    else:  # expressions, nested or differently cased names: as Spark resolves them
+        data_types = [field.dataType for field in df.select(*columns).schema.fields]
     encoded = [_encode(column, data_type, i) for i, (column, data_type) in enumerate(zip(columns, data_types))]
     return F.pmod(F.hash(*encoded), F.lit(m))
 
