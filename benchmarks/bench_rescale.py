@@ -406,7 +406,8 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
         sizes.append({"keys": size, "update_rows": config.update_rows,
                       "builds": [{"system": s, "old_parallelism": p, **b} for (s, p), b in builds.items()],
                       "runs": runs, "summary": _summary(runs, config.pairs, config.systems)})
-    result = {"sizes": sizes, "store": config.store, "repeats": config.repeats}
+    result = {"sizes": sizes, "store": config.store, "repeats": config.repeats,
+              "measured_once": list(config.measured_once)}
     if config.store == "local":
         live_rng = np.random.default_rng(20261125)
         result["live"] = [live_rescale(spark, config, size, keys, live_rng) for size in config.sizes]

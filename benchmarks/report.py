@@ -81,7 +81,8 @@ def rescale_section(data: dict, file: str) -> list[str]:
            "restore included); Spark's offline repartition is part of its time. `spark_pinned` restarts "
            "Spark without changing parallelism: the floor. Amplification = bytes an instance read / bytes "
            "of the state it owns (max over new instances); requests per instance (max)."
-           + (f" Each time is the median of {data['repeats']} restarts (Spark's repartition + restart: one)."
+           + (f" Each time is the median of {data['repeats']} restarts"
+              + (f" ({', '.join(data['measured_once'])}: one)" if data.get("measured_once") else "") + "."
               if data.get("repeats", 1) > 1 else ""), "",
            "| keys | pair | ours s | naive hash-mod s | Spark repartition + restart s (repartition alone) "
            "| Spark pinned s | Spark repartition / ours | read amp. ours / naive | MB read per instance "
