@@ -125,11 +125,7 @@ def default_max_parallelism(parallelism: int) -> int:
     is fixed for the life of a store: set ``spark.state.maxParallelism`` to
     scale further, or to keep the load even at a much larger parallelism.
     """
-    p = _check_int("parallelism", parallelism)
-    if not 1 <= p <= UPPER_BOUND_MAX_PARALLELISM:
-        raise InvalidParallelismError(
-            f"parallelism={p} is out of range: need 1 <= parallelism <= {UPPER_BOUND_MAX_PARALLELISM}"
-        )
+    p, _ = check_parallelism(parallelism, UPPER_BOUND_MAX_PARALLELISM)
     wanted = 1 << (KEY_GROUPS_PER_INSTANCE * p - 1).bit_length()
     return min(UPPER_BOUND_MAX_PARALLELISM, max(DEFAULT_MAX_PARALLELISM, wanted))
 

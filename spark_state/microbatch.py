@@ -176,6 +176,15 @@ class MicroBatch:
         return ComponentSpec(stream.keyed.name, key_space, conf.parallelism, stream.schema,
                              event_time.delay_ms if event_time is not None else None)
 
+    def continuing(self, conf: StateConf, stored: ComponentManifest | None) -> ComponentSpec:
+        """``component_spec``, refused unless it can continue ``stored`` (``check_compatible``); remembers the
+        store's key space (``set_parallelism`` checks against it)."""
+        spec = self.component_spec(conf, stored)
+        if stored is not None:
+            check_compatible(stored, spec)
+            self.key_space = stored.max_parallelism
+        return spec
+
     def spark_batch(self, batch_df, batch_id: int) -> SparkBatch:
         """What Spark's checkpoint says about micro-batch ``batch_id`` (see ``coordinator.SparkBatch``)."""
         context = batch_df.sparkSession.sparkContext
@@ -210,10 +219,7 @@ class MicroBatch:
         event_time = stream.keyed.event_time
         plan = coordinator.plan(spark_batch, restore_from=conf.restore_from)
         base = plan.base.components.get(stream.keyed.name) if plan.base is not None else None
-        spec = self.component_spec(conf, base)
-        if base is not None:
-            check_compatible(base, spec)
-            self.key_space = base.max_parallelism
+        spec = self.continuing(conf, base)
         drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)
         task = TaskSpec(
             store_uri=coordinator.manifests.storage.uri,

@@ -32,7 +32,7 @@ from spark_state.errors import ConfigError
 from spark_state.eventtime import EventTime, check_event_time_type, parse_duration
 from spark_state.evolution import with_default
 from spark_state.functions import AGGREGATES, EVENT_MS_COLUMN, Aggregate, PythonFunction, TimeToLive
-from spark_state.manifest import check_compatible, check_component_name
+from spark_state.manifest import check_component_name
 from spark_state.microbatch import MicroBatch, location_name
 from spark_state.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.timers import EVENT, PROCESSING, TIMERS
@@ -331,8 +331,7 @@ class StatefulStreamWriter:
             latest = manifests.latest()
             stored = latest.components.get(self._stream.keyed.name) if latest is not None else None
             if stored is not None:  # refuse a schema that cannot evolve, or another key space, now
-                check_compatible(stored, batch.component_spec(conf, stored))
-                batch.key_space = stored.max_parallelism
+                batch.continuing(conf, stored)
             check_query_start(
                 latest,
                 query_id,
