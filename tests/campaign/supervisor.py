@@ -142,6 +142,9 @@ class Query:
     """The savepoint URI a fork started from (its every start names it, as a user's code would)."""
     base: Model | None = None
     """A fork's model at its start (the parent's after the savepoint's batch); None: an empty model."""
+    key_space: int | None = None
+    """``spark.state.maxParallelism`` its every start sets; None: unset, so the store's key space (or, for a new
+    store, the default for its first parallelism) applies, as for a user who never sets it."""
 
     @property
     def store(self) -> Path:
@@ -284,8 +287,11 @@ class Campaign:
         query = Query(name, shape, self.root / name, starting, model,
                       retained=self.rng.randint(2, 5), max_chain=self.rng.randint(2, 6),
                       s3_prefix=f"{S3_BUCKET}/{name}/state" if self.use_s3 and len(self.queries) % 2 else None)
+        # Half the queries leave the key space to the default rule (two in a row, so that local and S3 stores both do).
+        query.key_space = None if (len(self.queries) // 2) % 2 == 0 else MAX_PARALLELISM
         if fork is not None:
             query.origin, query.base = fork["uri"], copy.deepcopy(model)
+            query.key_space = getattr(parent, "key_space", MAX_PARALLELISM)  # the savepoint's, or unset
         self.queries.append(query)
         return query
 
@@ -329,12 +335,14 @@ class Campaign:
             conf["spark.state.sharedLocalStore"] = "true"  # the cluster's workers run on this machine
         conf.update({
             "spark.state.parallelism": str(parallelism),
-            "spark.state.maxParallelism": str(MAX_PARALLELISM),
             "spark.state.store": self.store_uri(query),
             "spark.state.checkpointsRetained": str(query.retained),
             "spark.state.maxChainLength": str(query.max_chain),
             "spark.state.orphanGraceSeconds": "60",
         })
+        key_space = getattr(query, "key_space", MAX_PARALLELISM)  # a query of a campaign resumed from before it
+        if key_space is not None:
+            conf["spark.state.maxParallelism"] = str(key_space)
         if query.origin is not None:  # every start names the savepoint, as a user's code would
             conf["spark.state.fromSavepoint"] = query.origin
         if getattr(self, "memory_bound", None) is not None:
@@ -1024,6 +1032,8 @@ class Campaign:
             "queries": len(self.queries),
             "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
             "queries_forked": sum(1 for q in self.queries if getattr(q, "origin", None)),
+            "queries_default_key_space": sum(1 for q in self.queries
+                                             if getattr(q, "key_space", MAX_PARALLELISM) is None),
             "memory_bound": getattr(self, "memory_bound", None),
             "key_groups_evicted": self.counts["key_groups_evicted"],
             "key_groups_loaded_back": self.counts["key_groups_loaded"],
