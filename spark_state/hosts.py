@@ -23,7 +23,9 @@ Lifetime: a worker forks the host when none answers (under a file lock, so
 two workers start one; forking skips an interpreter start-up, which would
 cost each new instance a third of a second); the host exits when the
 executor's Python daemon (its starter's parent, which lives as long as the
-executor) is gone, after ``IDLE_SECONDS`` without a task, or as soon as an
+executor) is gone, after ``idle_limit`` without a task (``IDLE_SECONDS``, or
+three times its recent gaps between tasks when they are longer, so that a
+query with a slow trigger keeps its state between batches), or as soon as an
 idle host finds that the store has no more use for its state (``obsolete``:
 the query was rescaled away from its instance, or the store was deleted), so
 that the memory of rescaled or removed queries does not linger. It keeps the
@@ -35,6 +37,7 @@ resident states or storage clients. Sockets live in
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hashlib
 import os
@@ -56,7 +59,16 @@ import pyarrow as pa
 from spark_state.errors import SparkStateError
 
 IDLE_SECONDS = 300.0
-"""A host with no task for this long exits (its state is in the store; the next task reloads it)."""
+"""A host with no task for this long exits (its state is in the store; the next task reloads it), unless its
+tasks come further apart (``idle_limit``)."""
+IDLE_GAPS = 3.0
+"""A host waits at least this many times the longest of its recent gaps between tasks before idling out."""
+GAPS_KEPT = 8
+"""How many of its latest gaps between tasks a host remembers (``idle_limit``)."""
+MAX_IDLE_SECONDS = 4 * 3600.0
+"""The longest a host waits for a task, however far apart its tasks came."""
+ACCEPT_SECONDS = 1.0
+"""How often a host waiting for a task checks its executor, its idle time and its store."""
 OBSOLETE_CHECK_SECONDS = 15.0
 """An idle host asks the store this often whether its state is still of use (``obsolete``)."""
 UNCOMMITTED_SECONDS = 60.0
@@ -294,23 +306,39 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def idle_limit(gaps: Iterable[float], idle_seconds: float = IDLE_SECONDS) -> float:
+    """How long a host whose recent tasks came ``gaps`` seconds apart waits for the next before it exits.
+
+    ``idle_seconds``, or ``IDLE_GAPS`` times the longest gap when that is
+    longer (at most ``MAX_IDLE_SECONDS``): a query whose trigger fires every
+    ten minutes finds its state in memory at every batch instead of
+    reloading it from the store, and a query that stopped frees its memory
+    after the usual idle time when its batches came often.
+    """
+    return max(idle_seconds, min(MAX_IDLE_SECONDS, IDLE_GAPS * max(gaps, default=0.0)))
+
+
 def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS) -> None:
-    """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out."""
+    """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out.
+
+    ``idle_seconds`` is ``idle_limit``'s floor.
+    """
     if threading.current_thread() is threading.main_thread():  # a host's; a test may serve from a thread
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGHUP, _exit_on_signal)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(address))
     listener.listen(8)
-    listener.settimeout(1.0)
+    listener.settimeout(ACCEPT_SECONDS)
     from spark_state import resident
 
     query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
     resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
     last_task = last_check = time.monotonic()
     served = None  # the last task this host ran
+    gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
     try:
-        while _alive(daemon_pid) and time.monotonic() - last_task < idle_seconds:
+        while _alive(daemon_pid) and time.monotonic() - last_task < idle_limit(gaps, idle_seconds):
             try:
                 connection, _ = listener.accept()
             except socket.timeout:
@@ -322,6 +350,10 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
                         _serve_queued(listener)
                         break
                 continue
+            started = time.monotonic()
+            if last_start is not None:
+                gaps.append(started - last_start)
+            last_start = started
             with connection:
                 connection.settimeout(None)
                 served = _serve_task(connection) or served

@@ -117,3 +117,39 @@ def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypa
             monkeypatch.setattr(hosts, "obsolete", lambda served, idle_seconds: True)
             server.join(timeout=4)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_idle_limit_follows_the_gaps_between_tasks_when_they_are_longer():
+    assert hosts.idle_limit([]) == hosts.IDLE_SECONDS  # a first task
+    assert hosts.idle_limit([1.0, 2.0]) == hosts.IDLE_SECONDS  # a fast trigger: the usual idle time
+    assert hosts.idle_limit([600.0, 30.0]) == 3 * 600.0  # a ten-minute trigger keeps its state
+    assert hosts.idle_limit([24 * 3600.0]) == hosts.MAX_IDLE_SECONDS
+    assert hosts.idle_limit([0.5], idle_seconds=0.2) == 1.5
+
+
+def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkeypatch):
+    directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
+    address = directory / "q-0.sock"
+
+    def serve_task(connection):
+        connection.recv(1)
+        return None
+
+    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(hosts, "_serve_task", serve_task)
+    server = threading.Thread(target=hosts.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 0.8},
+                              daemon=True)
+    server.start()
+    try:
+        for gap in (0.0, 0.5):  # two tasks 0.5 s apart: the host waits 1.5 s for a third
+            time.sleep(gap)
+            with _connected(address) as client:
+                client.sendall(b"T")
+        last = time.monotonic()
+        time.sleep(1.1)
+        assert server.is_alive()  # past the 0.8 s floor
+        server.join(timeout=5)
+        assert not server.is_alive()
+        assert 1.4 <= time.monotonic() - last < 5
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
