@@ -380,6 +380,12 @@ class KeyGroupTable:
         loaded = sum(len(_keys(group)) for g, group in self._groups.items() if g not in unloaded)
         return loaded + sum(self._unloaded_count(g) for g in unloaded)
 
+    def has_keys(self) -> bool:
+        """``len(self) > 0`` without counting: stops at the first key group holding a key."""
+        unloaded = self._unloaded
+        return (any(any(group) for g, group in self._groups.items() if g not in unloaded)
+                or any(self._unloaded_count(g) for g in unloaded))
+
     def _unloaded_count(self, key_group: int) -> int:
         """Keys of an unloaded key group: its chain's live keys, and the overlay's keys the chain lacks."""
         absent = self._absent.get(key_group)

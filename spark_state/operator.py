@@ -135,10 +135,10 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
     """
     state = take(task.store_uri, task.component, instance, task.parallelism, task.max_parallelism, task.schema,
                  bounded=task.resident_memory is not None)
-    info = {"resident": len(state) > 0, "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
+    info = {"resident": state.has_keys(), "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
     component = _base_component(task, manifests)
     if component is None:
-        if len(state) or state.chains.held():
+        if state.has_keys() or state.chains.held():
             state = ResidentState(task.schema, state.key_group_range, bounded=state.bounded)
         return state, info
     wire_before = blobs.storage.counters()

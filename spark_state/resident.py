@@ -108,6 +108,10 @@ class ResidentState:
     def __len__(self) -> int:
         return len(self.table)
 
+    def has_keys(self) -> bool:
+        """``len(self) > 0``, without counting every key (which, with two state variables, visits each one)."""
+        return self.table.has_keys()
+
     # Step 1 -------------------------------------------------------------------------------
 
     def catch_up(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> CatchUp:

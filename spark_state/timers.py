@@ -56,14 +56,12 @@ class Timer:
 
 def minima(values: Iterable[KeyTimers]) -> tuple[int | None, int | None, int | None]:
     """The earliest event, processing and expiry time over some keys' timers (None where there is none)."""
-    earliest: list[int | None] = [None, None, None]
-    for event, processing, expires in values:
-        for kind, times in ((0, event), (1, processing)):
-            if times and (earliest[kind] is None or times[0] < earliest[kind]):
-                earliest[kind] = times[0]
-        if expires is not None and (earliest[2] is None or expires < earliest[2]):
-            earliest[2] = expires
-    return earliest[0], earliest[1], earliest[2]
+    values = values if isinstance(values, (list, tuple)) else list(values)
+    event = [times[0] for times, _, _ in values if times]  # each list of times is sorted
+    processing = [times[0] for _, times, _ in values if times]
+    expires = [time_ms for _, _, time_ms in values if time_ms is not None]
+    return (min(event) if event else None, min(processing) if processing else None,
+            min(expires) if expires else None)
 
 
 def with_timer(timers: KeyTimers | None, kind: str, time_ms: int, *, remove: bool = False) -> KeyTimers | None:

@@ -16,6 +16,7 @@ from spark_state.resident import ResidentState
 from spark_state.keygroups import KeyGroupRange, key_group_for
 from spark_state.keyed_table import KeyGroupTable
 from spark_state.schema import KeyedSchema
+from spark_state.timers import minima
 
 M = 8
 KEY = pa.field("key", pa.string())
@@ -184,3 +185,18 @@ def test_a_checkpoint_writes_the_aggregates_rows_as_they_were_put_the_same_entri
         used = fast.table.changed_rows() is not None
         assert used == (not (put_between and pairs))
         assert _entries(fast.snapshot(max_chain_length=3)) == _entries(slow.snapshot(max_chain_length=3))
+
+
+times = st.lists(st.integers(-2**62, 2**62), unique=True).map(sorted)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(times, times, st.integers(-2**62, 2**62) | st.none())))
+def test_minima_is_the_earliest_time_of_each_kind_over_the_keys(timers):
+    def earliest(times):
+        return min(times) if times else None
+
+    expected = (earliest([t for event, _, _ in timers for t in event]),
+                earliest([t for _, processing, _ in timers for t in processing]),
+                earliest([e for _, _, e in timers if e is not None]))
+    assert minima(timers) == minima(iter(timers)) == minima({i: t for i, t in enumerate(timers)}.values()) == expected

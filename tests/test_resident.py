@@ -122,6 +122,7 @@ def test_restore_folds_a_key_group_only_when_it_is_first_accessed(store):
     table = restored.table
     assert table._groups == {} and set(table._unloaded) == set(range(M))  # nothing folded yet
     assert len(restored) == len(live) == 200  # counted from the Arrow batches: 200 - k2 + new
+    assert restored.has_keys() and not ResidentState(SCHEMA, key_group_range(0, 1, M)).has_keys()
     assert table._groups == {}
     g = key_group_for("k1", M)
     assert table.get(g, ("k1",)) == (1000,)
