@@ -294,7 +294,8 @@ class ResidentState:
             if len(per_variable) == 1:
                 deleted.extend([value is None for value in per_variable[0]])
             else:
-                deleted.extend(all(part[row] is None for part in per_variable) for row in range(len(chosen)))
+                width = len(per_variable)
+                deleted.extend([values.count(None) == width for values in zip(*per_variable)])
             bounds.append((entry, False, start, len(chosen)))
             if self.timers_variable is not None:
                 self.earliest[entry.key_group] = minima(self.table.values(entry.key_group, self.timers_variable).values())

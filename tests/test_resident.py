@@ -13,7 +13,7 @@ from spark_state.keyed_table import SET_ENTRY_BYTES
 from spark_state.keygroups import key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
 from spark_state.resident import ResidentState, keep, resident_instances, take
-from spark_state.schema import KeyedSchema
+from spark_state.schema import DELETED_COLUMN, KeyedSchema, StateVariable
 from spark_state.storage.memory import MemoryStorage
 from tests.stores import Store
 
@@ -386,3 +386,36 @@ def test_a_bounded_state_compacts_into_full_entries_only(bounded):
         component = store.commit(checkpoint_id, {"c": (spec, [blob])}, {}).components["c"]
     assert kinds == (["delta", "full"] * 3 if bounded else ["delta"] + ["merge"] * 5)
     assert state.chains.since_full_counts() == ({} if bounded else {key_group_for("k0", M): 1})
+
+
+def test_a_two_variable_checkpoint_marks_deleted_only_the_keys_gone_from_every_variable(store):
+    two = KeyedSchema((pa.field("key", pa.string()),), (StateVariable("value", (pa.field("v", pa.int64()),)),
+                                                        StateVariable("extra", (pa.field("n", pa.int64()),))))
+    state = ResidentState(two, key_group_range(0, 1, M))
+    g = key_group_for("a", M)
+    fillers = [(f"f{i}", 0, (i,)) for i in range(20 * M)]  # the changed keys are a few of each key group's: deltas
+    for key, variable, value in [("a", 0, (1,)), ("a", 1, (10,)), ("b", 0, (2,)), ("b", 1, (20,)), ("c", 1, (30,))]:
+        state.table.put(key_group_for(key, M), (key,), value, variable)
+    for key, variable, value in fillers:
+        state.table.put(key_group_for(key, M), (key,), value, variable)
+    _commit_two(store, 1, state, two)
+    state.table.delete(g, ("a",), 0)  # "a" keeps its extra
+    state.table.delete(key_group_for("b", M), ("b",), 0)
+    state.table.delete(key_group_for("b", M), ("b",), 1)  # "b" is gone from both
+    state.table.put(key_group_for("c", M), ("c",), (3,), 0)
+    entries = state.snapshot(max_chain_length=8)
+    rows = {r["key"]: r for _, _, batch in entries for r in batch.to_pylist()}
+    assert {k: r[DELETED_COLUMN] for k, r in rows.items()} == {"a": False, "b": True, "c": False}
+    component = _commit_two(store, 2, state, two, entries)
+    restored = ResidentState(two, key_group_range(0, 1, M))
+    restored.catch_up(store.blobs, component, 0, 1)
+    fillers = [(key_group_for(key, M), (key,), value) for key, _, value in fillers]
+    assert sorted(restored.table.items(0)) == sorted([(key_group_for("c", M), ("c",), (3,))] + fillers)
+    assert sorted(restored.table.items(1)) == sorted([(g, ("a",), (10,)), (key_group_for("c", M), ("c",), (30,))])
+
+
+def _commit_two(store, checkpoint_id, state, schema, entries=None):
+    entries = state.snapshot(max_chain_length=8) if entries is None else entries
+    blob = store.blobs.write_blob("c", checkpoint_id, 0, state.key_group_range, schema.blob_schema, entries)
+    state.chains.record(blob.path)
+    return store.commit(checkpoint_id, {"c": (ComponentSpec("c", M, 1, schema), [blob])}, {}).components["c"]
