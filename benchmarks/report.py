@@ -604,6 +604,17 @@ def campaign_memory_lines(data: dict, file: str) -> list[str]:
                               f"{data.get('key_groups_loaded_back', 0):,} read back)")
 
 
+def campaign_key_space_lines(data: dict, file: str) -> list[str]:
+    """A run where half the queries leave ``spark.state.maxParallelism`` unset (the default key space)."""
+    on_s3, forked = data.get("queries_on_s3", 0), data.get("queries_forked", 0)
+    return campaign_run_lines(
+        data, file, "At the default key space",
+        f"{data['queries_default_key_space']} of {data['queries']} queries with `spark.state.maxParallelism` "
+        "unset, so their stores take the default key space of their first parallelism and keep it through "
+        "restarts and rescales" + (f", {forked} of all {data['queries']} forked from a savepoint" if forked else "")
+        + (f", {on_s3} with their state store on SeaweedFS" if on_s3 else ""))
+
+
 def render(results: Path = RESULTS) -> str:
     rescale, keyed, checkpoint = load("rescale", results), load("keyed", results), load("checkpoint", results)
     keygroups, source, restore = load("keygroups", results), load("source", results), load("restore", results)
@@ -634,6 +645,8 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_hosts_lines(*load("campaign_hosts", results))
     if (results / "campaign_memory.json").exists():
         lines += campaign_memory_lines(*load("campaign_memory", results))
+    if (results / "campaign_key_space.json").exists():
+        lines += campaign_key_space_lines(*load("campaign_key_space", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
                             time[0])
