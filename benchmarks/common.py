@@ -30,7 +30,9 @@ BASE_MTIME = 1_700_000_000
 
 
 def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
-    """A ``local[cores]`` session with the UI and AQE off; the Python workers run this interpreter.
+    """A ``local[cores]`` session with the UI and AQE off; the Python workers run this interpreter and talk
+    to the JVM over Unix sockets (``spark.python.unix.domain.socket.enabled``, as the README advises: every
+    system with Python tasks, ours and Spark's Python APIs alike, gains; the JVM's own state stores have none).
 
     ``spark.sql.shuffle.partitions`` starts at 2; set it to the parallelism
     under test before starting each query (a stateful query with 200
@@ -49,6 +51,7 @@ def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
         .config("spark.ui.enabled", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.python.unix.domain.socket.enabled", "true")  # Python tasks without TCP's delayed ACKs
         .config("spark.driver.memory", driver_memory)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.ui.showConsoleProgress", "false")

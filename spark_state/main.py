@@ -39,6 +39,7 @@ def _session():
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.python.unix.domain.socket.enabled", "true")  # Python tasks without TCP's delayed ACKs
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")

@@ -21,6 +21,7 @@ Structured Streaming query whose ``foreachBatch`` is ``MicroBatch.run``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -40,6 +41,30 @@ from spark_state.sinks import open_sink
 from spark_state.spark_checkpoint import SparkCheckpoint
 from spark_state.startfrom import start_from_savepoint
 from spark_state.timed import deduplicate_function, session_fields, session_function
+
+
+_LOG = logging.getLogger(__name__)
+
+UNIX_SOCKETS = "spark.python.unix.domain.socket.enabled"
+"""Spark's setting (4.1+, read when the session starts) that connects Python workers to the JVM by Unix sockets."""
+_advised: list[bool] = []
+
+
+def advise_unix_sockets(session) -> bool:
+    """Say once per driver that Python tasks would be faster on Unix sockets, when they are on TCP; whether it did.
+
+    Over Spark's default TCP loopback connection, a Python task whose input
+    is small waits for a delayed acknowledgement (40 ms on Linux) before
+    its last input arrives: a keyed batch of a hundred rows took about 40 ms
+    longer per micro-batch than with ``UNIX_SOCKETS`` on.
+    """
+    if _advised or session.sparkContext.getConf().get(UNIX_SOCKETS, "false").lower() == "true":
+        return False
+    _advised.append(True)
+    _LOG.warning("%s is off: each Python task of a keyed query may wait about 40 ms on TCP. Set it to true when "
+                 "you build the SparkSession (SparkSession.builder.config(%r, 'true')) unless your platform "
+                 "has no Unix sockets", UNIX_SOCKETS, UNIX_SOCKETS)
+    return True
 
 
 def keyed(df, *key_columns: str, name: str) -> "KeyedStream":
@@ -305,6 +330,7 @@ class StatefulStreamWriter:
                 "each state checkpoint records its source offsets"
             )
         session = self._stream.keyed.df.sparkSession
+        advise_unix_sockets(session)
         spark_checkpoint = SparkCheckpoint(session, checkpoint_location)
         name = location_name(spark_checkpoint.uri)
         batch = MicroBatch(

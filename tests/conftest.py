@@ -61,6 +61,7 @@ def spark():
         SparkSession.builder.master("local[2]")
         .appName("spark-state-tests")
         .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.python.unix.domain.socket.enabled", "true")  # Python tasks without TCP's delayed ACKs
         .config("spark.ui.enabled", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.driver.memory", "2g")

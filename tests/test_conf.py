@@ -164,3 +164,19 @@ def test_the_key_space_is_the_setting_else_the_store_s_else_a_new_store_s_defaul
         StateConf.from_mapping({"spark.state.parallelism": "65", "spark.state.maxParallelism": "64"}, **DEFAULTS)
     with pytest.raises(ConfigError, match="must be between 1 and 32768, the largest key space"):
         StateConf.from_mapping({"spark.state.parallelism": "40000"}, **DEFAULTS)
+
+
+def test_a_query_start_advises_unix_sockets_once_when_python_tasks_use_tcp(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from spark_state import streaming
+
+    def session(value):
+        conf = {} if value is None else {streaming.UNIX_SOCKETS: value}
+        return SimpleNamespace(sparkContext=SimpleNamespace(getConf=lambda: SimpleNamespace(get=conf.get)))
+
+    monkeypatch.setattr(streaming, "_advised", [])
+    assert not streaming.advise_unix_sockets(session("true"))
+    assert streaming.advise_unix_sockets(session(None))  # unset: TCP
+    assert "spark.python.unix.domain.socket.enabled is off" in caplog.text
+    assert not streaming.advise_unix_sockets(session("false"))  # once per driver
