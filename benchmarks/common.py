@@ -170,6 +170,8 @@ def environment(spark=None) -> dict:
     }
     if spark is not None:
         info["spark"] = spark.version
+        info["python_workers_on_unix_sockets"] = (
+            spark.sparkContext.getConf().get("spark.python.unix.domain.socket.enabled", "false") == "true")
     return info
 
 
