@@ -45,13 +45,15 @@ def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
         sys.path.insert(0, str(ROOT))
     from pyspark.sql import SparkSession
 
+    from spark_state.streaming import UNIX_SOCKETS
+
     spark = (
         SparkSession.builder.master(f"local[{cores}]")
         .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.python.unix.domain.socket.enabled", "true")  # Python tasks without TCP's delayed ACKs
+        .config(UNIX_SOCKETS, "true")  # Python tasks without TCP's delayed ACKs
         .config("spark.driver.memory", driver_memory)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.ui.showConsoleProgress", "false")
@@ -170,8 +172,9 @@ def environment(spark=None) -> dict:
     }
     if spark is not None:
         info["spark"] = spark.version
-        info["python_workers_on_unix_sockets"] = (
-            spark.sparkContext.getConf().get("spark.python.unix.domain.socket.enabled", "false") == "true")
+        from spark_state.streaming import python_on_unix_sockets
+
+        info["python_workers_on_unix_sockets"] = python_on_unix_sockets(spark)
     return info
 
 

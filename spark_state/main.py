@@ -32,6 +32,8 @@ def _session():
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
+    from spark_state.streaming import UNIX_SOCKETS
+
     spark = (
         SparkSession.builder.master("local[*]")
         .appName("spark-state main job")
@@ -39,7 +41,7 @@ def _session():
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.python.unix.domain.socket.enabled", "true")  # Python tasks without TCP's delayed ACKs
+        .config(UNIX_SOCKETS, "true")  # Python tasks without TCP's delayed ACKs
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")

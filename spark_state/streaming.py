@@ -50,6 +50,11 @@ UNIX_SOCKETS = "spark.python.unix.domain.socket.enabled"
 _advised: list[bool] = []
 
 
+def python_on_unix_sockets(session) -> bool:
+    """Whether ``session``'s Python workers talk to the JVM over Unix sockets (``UNIX_SOCKETS``)."""
+    return session.sparkContext.getConf().get(UNIX_SOCKETS, "false").lower() == "true"
+
+
 def advise_unix_sockets(session) -> bool:
     """Say once per driver that Python tasks would be faster on Unix sockets, when they are on TCP; whether it did.
 
@@ -58,7 +63,7 @@ def advise_unix_sockets(session) -> bool:
     its last input arrives: a keyed batch of a hundred rows took about 40 ms
     longer per micro-batch than with ``UNIX_SOCKETS`` on.
     """
-    if _advised or session.sparkContext.getConf().get(UNIX_SOCKETS, "false").lower() == "true":
+    if _advised or python_on_unix_sockets(session):
         return False
     _advised.append(True)
     _LOG.warning("%s is off: each Python task of a keyed query may wait about 40 ms on TCP. Set it to true when "

@@ -57,11 +57,13 @@ def spark():
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
+    from spark_state.streaming import UNIX_SOCKETS
+
     session = (
         SparkSession.builder.master("local[2]")
         .appName("spark-state-tests")
         .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.python.unix.domain.socket.enabled", "true")  # Python tasks without TCP's delayed ACKs
+        .config(UNIX_SOCKETS, "true")  # Python tasks without TCP's delayed ACKs
         .config("spark.ui.enabled", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.driver.memory", "2g")
