@@ -34,14 +34,15 @@ def pytest_configure(config):
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-role lookups (1 s timeouts) on a test machine
 
 
-SLOWEST_FILES = ("test_campaign.py", "test_benchmarks.py", "test_keyed_spark.py", "test_cluster.py",
-                 "test_time_spark.py", "test_driver_kill.py", "test_two_drivers.py", "test_remote_storage_spark.py")
-"""The files that take a minute or more, longest first (``--durations``)."""
+SLOWEST_FILES = ("test_campaign.py", "test_benchmarks.py", "test_keyed_spark.py", "test_driver_kill.py",
+                 "test_time_spark.py", "test_cluster.py", "test_replayable_spark.py", "test_ops_spark.py",
+                 "test_remote_storage_spark.py", "test_two_drivers.py")
+"""The files that take 20 s or more, longest first (measured per file in a two-worker run)."""
 
 
 def pytest_collection_modifyitems(config, items):
     """Run the slowest files first: ``./run tests`` hands whole files to two workers (``--dist loadfile``) in
-    this order, so a long file never starts last while the other worker sits idle."""
+    this order (``--no-loadscope-reorder``), so a long file never starts last while the other worker sits idle."""
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
