@@ -27,8 +27,9 @@ executor) is gone, after ``idle_limit`` without a task (``IDLE_SECONDS``, or
 three times its recent gaps between tasks when they are longer, so that a
 query with a slow trigger keeps its state between batches), or as soon as an
 idle host finds that the store has no more use for its state (``obsolete``:
-the query was rescaled away from its instance, or the store was deleted), so
-that the memory of rescaled or removed queries does not linger. It keeps the
+the run of its last task was stopped, the query was rescaled away from its
+instance, or the store was deleted), so that the memory of stopped, rescaled
+or removed queries does not linger. It keeps the
 worker's process group and environment, and none of its descriptors,
 resident states or storage clients. Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
@@ -380,20 +381,27 @@ def _serve_queued(listener: socket.socket) -> None:
 def obsolete(task, idle_seconds: float) -> bool:
     """Whether the store has no more use for the state a host holds after running ``task``.
 
-    True when the store holds no checkpoint although the task had a base
-    (the store was deleted), or still none ``UNCOMMITTED_SECONDS`` after a
-    first task (its checkpoint was never committed); or when a checkpoint at
+    True when the task's run was stopped (``stops``); when the store holds
+    no checkpoint although the task had a base (the store was deleted), or
+    still none ``UNCOMMITTED_SECONDS`` after a first task (its checkpoint
+    was never committed); or when a checkpoint at
     least as new as the task's runs the component at another parallelism
     (the instance was rescaled away: a task at another parallelism builds
     its state anew from the store). Never when the store cannot be read:
     the idle timeout still ends the host.
     """
     from spark_state.operator import manifest_reader
+    from spark_state.stops import stopped_run
 
+    run_id = task.run_id
     try:
-        latest = manifest_reader(task.store_uri).latest()
+        reader = manifest_reader(task.store_uri)
+        latest = reader.latest()
+        stopped = stopped_run(reader.storage) if run_id is not None else None
     except Exception:  # noqa: BLE001  (a store unreachable now may come back)
         return False
+    if stopped is not None and stopped == run_id:
+        return True
     if latest is None:
         return task.base_checkpoint_id is not None or idle_seconds >= UNCOMMITTED_SECONDS
     if latest.checkpoint_id < task.checkpoint_id:

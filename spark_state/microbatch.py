@@ -49,6 +49,7 @@ from pyspark.accumulators import AccumulatorParam
 from spark_state.conf import StateConf, check_store_reachable, default_store
 from spark_state.coordinator import Coordinator, InstanceReport, SparkBatch, check_reports
 from spark_state.drain import finish_request, pending_requests
+from spark_state.stops import record_stop
 from spark_state.errors import CheckpointError
 from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
 from spark_state.hosts import run_hosted
@@ -149,6 +150,8 @@ class MicroBatch:
     _task_plans: dict[tuple[int, int], "_TaskPlan"] = field(default_factory=dict)
     _reports: Any = None  # the accumulator the tasks send their reports through (``_Reports``)
     _stopper: threading.Thread | None = None
+    _stops_recorded: set[str] = field(default_factory=set)
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _warned_unbounded: bool = False
 
     def coordinator(self, conf: StateConf) -> Coordinator:
@@ -240,6 +243,7 @@ class MicroBatch:
             processing_ms=spark_batch.timestamp_ms,
             drain=drain,
             resident_memory=conf.resident_memory,
+            run_id=spark_batch.run_id,
         )
         self._warn_if_unbounded(conf)
         attempt = uuid.uuid4().hex  # names this attempt's reports among any late ones of an earlier attempt
@@ -312,6 +316,25 @@ class MicroBatch:
             time.sleep(0.05)
         if self.query.isActive:
             self.query.stop()
+        self.record_stop(str(self.query.runId))
+
+    def record_stop(self, run_id: str) -> None:
+        """Record in the query's store that run ``run_id`` stopped, so that the instance hosts holding its state
+        leave (``stops``), once per run; a store that cannot be written now only leaves them to their idle limit."""
+        with self._stop_lock:  # a second caller (the drain's stopper, awaitTermination) returns once it is written
+            if run_id in self._stops_recorded:
+                return
+            self._stops_recorded.add(run_id)
+            for coordinator in list(self._coordinators.values()):
+                self._record_stop(coordinator.manifests.storage, run_id)
+
+    @staticmethod
+    def _record_stop(storage, run_id: str) -> None:
+        try:
+            record_stop(storage, run_id)
+        except Exception as error:  # noqa: BLE001  (the query is stopped either way)
+            _LOG.warning("spark-state: could not record in %s that run %s stopped (%s); its instance hosts "
+                         "keep its state until they idle out", storage.uri, run_id, error)
 
     def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool, attempt: str):
         """Step 3: the output DataFrame, whose every action routes the rows to the instances and runs their tasks.

@@ -83,6 +83,7 @@ class TaskSpec:
     processing_ms: int = 0
     drain: bool = False
     resident_memory: int | None = None  # bytes per executor (``spark.state.residentMemory``)
+    run_id: str | None = None  # Spark's run id of the query run the task belongs to (``stops``)
 
     @property
     def time(self) -> BatchTime:

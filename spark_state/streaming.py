@@ -408,8 +408,25 @@ class StatefulQuery:
         micro-batch: Spark runs one only when a source has new data.
         """
         self.request_drain()
-        self.query.awaitTermination(timeout)
+        self.awaitTermination(timeout)
         return self._batch.drained_batch is not None and not self.query.isActive
+
+    def stop(self) -> None:
+        """Stop the query (``StreamingQuery.stop``) and record in its store that this run stopped: the instance
+        hosts holding its state free their memory within seconds instead of at their idle limit (``stops``)."""
+        try:
+            self.query.stop()
+        finally:
+            self._batch.record_stop(self.run_id)
+
+    def awaitTermination(self, timeout: float | None = None) -> bool | None:
+        """``StreamingQuery.awaitTermination``; a query found terminated (``availableNow``, a failure, a stop
+        from elsewhere) is recorded as stopped in its store, as ``stop`` does."""
+        try:
+            return self.query.awaitTermination(timeout)
+        finally:
+            if not self.query.isActive:
+                self._batch.record_stop(self.run_id)
 
     def request_drain(self) -> None:
         """Drain at the next micro-batch and stop, without waiting (``drain`` waits)."""

@@ -18,15 +18,16 @@ from spark_state import hosts
 from spark_state.manifest import ComponentSpec
 from spark_state.operator import forget_stores
 from spark_state.schema import KeyedSchema
+from spark_state.stops import record_stop, stopped_run
 from spark_state.storage.local import LocalStorage
 from tests.stores import Store
 
 SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 
 
-def _task(store: Path, checkpoint_id: int, base: int | None, parallelism: int):
+def _task(store: Path, checkpoint_id: int, base: int | None, parallelism: int, run_id: str | None = "run-1"):
     return SimpleNamespace(store_uri=str(store), component="c", checkpoint_id=checkpoint_id,
-                           base_checkpoint_id=base, parallelism=parallelism)
+                           base_checkpoint_id=base, parallelism=parallelism, run_id=run_id)
 
 
 def _commit(store: Path, checkpoint_id: int, parallelism: int) -> None:
@@ -63,6 +64,21 @@ def test_a_host_of_a_deleted_store_leaves_and_one_of_a_first_batch_waits_for_its
     assert not hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
     shutil.rmtree(store)
     assert hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
+
+
+def test_a_host_of_a_stopped_run_leaves_and_one_of_a_later_run_stays(tmp_path):
+    _commit(tmp_path, 1, 2)
+    first, later = "0f1e2d3c-0000-4000-8000-000000000001", "0f1e2d3c-0000-4000-8000-000000000002"
+    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
+    record_stop(LocalStorage(str(tmp_path)), first)
+    assert stopped_run(LocalStorage(str(tmp_path))) == first
+    assert hosts.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
+    assert hosts.obsolete(_task(tmp_path, 2, 1, 2, first), idle_seconds=1)  # its last checkpoint never committed
+    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, later), idle_seconds=1)  # restarted: a new run id
+    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, None), idle_seconds=1)
+    record_stop(LocalStorage(str(tmp_path)), later)  # the later run stops too: the record names it instead
+    assert hosts.obsolete(_task(tmp_path, 1, None, 2, later), idle_seconds=1)
+    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
 
 
 def test_a_store_that_cannot_be_read_never_ends_a_host_early():

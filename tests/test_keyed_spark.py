@@ -20,6 +20,8 @@ from spark_state import keyed
 from spark_state.manifestlog import open_manifest_log
 from spark_state.errors import ConfigError, StateBehindQueryError
 from spark_state.microbatch import MicroBatch
+from spark_state.stops import stopped_run
+from spark_state.storage.local import LocalStorage
 
 pytestmark = pytest.mark.spark
 
@@ -660,6 +662,7 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     assert len(later) == 5 * 4
     assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
     assert len({i["pid"] for i in later}) == 4  # one host per instance
+    assert stopped_run(LocalStorage(str(job.root / "state"))) == query.run_id  # stopped: its hosts leave when idle
 
 
 def test_a_memory_bound_below_the_state_holds_and_output_stays_exact_through_a_rescale(spark, tmp_path):

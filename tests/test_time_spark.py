@@ -19,6 +19,7 @@ import pytest
 
 from spark_state import keyed
 from spark_state.drain import request_drain
+from spark_state.stops import stopped_run
 from spark_state.errors import ConfigError
 from spark_state.manifestlog import open_manifest_log
 from spark_state.microbatch import MicroBatch
@@ -210,13 +211,16 @@ def test_a_drain_emits_open_sessions_once_and_a_stale_request_does_nothing(spark
     write(2, [("d", 3500)])
     query.awaitTermination(120)
     assert not query.isActive and query.exception() is None
+    assert stopped_run(open_storage(str(tmp_path / "state"))) == query.run_id  # its instance hosts leave
     assert sorted((r["key"], r["count"]) for r in out) == [("a", 2), ("b", 1), ("c", 1), ("d", 1)]
     latest = open_manifest_log(str(tmp_path / "state")).latest()
     assert latest.drained and latest.components["s"].watermark_ms == BASE + 3500 - 1000
     restarted = start()  # from the drained checkpoint: nothing pending, the next rows are on time
     write(3, [("a", 4000)])
     restarted.processAllAvailable()
+    assert stopped_run(open_storage(str(tmp_path / "state"))) == query.run_id  # the new run's hosts stay
     restarted.stop()
+    assert stopped_run(open_storage(str(tmp_path / "state"))) == restarted.run_id != query.run_id
     assert restarted.batches[-1]["late_rows"] == 0 and restarted.batches[-1]["timers_fired"] == 0
     assert sum(len(i.get("items") or ()) for i in restarted.batches[-1]["instances"]) == 0
 

@@ -1,0 +1,35 @@
+"""Stopped runs: the run id of a keyed query's last stopped run, recorded in its state store.
+
+Instance hosts (``hosts``) keep a query's state in memory between batches
+and leave after an idle time that grows with the gaps between the query's
+batches (hours, for a slow trigger). A run stopped through
+``StatefulQuery.stop()`` or by a drain records its run id here (Spark's
+``query.runId``), and an idle host whose last task belongs to that run
+leaves at its next check (``hosts.obsolete``) instead, so a stopped query
+frees its memory within seconds. A later run of the query has another run
+id: its hosts stay. No pyspark.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from spark_state.errors import BlobNotFoundError
+from spark_state.storage.base import Storage
+
+STOPPED = "stopped-run.json"
+
+
+def record_stop(storage: Storage, run_id: str) -> None:
+    """Record in ``storage`` that the run ``run_id`` stopped (replacing the record of an earlier run)."""
+    body = {"run_id": run_id, "stopped_at": time.time()}
+    storage.create(STOPPED, json.dumps(body).encode(), overwrite=True)
+
+
+def stopped_run(storage: Storage) -> str | None:
+    """The run id of the last run recorded as stopped in ``storage``; None if none was."""
+    try:
+        return json.loads(storage.read(STOPPED))["run_id"]
+    except BlobNotFoundError:
+        return None
