@@ -21,17 +21,17 @@ the task fails and Spark retries it, which starts a new host.
 
 Lifetime: a worker forks the host when none answers (under a file lock, so
 two workers start one; forking skips an interpreter start-up, which would
-cost each new instance a third of a second); the host exits when the
-executor's Python daemon (its starter's parent, which lives as long as the
-executor) is gone, after ``idle_limit`` without a task (``IDLE_SECONDS``, or
-three times its recent gaps between tasks when they are longer, so that a
-query with a slow trigger keeps its state between batches), or as soon as an
-idle host finds that the store has no more use for its state (``obsolete``:
-the run of its last task was stopped, the query was rescaled away from its
-instance, or the store was deleted), so that the memory of stopped, rescaled
-or removed queries does not linger. It keeps the
-worker's process group and environment, and none of its descriptors,
-resident states or storage clients. Sockets live in
+cost each new instance a third of a second; the worker reaps it once it has
+exited); the host exits when the executor's Python daemon (its starter's
+parent, which lives as long as the executor) is gone, after ``idle_limit``
+without a task (``IDLE_SECONDS``, or three times its recent gaps between
+tasks when they are longer, so that a query with a slow trigger keeps its
+state between batches), or as soon as an idle host finds that the store has
+no more use for its state (``obsolete``: the run of its last task was
+stopped, the query was rescaled away from its instance, or the store was
+deleted), so that the memory of stopped, rescaled or removed queries does
+not linger. It keeps the worker's process group and environment, and none of
+its descriptors, resident states or storage clients. Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
 ``cloudpickle`` for user functions.
 """
@@ -172,6 +172,7 @@ def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:
     connection = _try_connect(address)
     if connection is not None:
         return connection
+    _reap_hosts()
     _remove_dead_executors(address.parent.parent)
     address.parent.mkdir(parents=True, exist_ok=True)
     with open(address.with_suffix(".lock"), "w") as lock:
@@ -187,9 +188,9 @@ def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:
             connection = _try_connect(address)
             if connection is not None:
                 return connection
-            if not _alive(host):
+            if not _host_running(host):
                 break
-            time.sleep(0.005)
+            time.sleep(0.001)
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
         raise InstanceHostLostError(f"the instance host at {address} did not start; its log ends with:\n{tail}")
 
@@ -197,7 +198,11 @@ def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:
 def _start_host(address: Path, daemon_pid: int, log: Path, store_uri: str) -> int:
     """Fork the host from this worker (its modules are loaded: no interpreter start-up); its pid.
 
-    A double fork: the host is nobody's child that would have to reap it.
+    One fork, not the double fork of a daemon (a quarter of its cost: the
+    second fork copied the page tables of a worker's heap again, about 9 ms
+    per new host): the host is this worker's child, which the worker reaps
+    once it exits (``_reap_hosts``, at its next connection); a host whose
+    worker is gone is an orphan, reaped by the system like any other.
     In the host, standard input is ``/dev/null``, output goes to ``log`` and
     every other inherited descriptor (the worker's connection to the JVM
     among them) is closed before it listens. The modules a host needs, and
@@ -206,23 +211,32 @@ def _start_host(address: Path, daemon_pid: int, log: Path, store_uri: str) -> in
     its first task.
     """
     _load_host_modules(store_uri)
-    reader, writer = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        try:
-            os.close(reader)
-            host = os.fork()
-            if host == 0:
-                os.close(writer)
-                _become_host(address, daemon_pid, log)
-            os.write(writer, str(host).encode())
-        finally:
-            os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as answer:
-        host = int(answer.read() or b"0")
-    os.waitpid(middle, 0)
+    host = os.fork()
+    if host == 0:
+        _become_host(address, daemon_pid, log)  # never returns
+    _STARTED.add(host)
     return host
+
+
+_STARTED: set[int] = set()
+"""The hosts this worker forked that it has not reaped yet."""
+
+
+def _reap_hosts() -> None:
+    """Reap the hosts this worker started that have exited (a zombie holds no memory, but a pid)."""
+    for pid in list(_STARTED):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (by the system, or by a wait of other code in this worker)
+            done = pid
+        if done:
+            _STARTED.discard(pid)
+
+
+def _host_running(pid: int) -> bool:
+    """Whether the host ``pid`` this worker forked still runs (``_alive`` would count it alive as a zombie)."""
+    _reap_hosts()
+    return pid in _STARTED
 
 
 _PRELOADED: set[str] = set()
@@ -265,6 +279,7 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         from spark_state.operator import forget_stores
         from spark_state.resident import forget_all
 
+        _STARTED.clear()  # the worker's children, not the host's
         forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
         serve(address, daemon_pid)

@@ -169,3 +169,29 @@ def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkey
         assert 1.4 <= time.monotonic() - last < 5
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
+    """``_connect`` forks the host as this process's child; once it exits, the next connection reaps it (no zombie)."""
+    import signal
+
+    directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
+    address = directory / "x" / "q-0.sock"
+    try:
+        with hosts._connect(address, os.getpid(), str(directory / "state")):
+            pass
+        (host,) = hosts._STARTED
+        assert hosts._host_running(host)
+        assert os.waitpid(host, os.WNOHANG) == (0, 0)  # this process's child, still running
+        os.kill(host, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{host}/stat").read_text().split()[2] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not address.exists()  # it left, and is a zombie until reaped
+        assert not hosts._host_running(host) and host not in hosts._STARTED
+        assert not Path(f"/proc/{host}").exists()  # reaped
+    finally:
+        for pid in hosts._STARTED:
+            os.kill(pid, signal.SIGKILL)
+        hosts._reap_hosts()
+        shutil.rmtree(directory, ignore_errors=True)
