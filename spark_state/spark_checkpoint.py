@@ -22,6 +22,7 @@ The parsing and the classification of leftovers are pure functions; the
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -111,12 +112,15 @@ class SparkCheckpoint:
         # A checksummed (local) file system hides ``.crc`` files from listings: look at the raw one.
         self._fs = fs.getRawFileSystem() if checksummed.isInstance(fs) else fs
         self.uri = self._root.toString()
+        # Looked up once: each dotted lookup of a JVM class costs py4j round trips (a read took 20 of them).
+        self._new_path = jvm.org.apache.hadoop.fs.Path
+        self._to_bytes = jvm.org.apache.commons.io.IOUtils.toByteArray
+        self._not_found = jvm.java.lang.Class.forName("java.io.FileNotFoundException")
+        self._entries: dict[int, tuple[dict[str, Any], int]] = {}
+        """The offsets entries read lately, by batch id (Spark never rewrites one)."""
 
     def _path(self, *parts: str):
-        path = self._root
-        for part in parts:
-            path = self._jvm.org.apache.hadoop.fs.Path(path, part)
-        return path
+        return self._new_path(self._root, "/".join(parts)) if parts else self._root
 
     def _names(self, directory: str) -> list[str]:
         path = self._path(directory)
@@ -125,12 +129,16 @@ class SparkCheckpoint:
         return [status.getPath().getName() for status in self._fs.listStatus(path)]
 
     def _read(self, *parts: str) -> str | None:
-        path = self._path(*parts)
-        if not self._fs.exists(path):
-            return None
-        stream = self._fs.open(path)
+        from py4j.protocol import Py4JJavaError
+
         try:
-            data = self._jvm.org.apache.commons.io.IOUtils.toByteArray(stream)
+            stream = self._fs.open(self._path(*parts))
+        except Py4JJavaError as error:
+            if self._not_found.isInstance(error.java_exception):
+                return None
+            raise
+        try:
+            data = self._to_bytes(stream)
         finally:
             stream.close()
         return bytes(data).decode("utf-8")
@@ -151,9 +159,20 @@ class SparkCheckpoint:
         return None if entry is None else entry[0]
 
     def offsets_entry(self, batch_id: int) -> tuple[dict[str, Any], int] | None:
-        """Micro-batch ``batch_id``'s end offsets and processing time (``batchTimestampMs``), None if no entry."""
-        text = self._read("offsets", str(batch_id))
-        return None if text is None else (parse_offsets_entry(text), batch_timestamp_ms(text))
+        """Micro-batch ``batch_id``'s end offsets and processing time (``batchTimestampMs``), None if no entry.
+
+        The last few entries read are kept (Spark writes an entry once, and
+        each batch also needs the one before it), so a batch reads one entry.
+        """
+        entry = self._entries.get(batch_id)
+        if entry is None:
+            text = self._read("offsets", str(batch_id))
+            if text is None:
+                return None
+            entry = (parse_offsets_entry(text), batch_timestamp_ms(text))
+            self._entries = {b: e for b, e in self._entries.items() if batch_id - 2 <= b <= batch_id + 2}
+            self._entries[batch_id] = entry
+        return copy.deepcopy(entry)
 
     def last_committed_batch(self) -> int | None:
         """The highest micro-batch id in ``commits/``, or None."""

@@ -1,4 +1,5 @@
-"""Reading Spark's checkpoint: offsets entries and the leftovers of an interrupted first write (no Spark)."""
+"""Reading Spark's checkpoint: offsets entries and the leftovers of an interrupted first write (no Spark), and the
+reads through Spark's Hadoop file system (the last test)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import uuid
 import pytest
 
 from spark_state.errors import CheckpointLocationError
-from spark_state.spark_checkpoint import interrupted_first_batch, parse_offsets_entry
+from spark_state.spark_checkpoint import SparkCheckpoint, interrupted_first_batch, parse_offsets_entry
 
 WHERE = "file:/chk"
 
@@ -67,3 +68,24 @@ def test_commits_without_offsets_is_refused():
     tmp, _ = temp(0)
     with pytest.raises(CheckpointLocationError, match="commits holds committed batches"):
         interrupted_first_batch([tmp], ["0"], WHERE)
+
+
+@pytest.mark.spark
+def test_a_checkpoint_reads_its_metadata_offsets_and_commits_through_hadoop_and_hands_out_copies(spark, tmp_path):
+    for directory in ("offsets", "commits"):
+        (tmp_path / directory).mkdir()
+    (tmp_path / "metadata").write_text('{"id":"q-1"}\n')
+    for batch in (0, 1):
+        (tmp_path / "offsets" / str(batch)).write_text(
+            f'v1\n{{"batchTimestampMs":{5 + batch}}}\n{{"source_id":"log","splits":{{"0":{batch}}}}}\n')
+    (tmp_path / "commits" / "0").write_text("v1\n{}\n")
+    checkpoint = SparkCheckpoint(spark, str(tmp_path))
+    assert checkpoint.query_id() == "q-1" and checkpoint.last_committed_batch() == 0
+    assert checkpoint.offsets_entry(1) == ({"log": {"source_id": "log", "splits": {"0": 1}}}, 6)
+    assert checkpoint.offsets_entry(2) is None  # no entry yet: None, not an error
+    (tmp_path / "offsets" / "2").write_text('v1\n{"batchTimestampMs":7}\n-\n')
+    assert checkpoint.offsets_entry(2) == ({}, 7)  # written since: read now
+    entry = checkpoint.offsets(0)
+    entry["log"]["splits"]["0"] = 99  # a caller's change
+    assert checkpoint.offsets(0) == {"log": {"source_id": "log", "splits": {"0": 0}}}
+    assert SparkCheckpoint(spark, str(tmp_path / "elsewhere")).query_id() is None
