@@ -419,11 +419,13 @@ class _TaskPlan:
         function = task.function
         if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():
             partials = _spark_partials(function)
+        # Columns, not names: a name becomes a Column (a JVM round trip) every time a batch's plan names it.
         return cls(
-            routed=(*needed, key_group.alias(KEY_GROUP_COLUMN), instance.alias(INSTANCE_COLUMN)),
+            routed=(*map(F.col, needed), key_group.alias(KEY_GROUP_COLUMN), instance.alias(INSTANCE_COLUMN)),
             by=F.col(INSTANCE_COLUMN),
             output_schema=to_spark_schema(task_output_schema(task.output_schema)),
-            partials_keys=(INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns) if partials is not None else None,
+            partials_keys=tuple(map(F.col, (INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns)))
+            if partials is not None else None,
             partials=partials,
         )
 
