@@ -49,7 +49,6 @@ from pyspark.accumulators import AccumulatorParam
 from spark_state.conf import StateConf, check_store_reachable, default_store
 from spark_state.coordinator import Coordinator, InstanceReport, SparkBatch, check_reports
 from spark_state.drain import finish_request, pending_requests
-from spark_state.stops import record_stop
 from spark_state.errors import CheckpointError
 from spark_state.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
 from spark_state.hosts import run_hosted
@@ -58,6 +57,7 @@ from spark_state.manifestlog import open_manifest_log
 from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_from_meta, run_instance
 from spark_state.sinks import BatchSink
 from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
+from spark_state.stops import record_stop
 from spark_state.timers import TIMERS
 
 _LOG = logging.getLogger(__name__)
@@ -326,15 +326,12 @@ class MicroBatch:
                 return
             self._stops_recorded.add(run_id)
             for coordinator in list(self._coordinators.values()):
-                self._record_stop(coordinator.manifests.storage, run_id)
-
-    @staticmethod
-    def _record_stop(storage, run_id: str) -> None:
-        try:
-            record_stop(storage, run_id)
-        except Exception as error:  # noqa: BLE001  (the query is stopped either way)
-            _LOG.warning("spark-state: could not record in %s that run %s stopped (%s); its instance hosts "
-                         "keep its state until they idle out", storage.uri, run_id, error)
+                storage = coordinator.manifests.storage
+                try:
+                    record_stop(storage, run_id)
+                except Exception as error:  # noqa: BLE001  (the query is stopped either way)
+                    _LOG.warning("spark-state: could not record in %s that run %s stopped (%s); its instance "
+                                 "hosts keep its state until they idle out", storage.uri, run_id, error)
 
     def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool, attempt: str):
         """Step 3: the output DataFrame, whose every action routes the rows to the instances and runs their tasks.
