@@ -103,7 +103,6 @@ class SparkCheckpoint:
 
     def __init__(self, session, location: str):
         jvm = session.sparkContext._jvm
-        self._jvm = jvm
         conf = session._jsparkSession.sessionState().newHadoopConf()
         path = jvm.org.apache.hadoop.fs.Path(location)
         fs = path.getFileSystem(conf)
