@@ -210,8 +210,10 @@ class Aggregate:
             merge, part = _MERGES[merges[0]], partials[0]
             if olds.count(None) == len(olds):
                 merged = part
-            elif None not in olds and None not in part and None not in (firsts := list(map(_first, olds))):
-                merged = list(map(merge, firsts, part))
+            elif None not in part:  # some keys may be new (old None) or hold None (only nulls so far)
+                firsts = list(map(_first, olds)) if None not in olds else [o if o is None else o[0] for o in olds]
+                merged = list(map(merge, firsts, part)) if None not in firsts else [
+                    p if f is None else merge(f, p) for f, p in zip(firsts, part)]
             else:  # the rule of ``_merge``, as one comprehension
                 new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
                        for o, p in zip(olds, part)]
