@@ -274,7 +274,8 @@ class ResidentState:
         fast = self._changed_batch(changed, changes) if changed is not None else None
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
-        deleted: list[bool] = []
+        deleted: list[bool] = []  # with several variables; with one, computed from its values at the end
+        single = len(values) == 1
         bounds: list[tuple[PlannedEntry, bool, int, int]] = []  # entry, from ``fast``, first row, rows
         for entry in planned:
             if fast is not None and entry.kind == "delta":  # exactly the rows the batch put in the key group
@@ -287,16 +288,21 @@ class ResidentState:
                 wanted = entry.keys  # a delta's changed keys, or a merge's keys changed since the full entry
             else:
                 wanted = changes[entry.key_group] if entry.key_group in from_store else None
-            chosen, per_variable = self.table.rows(entry.key_group, wanted)
-            keys.extend(chosen)
-            for column, part in zip(values, per_variable):
-                column.extend(part)
-            if len(per_variable) == 1:
-                deleted.extend([value is None for value in per_variable[0]])
+            if wanted is None and single:  # every key: straight from the dict (no copies per key group)
+                held = self.table.values(entry.key_group, 0)
+                keys.extend(held)
+                values[0].extend(held.values())
+                rows = len(held)
             else:
-                width = len(per_variable)
-                deleted.extend([values.count(None) == width for values in zip(*per_variable)])
-            bounds.append((entry, False, start, len(chosen)))
+                chosen, per_variable = self.table.rows(entry.key_group, wanted)
+                keys.extend(chosen)
+                for column, part in zip(values, per_variable):
+                    column.extend(part)
+                if not single:
+                    width = len(per_variable)
+                    deleted.extend([values.count(None) == width for values in zip(*per_variable)])
+                rows = len(chosen)
+            bounds.append((entry, False, start, rows))
             if self.timers_variable is not None:
                 self.earliest[entry.key_group] = minima(self.table.values(entry.key_group, self.timers_variable).values())
             self.table.drop_if_empty(entry.key_group)
@@ -306,6 +312,8 @@ class ResidentState:
             return []
         batch = None
         if not all(from_fast for _, from_fast, _, _ in bounds):
+            if single:  # a key is deleted when its one variable has no value (a dict never holds None)
+                deleted = [value is None for value in values[0]] if None in values[0] else np.zeros(len(keys), bool)
             table = self.schema.rows_to_columns(keys, values, deleted)
             batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns],
                                                schema=table.schema)

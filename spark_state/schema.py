@@ -171,7 +171,7 @@ class KeyedSchema:
         ]
         for variable, column in zip(self.variables, values):
             arrays.append(_struct_array(variable, column))
-        arrays.append(pa.array(list(deleted), pa.bool_()))
+        arrays.append(pa.array(deleted if isinstance(deleted, (list, np.ndarray)) else list(deleted), pa.bool_()))
         return pa.Table.from_arrays(arrays, schema=schema)
 
     def fields_to_batch(self, keys: Sequence[pa.Array], fields: Sequence[pa.Array]) -> pa.RecordBatch:
@@ -198,11 +198,12 @@ def struct_values(column: Any, width: int) -> list[Value | None]:
 
 
 def _struct_array(variable: StateVariable, values: Sequence[Value | None]) -> pa.StructArray:
-    present = [v if v is not None else (None,) * len(variable.fields) for v in values]
+    absent = None in values
+    present = [v if v is not None else (None,) * len(variable.fields) for v in values] if absent else values
     children = [
         pa.array(list(map(itemgetter(i), present)), type=field.type) for i, field in enumerate(variable.fields)
     ]
-    mask = pa.array([v is None for v in values], pa.bool_()) if None in values else None
+    mask = pa.array([v is None for v in values], pa.bool_()) if absent else None
     if not variable.fields:
         return pa.StructArray.from_arrays([], fields=[], mask=mask) if mask is not None else pa.array(
             [{}] * len(values), type=variable.arrow_type
