@@ -301,6 +301,28 @@ def test_sum_and_arrow_apply(spark, tmp_path):
     assert sums == {0: dict(expected)}
 
 
+def test_a_built_in_shuffles_each_batch_once_and_only_the_columns_it_needs(spark, tmp_path):
+    """With its partials computed in the JVM, a batch of a built-in is one shuffle to the instances, then
+    Spark's aggregate per key in the same stage; the shuffle carries only the columns the aggregate reads."""
+    job = Job(spark, tmp_path)
+    job.add_batch(200, keys=20, salt=0)
+    plans: list[str] = []
+    record = job.sink
+
+    def sink(out, batch_id):
+        plans.append(out._jdf.queryExecution().executedPlan().toString())
+        record(out, batch_id)
+
+    job.sink = sink
+    job.run(2)
+    assert job.outputs == job.expected()
+    (plan,) = plans
+    assert plan.count("Exchange") == 1, plan
+    shuffled = plan.split("Exchange")[1].splitlines()[1]  # what the shuffle writes: ``amount`` is pruned
+    assert shuffled.strip().startswith("+- *(1) Project [user#") and "amount" not in shuffled, plan
+    assert "HashAggregate" in plan.split("Exchange")[0], plan
+
+
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
     from spark_state.blobstore import BlobStore
     from spark_state.resident import restore_instance
