@@ -3,9 +3,10 @@
 Instance hosts (``hosts``) keep a query's state in memory between batches
 and leave after an idle time that grows with the gaps between the query's
 batches (hours, for a slow trigger). A run stopped through
-``StatefulQuery.stop()`` or by a drain, or found terminated by
-``StatefulQuery.awaitTermination()``, records its run id here (Spark's
-``query.runId``), and an idle host whose last task belongs to that run
+``StatefulQuery.stop()`` or by a drain, found terminated by
+``StatefulQuery.awaitTermination()``, or reported terminated by Spark
+(``stop_listener``) records its run id here (Spark's ``query.runId``),
+and an idle host whose last task belongs to that run
 leaves at its next check (``hosts.obsolete``) instead, so a stopped query
 frees its memory within seconds. A later run of the query has another run
 id: its hosts stay. No pyspark.

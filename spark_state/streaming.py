@@ -40,6 +40,7 @@ from spark_state.timers import EVENT, PROCESSING, TIMERS
 from spark_state.sinks import open_sink
 from spark_state.spark_checkpoint import SparkCheckpoint
 from spark_state.startfrom import start_from_savepoint
+from spark_state.stop_listener import watch as watch_stops
 from spark_state.timed import deduplicate_function, session_fields, session_function
 
 
@@ -379,6 +380,7 @@ class StatefulStreamWriter:
             writer = writer.queryName(self._query_name)
         query = writer.start()
         batch.query = query
+        watch_stops(session, query, batch)
         return StatefulQuery(query, batch)
 
 

@@ -9,6 +9,7 @@ the expected output is computed from the same files by a plain Python model.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from spark_state import keyed
 from spark_state.manifestlog import open_manifest_log
 from spark_state.errors import ConfigError, StateBehindQueryError
 from spark_state.microbatch import MicroBatch
+from spark_state.stop_listener import watched_runs
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
 
@@ -685,6 +687,40 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
     assert len({i["pid"] for i in later}) == 4  # one host per instance
     assert stopped_run(LocalStorage(str(job.root / "state"))) == query.run_id  # stopped: its hosts leave when idle
+
+
+def test_a_run_that_ends_outside_stateful_query_is_recorded_as_stopped_from_spark_s_events(spark, tmp_path):
+    """A run awaited, or stopped, through the raw ``StreamingQuery`` (``StatefulQuery`` records neither) is
+    recorded as stopped in its store all the same: Spark reports its end to a query listener."""
+    job = Job(spark, tmp_path)
+    job.add_batch(100, keys=10, salt=0)
+    store = LocalStorage(str(tmp_path / "state"))
+    spark.conf.set("spark.state.parallelism", "2")
+    spark.conf.set("spark.state.store", str(tmp_path / "state"))
+
+    def start(**trigger):
+        return (keyed(job.stream(), "user", name=job.name).count().writeStream.foreachBatch(job.sink)
+                .option("checkpointLocation", str(tmp_path / "chk")).trigger(**trigger).start())
+
+    def recorded(run_id: str) -> bool:
+        deadline = time.monotonic() + 30  # Spark delivers query events asynchronously
+        while stopped_run(store) != run_id and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return stopped_run(store) == run_id
+
+    ended = start(availableNow=True)
+    ended.query.awaitTermination()  # not StatefulQuery.awaitTermination, which would record the stop itself
+    assert recorded(ended.run_id)
+    job.add_batch(100, keys=10, salt=1)
+    running = start(processingTime="100 milliseconds")
+    deadline = time.monotonic() + 60
+    while len(running.batches) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running.batches, "the restarted run processed no batch"
+    spark.streams.get(running.id).stop()  # the raw query, as ``spark.streams.active`` hands it out
+    assert recorded(running.run_id) and running.run_id != ended.run_id
+    assert watched_runs(spark) == set()  # no run left to watch: the listener is removed
+    assert job.outputs == job.expected()
 
 
 def test_a_memory_bound_below_the_state_holds_and_output_stays_exact_through_a_rescale(spark, tmp_path):
