@@ -3,9 +3,11 @@
 Run: ``./run bench bench_keyed [--full]``. Prints one JSON object, writes it
 to ``benchmarks/results/keyed.json`` and plots ``benchmarks/results/keyed.png``
 (``keyed_full.*`` with ``--full``). Quick mode (default) takes a few
-minutes on the shared 2-core machine; ``--full`` adds parallelism 4, two
-rounds, 100k and 10M keys of state and ten steady batches (a round of
-compaction of every key group).
+minutes on the shared 2-core machine; ``--full`` adds parallelism 4, five
+rounds of the throughput runs (the order of the systems rotates each round,
+so each runs once in every position: on this machine two rounds gave one
+system ratios 40% apart), 100k and 10M keys of state and ten steady batches
+(a round of compaction of every key group).
 
 Input: Parquet files generated once from a seeded RNG, read by a file stream
 with ``maxFilesPerTrigger=1`` (file i has mtime BASE + i), so batch i has the
@@ -140,7 +142,7 @@ FULL = Config(
     probe_rows=20_000,
     throughput_keys=100_000,
     throughput_batches=8,
-    rounds=2,
+    rounds=5,  # one per position of the five systems in the rotated order
     parallelisms=(2, 4),
     systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
              "transform_with_state_in_pandas"),
