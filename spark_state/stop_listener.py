@@ -18,9 +18,11 @@ not, do not pay for its events.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
+_LOG = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _WATCHERS: dict[int, "_Watcher"] = {}  # id of the SparkSession -> its watcher, while it watches a run
 
@@ -31,8 +33,14 @@ def watch(session, query, batch) -> None:
     with _LOCK:
         watcher = _WATCHERS.get(id(session))
         if watcher is None:
-            watcher = _WATCHERS[id(session)] = _Watcher(session)
-            session.streams.addListener(watcher.listener)
+            watcher = _Watcher(session)
+            try:
+                session.streams.addListener(watcher.listener)
+            except Exception as error:  # noqa: BLE001  (the query runs either way)
+                _LOG.warning("spark-state: cannot listen for the end of run %s (%s); if it ends other than through "
+                             "StatefulQuery, its instance hosts keep its state until they idle out", run_id, error)
+                return
+            _WATCHERS[id(session)] = watcher
         watcher.runs[run_id] = batch
     if not query.isActive:  # it may have ended before the listener knew the run: record it now
         watcher.terminated(run_id)
