@@ -171,7 +171,7 @@ class KeyedSchema:
         ]
         for variable, column in zip(self.variables, values):
             arrays.append(_struct_array(variable, column))
-        arrays.append(pa.array(deleted if isinstance(deleted, (list, np.ndarray)) else list(deleted), pa.bool_()))
+        arrays.append(pa.array(deleted, pa.bool_()))  # a list, or a NumPy array when none is deleted
         return pa.Table.from_arrays(arrays, schema=schema)
 
     def fields_to_batch(self, keys: Sequence[pa.Array], fields: Sequence[pa.Array]) -> pa.RecordBatch:
