@@ -58,6 +58,7 @@ from spark_state.operator import INSTANCE_COLUMN, META_COLUMN, TaskSpec, report_
 from spark_state.sinks import BatchSink
 from spark_state.spark_checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.stops import record_stop
+from spark_state.stop_watch import unwatch as unwatch_stops
 from spark_state.timers import TIMERS
 
 _LOG = logging.getLogger(__name__)
@@ -317,6 +318,7 @@ class MicroBatch:
         if self.query.isActive:
             self.query.stop()
         self.record_stop(str(self.query.runId))
+        unwatch_stops(str(self.query.runId))
 
     def record_stop(self, run_id: str) -> None:
         """Record in the query's store that run ``run_id`` stopped, so that the instance hosts holding its state

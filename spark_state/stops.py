@@ -4,8 +4,8 @@ Instance hosts (``hosts``) keep a query's state in memory between batches
 and leave after an idle time that grows with the gaps between the query's
 batches (hours, for a slow trigger). A run stopped through
 ``StatefulQuery.stop()`` or by a drain, found terminated by
-``StatefulQuery.awaitTermination()``, or reported terminated by Spark
-(``stop_listener``) records its run id here (Spark's ``query.runId``),
+``StatefulQuery.awaitTermination()``, or found no longer active by the
+driver's watch (``stop_watch``) records its run id here (Spark's ``query.runId``),
 and an idle host whose last task belongs to that run
 leaves at its next check (``hosts.obsolete``) instead, so a stopped query
 frees its memory within seconds. A later run of the query has another run

@@ -1,12 +1,14 @@
 """A keyed-count job run as its own driver process, for tests that kill the driver.
 
-    python tests/driver_job.py WORK PARALLELISM [--die-at STAGE:BATCH] [--function count|apply]
+    python tests/driver_job.py WORK PARALLELISM [--die-at STAGE:BATCH] [--function count|apply] [--raw-exit]
 
 Reads Parquet files from WORK/input one per micro-batch, counts per user
 (the built-in ``count``, or the same count as a user function with
 ``apply``), writes each batch's output to WORK/out/batch_id=N (Parquet,
 overwrite) and exits. With ``--die-at``, the driver process dies (``os._exit``, no cleanup)
-when the micro-batch protocol reaches STAGE of batch BATCH.
+when the micro-batch protocol reaches STAGE of batch BATCH. With ``--raw-exit`` it prints the run id,
+awaits the raw ``StreamingQuery`` (not ``StatefulQuery``, which records the run's stop itself) and exits
+without stopping the session, as many scripts do.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("parallelism", type=int)
     parser.add_argument("--die-at")
     parser.add_argument("--function", choices=("count", "apply"), default="count")
+    parser.add_argument("--raw-exit", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -80,6 +83,10 @@ def main() -> None:
         .trigger(availableNow=True)
         .start()
     )
+    if args.raw_exit:
+        print("run", query.run_id, flush=True)
+        query.query.awaitTermination()
+        return
     query.awaitTermination()
     spark.stop()
 

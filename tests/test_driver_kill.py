@@ -20,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from spark_state.stops import stopped_run
+from spark_state.storage.local import LocalStorage
 from tests.kills import kill_when_created
 
 pytestmark = pytest.mark.spark
@@ -145,3 +147,17 @@ def test_a_driver_killed_while_writing_its_first_offsets_restarts_by_itself(tmp_
     assert "removed " in removed and all(name in removed for name in left), restarted.stderr[-3000:]
     assert _matches_some_batching(_outputs(work), files)
     assert not _matches_some_batching({**_outputs(work), 99: {"u0": 1}}, files)  # the check can fail
+
+
+def test_a_script_that_awaits_the_raw_query_and_exits_records_the_stop_and_leaves_no_error(tmp_path):
+    """A driver that awaits the raw ``StreamingQuery`` and exits at once (no ``StatefulQuery`` call records the
+    stop, and the session is not stopped): the run is recorded as stopped before the driver exits, and Spark
+    logs no error about a listener whose driver went away."""
+    files = _write_inputs(tmp_path, 2)
+    result = subprocess.run(_command(tmp_path, 2) + ["--raw-exit"], env=_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_id,) = re.findall(r"^run (\S+)$", result.stdout, re.MULTILINE)
+    assert stopped_run(LocalStorage(str(tmp_path / "state"))) == run_id
+    assert "Listener" not in result.stderr and "ERROR" not in result.stderr, result.stderr[-3000:]
+    assert _outputs(tmp_path) == _expected(files)

@@ -21,7 +21,7 @@ from spark_state import keyed
 from spark_state.manifestlog import open_manifest_log
 from spark_state.errors import ConfigError, StateBehindQueryError
 from spark_state.microbatch import MicroBatch
-from spark_state.stop_listener import watched_runs
+from spark_state.stop_watch import watched_runs
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
 
@@ -689,9 +689,9 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     assert stopped_run(LocalStorage(str(job.root / "state"))) == query.run_id  # stopped: its hosts leave when idle
 
 
-def test_a_run_that_ends_outside_stateful_query_is_recorded_as_stopped_from_spark_s_events(spark, tmp_path):
+def test_a_run_that_ends_outside_stateful_query_is_recorded_as_stopped_by_the_driver_s_watch(spark, tmp_path):
     """A run awaited, or stopped, through the raw ``StreamingQuery`` (``StatefulQuery`` records neither) is
-    recorded as stopped in its store all the same: Spark reports its end to a query listener."""
+    recorded as stopped in its store all the same: a driver thread finds it no longer active."""
     job = Job(spark, tmp_path)
     job.add_batch(100, keys=10, salt=0)
     store = LocalStorage(str(tmp_path / "state"))
@@ -703,7 +703,7 @@ def test_a_run_that_ends_outside_stateful_query_is_recorded_as_stopped_from_spar
                 .option("checkpointLocation", str(tmp_path / "chk")).trigger(**trigger).start())
 
     def recorded(run_id: str) -> bool:
-        deadline = time.monotonic() + 30  # Spark delivers query events asynchronously
+        deadline = time.monotonic() + 30  # the watch looks every second
         while stopped_run(store) != run_id and time.monotonic() < deadline:
             time.sleep(0.1)
         return stopped_run(store) == run_id
@@ -719,7 +719,7 @@ def test_a_run_that_ends_outside_stateful_query_is_recorded_as_stopped_from_spar
     assert running.batches, "the restarted run processed no batch"
     spark.streams.get(running.id).stop()  # the raw query, as ``spark.streams.active`` hands it out
     assert recorded(running.run_id) and running.run_id != ended.run_id
-    assert watched_runs(spark) == set()  # no run left to watch: the listener is removed
+    assert running.run_id not in watched_runs() and ended.run_id not in watched_runs()
     assert job.outputs == job.expected()
 
 
