@@ -353,10 +353,7 @@ class MicroBatch:
 
             yield from _strip_reports(run(task, TaskContext.get().partitionId(), batches), reports, attempt, schema)
 
-        routed = batch_df.select(*plan.routed).repartitionById(task.parallelism, plan.by)
-        if plan.partials is not None:
-            routed = routed.groupBy(*plan.partials_keys).agg(*plan.partials)
-        return routed.mapInArrow(process, plan.output_schema)
+        return plan.java(batch_df.sparkSession.sparkContext).tasks(batch_df, task.parallelism, process)
 
     def _warn_if_unbounded(self, conf: StateConf) -> None:
         """Say once per query that ``spark.state.residentMemory`` does not bound a component with timers."""
@@ -400,6 +397,13 @@ class _TaskPlan:
     output_schema: Any
     partials_keys: tuple | None
     partials: tuple | None
+    _java: list = field(default_factory=list, compare=False)  # its ``_JavaPlan``, built at first use
+
+    def java(self, context) -> "_JavaPlan":
+        """This plan's JVM objects (see ``_JavaPlan``), built once in ``context`` (the ``SparkContext``)."""
+        if not self._java:
+            self._java.append(_JavaPlan.build(self, context))
+        return self._java[0]
 
     @classmethod
     def build(cls, stream, task: TaskSpec) -> "_TaskPlan":
@@ -427,6 +431,58 @@ class _TaskPlan:
             if partials is not None else None,
             partials=partials,
         )
+
+
+class _JavaPlan:
+    """A ``_TaskPlan`` as JVM objects, so that a batch's Spark calls cost a few py4j round trips, not dozens.
+
+    PySpark's ``select``, ``groupBy``, ``agg`` and ``mapInArrow`` convert
+    their Python lists of columns into Java sequences one element per round
+    trip, and ``mapInArrow`` reads the frame's columns back from the JVM
+    first: about 90 round trips and 55 ms of every batch's driver time
+    before its job starts. The sequences are the same in every batch of a
+    parallelism, so they are built here once and the batch's plan is made
+    with one call per step on the batch's Java ``Dataset``; what Spark
+    analyses is the same plan. ``mapInArrow``'s input is every column of the
+    frame it maps (as PySpark's own ``mapInArrow`` passes them), named once
+    from the first batch's schema, which a stream keeps.
+    """
+
+    def __init__(self, plan: "_TaskPlan", context, routed, by, keys, first, rest):
+        self.plan, self.context = plan, context
+        self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
+        self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
+
+    @classmethod
+    def build(cls, plan: "_TaskPlan", context) -> "_JavaPlan":
+        from pyspark.sql.classic.column import _to_java_column, _to_seq
+
+        keys = first = rest = None
+        if plan.partials is not None:
+            keys = _to_seq(context, plan.partials_keys, _to_java_column)
+            first, rest = plan.partials[0]._jc, _to_seq(context, plan.partials[1:], _to_java_column)
+        return cls(plan, context, _to_seq(context, plan.routed, _to_java_column), plan.by._jc, keys, first, rest)
+
+    def tasks(self, batch_df, parallelism: int, process: Callable):
+        """``batch_df`` routed to ``parallelism`` instances, each running ``process`` (``MicroBatch._run_tasks``)."""
+        from pyspark.sql import functions as F
+        from pyspark.sql.classic.column import _to_java_column, _to_seq
+        from pyspark.sql.classic.dataframe import DataFrame
+        from pyspark.sql.pandas.functions import pandas_udf
+        from pyspark.util import PythonEvalType
+
+        session = batch_df.sparkSession
+        routed = batch_df._jdf.select(self.routed).repartitionById(parallelism, self.by)
+        if self.keys is not None:
+            routed = routed.groupBy(self.keys).agg(self.first, self.rest)
+        if self.inputs is None:
+            names = DataFrame(routed, session).columns
+            quoted = [F.col("`" + name.replace("`", "``") + "`") for name in names]
+            self.inputs = _to_seq(self.context, quoted, _to_java_column)
+        udf = pandas_udf(process, returnType=self.plan.output_schema,
+                         functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
+        mapped = routed.mapInArrow(udf._unwrapped._judf.apply(self.inputs), False, None)
+        return DataFrame(mapped, session)
 
 
 def _spark_partials(function: Aggregate) -> tuple:
