@@ -163,12 +163,13 @@ class ChainTracker:
                 continue
             changed = changes[key_group]
             since = self._since_full.pop(key_group, None)
-            if since is not None:
-                since.update(changed)
             self._chains[key_group] = None
             if not chain or 2 * len(changed) >= max(keys, 1):  # new, or mostly changed
-                entry = PlannedEntry(key_group, "full", keys == 0, chain, since_full=set())
-            elif key_group not in compacted:
+                planned.append(PlannedEntry(key_group, "full", keys == 0, chain, since_full=set()))
+                continue
+            if since is not None:
+                since.update(changed)
+            if key_group not in compacted:
                 entry = PlannedEntry(key_group, "delta", False, chain, keys=changed, since_full=since)
             elif since is not None and 2 * len(since) < keys and max_chain_length >= 2:
                 entry = PlannedEntry(key_group, "merge", False, chain[:1], keys=since, since_full=since)

@@ -227,14 +227,14 @@ class Aggregate:
             ]
         # No state is ever None here (a key with a batch has a value): the columns are the values as put.
         fields = [merged] if merged is not None else [[s[i] for s in new] for i in range(len(state_types))]
+        columns = [pa.array(f, t) for f, t in zip(fields, state_types)]
         table.put_many(key_groups, keys, new, key_columns=[totals.column(c).combine_chunks() for c in key_columns],
-                       value_columns=[pa.array(f, t) for f, t in zip(fields, state_types)])
+                       value_columns=columns)
         output = {c: totals.column(c) for c in key_columns}
-        if definition.finish is _first:
-            finished = merged if merged is not None else list(map(_first, new))
+        if definition.finish is _first and columns[0].type == self.output_type():
+            output[self.output_name] = columns[0]  # the output is the state column, as stored
         else:
-            finished = [definition.finish(s) for s in new]
-        output[self.output_name] = pa.array(finished, self.output_type())
+            output[self.output_name] = pa.array([definition.finish(s) for s in new], self.output_type())
         return pa.table(output)
 
 

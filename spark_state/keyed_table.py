@@ -171,7 +171,7 @@ class KeyGroupTable:
         self._width = len(schema.variables)
         self._groups: dict[int, list[dict[Key, Value]]] = {}
         self._unloaded: dict[int, FetchedChain] = {}
-        self._dirty: dict[int, set[Key]] = {}
+        self._dirty: dict[int, set[Key] | Sequence[Key]] = {}  # a sequence: one ``put_many``'s keys, each once
         self._changed_rows: list[ChangedRows] | None = []  # see ``changed_rows``; None: other changes too
         self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
         self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
@@ -307,7 +307,7 @@ class KeyGroupTable:
     def put(self, key_group: int, key: Key, value: Value, variable: int = 0) -> None:
         self._check(key_group)
         self._group(key_group)[variable][key] = value
-        self._dirty.setdefault(key_group, set()).add(key)
+        self._changes(key_group).add(key)
         self._changed_rows = None
 
     def delete(self, key_group: int, key: Key, variable: int | None = None) -> None:
@@ -317,8 +317,17 @@ class KeyGroupTable:
         targets = group if variable is None else [group[variable]]
         removed = [values.pop(key) for values in targets if key in values]
         if removed:
-            self._dirty.setdefault(key_group, set()).add(key)
+            self._changes(key_group).add(key)
             self._changed_rows = None
+
+    def _changes(self, key_group: int) -> set[Key]:
+        """The set of the key group's changed keys, to add to (made from the list one ``put_many`` left)."""
+        changed = self._dirty.get(key_group)
+        if changed is None:
+            changed = self._dirty[key_group] = set()
+        elif not isinstance(changed, set):
+            changed = self._dirty[key_group] = set(changed)
+        return changed
 
     def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
         """``[get(g, k, default) for g, k in zip(key_groups, keys)]`` for the ``value`` variable."""
@@ -340,11 +349,14 @@ class KeyGroupTable:
 
         ``key_columns`` and ``value_columns``, the same keys and values (each
         key once, no value None) as Arrow columns, let a checkpoint write the
-        rows without reading them back from the dicts (``changed_rows``).
+        rows without reading them back from the dicts (``changed_rows``); a
+        key group with no change before keeps its changed keys as the list
+        of them (``take_changes``), not as a set built key by key.
         """
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
-        if key_columns is None or value_columns is None or self._changed_rows is None:
+        once = key_columns is not None and value_columns is not None
+        if not once or self._changed_rows is None:
             self._changed_rows = None
         else:
             self._changed_rows.append(ChangedRows(np.asarray(key_groups), tuple(key_columns), tuple(value_columns)))
@@ -354,10 +366,10 @@ class KeyGroupTable:
             if group is None:
                 group = groups[g] = [{} for _ in range(width)]
             group[0].update(zip(keys[start:end], values[start:end]))
-            changed = dirty.get(g)
-            if changed is None:
-                changed = dirty[g] = set()
-            changed.update(keys[start:end])
+            if once and g not in dirty:
+                dirty[g] = keys[start:end]  # each key once: the list is the set of changed keys
+            else:
+                self._changes(g).update(keys[start:end])
 
     def values(self, key_group: int, variable: int) -> dict[Key, Value]:
         """One variable's ``key -> value`` of a key group (folds it; do not change the dict, use put/delete)."""
@@ -394,8 +406,9 @@ class KeyGroupTable:
 
     # Checkpointing ----------------------------------------------------------------------
 
-    def take_changes(self) -> dict[int, set[Key]]:
-        """The keys changed per key group since the last call, which clears them."""
+    def take_changes(self) -> dict[int, "set[Key] | Sequence[Key]"]:
+        """The keys changed per key group since the last call, which clears them (each key once, in a set or
+        a sequence: test membership only after making a set)."""
         changes, self._dirty, self._changed_rows = self._dirty, {}, []
         return changes
 

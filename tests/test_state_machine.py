@@ -112,12 +112,16 @@ class StoreMachine(RuleBasedStateMachine):
         for n in range(first, first + count):
             self.put(f"k{n}", value)
 
-    @rule(first=st.integers(0, 60), count=st.integers(1, 40), step=st.integers(-3, 3))
-    def add_many(self, first: int, count: int, step: int) -> None:
+    @rule(first=st.integers(0, 60), count=st.integers(1, 40), step=st.integers(-3, 3), columns=st.booleans())
+    def add_many(self, first: int, count: int, step: int, columns: bool) -> None:
         """What a built-in aggregate does: read many keys' values at once, then write them back changed.
 
         ``get_many``/``put_many`` keep restored key groups unfolded (an
         overlay over their chains), which the invariants then read through.
+        With ``columns``, ``put_many`` also gets the rows as Arrow columns,
+        as ``Aggregate.apply`` passes them: the checkpoint may write them
+        as they are, and a key group changed by nothing else keeps its
+        changed keys as the list of them.
         """
         by_instance: dict[int, list[tuple[int, str]]] = {}
         for n in range(first, first + count):
@@ -130,7 +134,11 @@ class StoreMachine(RuleBasedStateMachine):
             olds = state.table.get_many(groups, keys)
             assert olds == [(self.live[k],) if k in self.live else None for _, k in routed]
             news = [((old[0] if old else 0) + step,) for old in olds]
-            state.table.put_many(groups, keys, news)
+            arrow = {}
+            if columns:
+                arrow = {"key_columns": [pa.array([k for (k,) in keys], pa.string())],
+                         "value_columns": [pa.array([v for (v,) in news], pa.int64())]}
+            state.table.put_many(groups, keys, news, **arrow)
             self.live.update((k, v[0]) for (_, k), v in zip(routed, news))
         self.clean = False
 
