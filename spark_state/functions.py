@@ -201,7 +201,10 @@ class Aggregate:
         state_types = definition.state(self.input_type)
         partials = [totals.column(n).cast(t).to_pylist() for n, t in zip(names, state_types)]
         key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
-        keys = list(zip(*[totals.column(c).to_pylist() for c in key_columns]))
+        if table.bare:  # the keys as the table holds them (``KeyGroupTable.held_key``)
+            keys = totals.column(key_columns[0]).to_pylist()
+        else:
+            keys = list(zip(*[totals.column(c).to_pylist() for c in key_columns]))
         # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
         olds = table.get_many(key_groups, keys)
         merges = definition.merges

@@ -14,7 +14,9 @@ fetched stays Arrow record batches (``install``) and is folded into dicts by
 parallelism pays per key group a batch touches, not per key of state.
 
 Lazier still, for a component with one state variable and one key column
-(the built-in aggregates, and user functions of that shape): ``get_many``
+(the built-in aggregates, and user functions of that shape; such a table is
+*bare*: its dicts' keys are the key column's values, not 1-tuples, which
+halves what hashing and comparing a key costs): ``get_many``
 and ``put_many`` (the built-ins' access) look the keys they are given up in
 the fetched chains with one Arrow ``index_in`` over the key groups they
 touch, and keep only those keys in the group's dict, an *overlay* over its
@@ -176,6 +178,7 @@ class KeyGroupTable:
         self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
         self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
         self._overlays = self._width == 1 and len(schema.key_columns) == 1
+        self.bare = self._overlays  # the dicts' keys are the one key column's values (``held_key``)
         self._cold: set[int] = set()  # evicted key groups: state only in the store
         self.keep_arrow = keep_arrow and self._overlays
         self._bytes_per_key: float | None = None
@@ -223,7 +226,7 @@ class KeyGroupTable:
         if fetched is not None:
             overlay = group
             group = self._groups[key_group] = [{} for _ in range(self._width)]
-            apply_entries(group, fetched.batches, self.schema, whole_chain=True)
+            apply_entries(group, fetched.batches, self.schema, whole_chain=True, bare=self.bare)
             self._absent.pop(key_group, None)
             self._looked_up.discard(key_group)
             if overlay is not None:
@@ -271,7 +274,7 @@ class KeyGroupTable:
         rows = pa.concat_tables(chains) if len(chains) > 1 else chains[0]
         key_column = self.schema.key_columns[0]
         asked = [k for g in wanted for k in wanted[g]]
-        asked_keys = pa.array([k[0] for k in asked], rows.schema.field(key_column).type)
+        asked_keys = pa.array(asked, rows.schema.field(key_column).type)  # an overlay's table is bare
         # Hash the asked keys (a batch's worth), not the chains (all the state of the key groups touched):
         # the chains' keys only probe. A key lives in one key group, and a folded chain holds it once.
         rows = rows.filter(pc.is_in(rows.column(key_column), value_set=asked_keys, skip_nulls=False))
@@ -297,15 +300,20 @@ class KeyGroupTable:
 
     # Access -----------------------------------------------------------------------------
 
+    def held_key(self, key: Key) -> Any:
+        """``key`` (a tuple of key column values) as the dicts hold it: its one value when the table is bare."""
+        return key[0] if self.bare else key
+
     def get(self, key_group: int, key: Key, default: Any = None, variable: int = 0) -> Value | Any:
         self._check(key_group)
         if key_group in self._unloaded:
             self._group(key_group)
         group = self._groups.get(key_group)
-        return default if group is None else group[variable].get(key, default)
+        return default if group is None else group[variable].get(self.held_key(key), default)
 
     def put(self, key_group: int, key: Key, value: Value, variable: int = 0) -> None:
         self._check(key_group)
+        key = self.held_key(key)
         self._group(key_group)[variable][key] = value
         self._changes(key_group).add(key)
         self._changed_rows = None
@@ -313,6 +321,7 @@ class KeyGroupTable:
     def delete(self, key_group: int, key: Key, variable: int | None = None) -> None:
         """Remove ``key`` from one variable, or (``variable=None``) all of its state."""
         self._check(key_group)
+        key = self.held_key(key)
         group = self._group(key_group)
         targets = group if variable is None else [group[variable]]
         removed = [values.pop(key) for values in targets if key in values]
@@ -329,8 +338,11 @@ class KeyGroupTable:
             changed = self._dirty[key_group] = set(changed)
         return changed
 
-    def get_many(self, key_groups: Sequence[int], keys: Sequence[Key], default: Any = None) -> list[Value | Any]:
-        """``[get(g, k, default) for g, k in zip(key_groups, keys)]`` for the ``value`` variable."""
+    def get_many(self, key_groups: Sequence[int], keys: Sequence[Any], default: Any = None) -> list[Value | Any]:
+        """``[get(g, k, default) for g, k in zip(key_groups, keys)]`` for the ``value`` variable.
+
+        ``keys`` as the dicts hold them (``held_key``), as for ``put_many``.
+        """
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
         groups, empty, found = self._groups, ({},), []
@@ -342,10 +354,13 @@ class KeyGroupTable:
                 found.extend(values.get(k, default) for k in keys[start:end])
         return found
 
-    def put_many(self, key_groups: Sequence[int], keys: Sequence[Key], values: Sequence[Value], *,
+    def put_many(self, key_groups: Sequence[int], keys: Sequence[Any], values: Sequence[Value], *,
                  key_columns: Sequence[pa.Array] | None = None, value_columns: Sequence[pa.Array] | None = None
                  ) -> None:
         """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences.
+
+        ``keys`` as the dicts hold them (``held_key``: bare values for a bare
+        table, which a caller with the key column builds without tuples).
 
         ``key_columns`` and ``value_columns``, the same keys and values (each
         key once, no value None) as Arrow columns, let a checkpoint write the
@@ -372,7 +387,10 @@ class KeyGroupTable:
                 self._changes(g).update(keys[start:end])
 
     def values(self, key_group: int, variable: int) -> dict[Key, Value]:
-        """One variable's ``key -> value`` of a key group (folds it; do not change the dict, use put/delete)."""
+        """One variable's ``key -> value`` of a key group (folds it; do not change the dict, use put/delete).
+
+        The keys as the dicts hold them (``held_key``).
+        """
         self._check(key_group)
         return self._group(key_group)[variable]
 
@@ -384,7 +402,7 @@ class KeyGroupTable:
             self._group(key_group)
         for key_group in sorted(self._groups):
             for key, value in self._groups[key_group][variable].items():
-                yield key_group, key, value
+                yield key_group, (key,) if self.bare else key, value
 
     def __len__(self) -> int:
         """Keys with any state in the loaded key groups (a cold key group's keys are in the store only)."""
@@ -407,8 +425,8 @@ class KeyGroupTable:
     # Checkpointing ----------------------------------------------------------------------
 
     def take_changes(self) -> dict[int, "set[Key] | Sequence[Key]"]:
-        """The keys changed per key group since the last call, which clears them (each key once, in a set or
-        a sequence: test membership only after making a set)."""
+        """The keys changed per key group since the last call, which clears them (each key once, as the dicts
+        hold it, in a set or a sequence: test membership only after making a set)."""
         changes, self._dirty, self._changed_rows = self._dirty, {}, []
         return changes
 
@@ -428,6 +446,8 @@ class KeyGroupTable:
 
     def rows(self, key_group: int, keys: Sequence[Key] | None = None) -> tuple[list[Key], list[list[Value | None]]]:
         """The given keys (all keys when None) and, per variable, their values (None where absent).
+
+        Keys as the dicts hold them (``held_key``), given and returned.
 
         Keys an unloaded key group's overlay holds are served from it;
         anything else folds the key group first.
@@ -465,7 +485,7 @@ class KeyGroupTable:
     def apply(self, key_group: int, batches: Entries) -> None:
         """Apply fetched delta entries on top of the key group's content."""
         self._check(key_group)
-        apply_entries(self._group(key_group), batches, self.schema, whole_chain=False)
+        apply_entries(self._group(key_group), batches, self.schema, whole_chain=False, bare=self.bare)
         self.drop_if_empty(key_group)
 
     def clear(self, key_group: int) -> None:

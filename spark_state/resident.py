@@ -314,7 +314,7 @@ class ResidentState:
         if not all(from_fast for _, from_fast, _, _ in bounds):
             if single:  # a key is deleted when its one variable has no value (a dict never holds None)
                 deleted = [value is None for value in values[0]] if None in values[0] else np.zeros(len(keys), bool)
-            table = self.schema.rows_to_columns(keys, values, deleted)
+            table = self.schema.rows_to_columns(keys, values, deleted, bare=self.table.bare)
             batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns],
                                                schema=table.schema)
         entries = [(entry.key_group, entry.kind, pa.concat_batches([(fast[0] if from_fast else batch).slice(start, n)]))

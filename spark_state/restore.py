@@ -278,8 +278,11 @@ def apply_entries(
     schema: KeyedSchema,
     *,
     whole_chain: bool,
+    bare: bool = False,
 ) -> None:
     """Apply one key group's entries (oldest first) to its dicts, one per state variable, in place.
+
+    ``bare``: the dicts' keys are bare (``KeyedSchema.columns_to_rows``).
 
     The row-by-row form of ``fold_chain``'s rule: a key's last occurrence
     wins (and moves to the end, so keys keep the order of their last
@@ -291,7 +294,7 @@ def apply_entries(
     if whole_chain:
         check_chain([kind for kind, _ in batches], "apply_entries")
     for _, batch in batches:
-        keys, values, deleted = schema.columns_to_rows(batch)
+        keys, values, deleted = schema.columns_to_rows(batch, bare=bare)
         if not any(groups) and not any(deleted) and all(None not in column for column in values):
             for group, column in zip(groups, values):
                 group.update(zip(keys, column))  # an entry holds each key at most once

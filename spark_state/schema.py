@@ -17,9 +17,9 @@ column may be called ``value``)::
 A null struct means the key has no value for that variable; a row with
 ``_deleted = true`` (all structs null) is a tombstone: the key has no state at
 all. In memory a key group holds one dict per variable, ``key -> value`` with
-``key`` a tuple of the key column values and ``value`` a tuple of the
-variable's column values (``KeyedSchema.rows_to_columns`` and
-``columns_to_rows`` convert).
+``key`` a tuple of the key column values (or, *bare*, the value of the one
+key column) and ``value`` a tuple of the variable's column values
+(``KeyedSchema.rows_to_columns`` and ``columns_to_rows`` convert).
 """
 
 from __future__ import annotations
@@ -154,21 +154,31 @@ class KeyedSchema:
 
     # -- conversions between Arrow and the in-memory form -------------------------------
 
-    def columns_to_rows(self, batch: pa.RecordBatch | pa.Table) -> tuple[list[Key], list[list[Value | None]], list[bool]]:
-        """The keys, per variable the values (None where the struct is null) and the tombstone flags of a batch."""
+    def columns_to_rows(self, batch: pa.RecordBatch | pa.Table, *, bare: bool = False
+                        ) -> tuple[list[Key], list[list[Value | None]], list[bool]]:
+        """The keys, per variable the values (None where the struct is null) and the tombstone flags of a batch.
+
+        ``bare`` (one key column): each key is its column's value, not a 1-tuple.
+        """
         n_keys = len(self.keys)
-        keys = list(zip(*[batch.column(i).to_pylist() for i in range(n_keys)]))
+        if bare:
+            keys = batch.column(0).to_pylist()
+        else:
+            keys = list(zip(*[batch.column(i).to_pylist() for i in range(n_keys)]))
         values = [struct_values(batch.column(n_keys + i), len(v.fields)) for i, v in enumerate(self.variables)]
         deleted = batch.column(n_keys + len(self.variables)).to_pylist()
         return keys, values, deleted
 
     def rows_to_columns(self, keys: Sequence[Key], values: Sequence[Sequence[Value | None]],
-                        deleted: Sequence[bool]) -> pa.Table:
+                        deleted: Sequence[bool], *, bare: bool = False) -> pa.Table:
         """Inverse of ``columns_to_rows``: ``values[i][r]`` is variable i's value of row r (or None)."""
         schema = self.blob_schema
-        arrays = [
-            pa.array(list(map(itemgetter(i), keys)), type=field.type) for i, field in enumerate(self.keys)
-        ]
+        if bare:
+            arrays = [pa.array(keys, type=self.keys[0].type)]
+        else:
+            arrays = [
+                pa.array(list(map(itemgetter(i), keys)), type=field.type) for i, field in enumerate(self.keys)
+            ]
         for variable, column in zip(self.variables, values):
             arrays.append(_struct_array(variable, column))
         arrays.append(pa.array(deleted, pa.bool_()))  # a list, or a NumPy array when none is deleted

@@ -23,20 +23,30 @@ KEY = pa.field("key", pa.string())
 TIME = BatchTime(None, 1_700_000_000_000)
 
 
-def _rows(pairs: list[tuple[str, object]], kind: pa.DataType) -> pa.Table:
+PART = pa.field("part", pa.int64())
+
+
+def _rows(pairs: list[tuple[str, object]], kind: pa.DataType, *, two_keys: bool = False) -> pa.Table:
+    """The rows, keyed by ``key`` (with ``two_keys``, by ``key`` and ``part``, a function of ``key``)."""
     keys = [k for k, _ in pairs]
+    parts = [len(k) % 2 for k in keys]
+    groups = [key_group_for((k, p) if two_keys else k, M) for k, p in zip(keys, parts)]
     return pa.table({
         "key": pa.array(keys, pa.string()),
+        **({"part": pa.array(parts, pa.int64())} if two_keys else {}),
         "x": pa.array([v for _, v in pairs], kind),
-        KEY_GROUP_COLUMN: pa.array([key_group_for(k, M) for k in keys], pa.int32()),
+        KEY_GROUP_COLUMN: pa.array(groups, pa.int32()),
     })
 
 
-def _run(aggregate: Aggregate, batches: list[list[tuple[str, object]]], kind: pa.DataType) -> list[dict]:
-    table = KeyGroupTable(KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M - 1))
+def _run(aggregate: Aggregate, batches: list[list[tuple[str, object]]], kind: pa.DataType, *,
+         two_keys: bool = False) -> list[dict]:
+    key_fields = [KEY, PART] if two_keys else [KEY]
+    table = KeyGroupTable(KeyedSchema.of_values(key_fields, aggregate.state_fields()), KeyGroupRange(0, M - 1))
+    assert table.bare != two_keys  # one key column: the dicts hold bare keys; two: tuples
     outputs = []
     for pairs in batches:
-        result = aggregate.apply(table, _rows(pairs, kind), ("key",))
+        result = aggregate.apply(table, _rows(pairs, kind, two_keys=two_keys), tuple(f.name for f in key_fields))
         assert result.schema.field(aggregate.output_name).type == aggregate.output_type()
         outputs.append(dict(zip(result.column("key").to_pylist(), result.column(aggregate.output_name).to_pylist())))
     return outputs
@@ -70,10 +80,10 @@ batches = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)))
-def test_every_builtin_equals_the_running_aggregate_over_all_rows(batches, kind):
+@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), two_keys=st.booleans())
+def test_every_builtin_equals_the_running_aggregate_over_all_rows(batches, kind, two_keys):
     aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else pa.int64())
-    got = _run(aggregate, batches, pa.int64())
+    got = _run(aggregate, batches, pa.int64(), two_keys=two_keys)
     for have, want in zip(got, _model(kind, batches)):
         assert have.keys() == want.keys()
         for key in want:
@@ -169,19 +179,21 @@ def _entries(entries) -> list[tuple[int, str, list]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), put_between=st.booleans())
+@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), put_between=st.booleans(), two_keys=st.booleans())
 def test_a_checkpoint_writes_the_aggregates_rows_as_they_were_put_the_same_entries_as_read_from_the_dicts(
-        batches, kind, put_between):
+        batches, kind, put_between, two_keys):
     aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else pa.int64())
-    schema = KeyedSchema.of_values([KEY], aggregate.state_fields())
+    key_fields = [KEY, PART] if two_keys else [KEY]
+    schema = KeyedSchema.of_values(key_fields, aggregate.state_fields())
     fast, slow = ResidentState(schema, KeyGroupRange(0, M - 1)), ResidentState(schema, KeyGroupRange(0, M - 1))
     slow.table.changed_rows = lambda: None  # always read back from the dicts
     for pairs in batches:
         for state in (fast, slow):
-            aggregate.apply(state.table, _rows(pairs, pa.int64()), ("key",))
+            aggregate.apply(state.table, _rows(pairs, pa.int64(), two_keys=two_keys), tuple(f.name for f in key_fields))
             if put_between and pairs:  # another change than put_many's: the rows come from the dicts
-                key = pairs[0][0]
-                state.table.put(key_group_for(key, M), (key,), state.table.get(key_group_for(key, M), (key,)))
+                key = (pairs[0][0], len(pairs[0][0]) % 2) if two_keys else (pairs[0][0],)
+                group = key_group_for(key if two_keys else key[0], M)
+                state.table.put(group, key, state.table.get(group, key))
         used = fast.table.changed_rows() is not None
         assert used == (not (put_between and pairs))
         assert _entries(fast.snapshot(max_chain_length=3)) == _entries(slow.snapshot(max_chain_length=3))

@@ -183,8 +183,8 @@ def test_compaction_merges_or_folds_the_stored_chain_with_the_changes_and_restor
         state.catch_up(store.blobs, component, 0, 1)
         changed = [f"k{(checkpoint_id * 7 + i) % 220}" for i in range(9)]
         groups = [key_group_for(k, M) for k in changed]
-        olds = state.table.get_many(groups, [(k,) for k in changed])
-        state.table.put_many(groups, [(k,) for k in changed], [((o[0] if o else 0) + 1,) for o in olds])
+        olds = state.table.get_many(groups, list(changed))
+        state.table.put_many(groups, list(changed), [((o[0] if o else 0) + 1,) for o in olds])
         for key, old in zip(changed, olds):
             model[key] = (old[0] if old else 0) + 1
         gone = f"k{checkpoint_id * 11 % 200}"
@@ -220,11 +220,11 @@ def test_a_restored_key_group_is_hashed_for_lookups_once_then_folded(store):
     restored.catch_up(store.blobs, component, 0, 1)
     first = [f"k{n}" for n in range(0, 200, 50)] + ["new-a"]
     groups = [key_group_for(k, M) for k in first]
-    assert restored.table.get_many(groups, [(k,) for k in first]) == [(n,) for n in range(0, 200, 50)] + [None]
+    assert restored.table.get_many(groups, list(first)) == [(n,) for n in range(0, 200, 50)] + [None]
     assert set(restored.table._unloaded) == set(range(M))  # looked up, not folded
     again = ["k7", "new-b"]
     looked = {key_group_for(k, M) for k in again}
-    assert restored.table.get_many([key_group_for(k, M) for k in again], [(k,) for k in again]) == [(7,), None]
+    assert restored.table.get_many([key_group_for(k, M) for k in again], list(again)) == [(7,), None]
     assert not looked & set(restored.table._unloaded)  # hashed once already: folded now
     assert len(restored) == 200
 
@@ -245,12 +245,12 @@ def _bounded_batch(state: ResidentState, store: Store, component, checkpoint_id:
     state.catch_up(store.blobs, component, 0, 1)
     groups = [key_group_for(k, BOUNDED_M) for k in keys]
     state.load(store.blobs, set(groups))
-    olds = state.table.get_many(groups, [(k,) for k in keys])
+    olds = state.table.get_many(groups, list(keys))
     expected = [(model[k],) if k in model else None for k in keys]
     assert olds == expected, checkpoint_id
     if release:
         state.table.release(set(groups))
-    state.table.put_many(groups, [(k,) for k in keys], [((o[0] if o else 0) + 1,) for o in olds])
+    state.table.put_many(groups, list(keys), [((o[0] if o else 0) + 1,) for o in olds])
     blob, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=3)
     if not commit:
         return component
@@ -319,14 +319,14 @@ def test_a_cold_key_group_is_never_read_as_empty(store):
     state.catch_up(store.blobs, component, 0, 1)
     group = key_group_for("k1", M)
     with pytest.raises(KeyGroupNotLoadedError, match="evicted"):
-        state.table.get_many([group], [("k1",)])
+        state.table.get_many([group], ["k1"])
     with pytest.raises(KeyGroupNotLoadedError):
         state.table.put(group, ("k1",), (5,))
     with pytest.raises(KeyGroupNotLoadedError):
         list(state.table.items())
     info = state.load(store.blobs, [group])
     assert info["key_groups"] == 1 and 0 < info["bytes_read"] < component.blobs[blob.path].size
-    assert state.table.get_many([group], [("k1",)]) == [(1,)]
+    assert state.table.get_many([group], ["k1"]) == [(1,)]
 
 
 def test_a_bounded_state_keeps_written_key_groups_as_arrow(store):
@@ -342,8 +342,8 @@ def test_a_bounded_state_keeps_written_key_groups_as_arrow(store):
         bounded.load(store.blobs, range(M))
         keys = [f"k{n}" for n in range(checkpoint_id, 200, 3)]
         groups = [key_group_for(k, M) for k in keys]
-        olds = bounded.table.get_many(groups, [(k,) for k in keys])
-        bounded.table.put_many(groups, [(k,) for k in keys], [(o[0] * 10,) for o in olds])
+        olds = bounded.table.get_many(groups, list(keys))
+        bounded.table.put_many(groups, list(keys), [(o[0] * 10,) for o in olds])
         blob, _ = bounded.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=10)
         component = store.commit(checkpoint_id, {"c": (spec, [blob])}, {}).components["c"]
     assert set(bounded.table._unloaded) == set(range(M)) and not bounded.table._groups

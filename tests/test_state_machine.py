@@ -130,13 +130,13 @@ class StoreMachine(RuleBasedStateMachine):
             by_instance.setdefault(id(state), []).append((group, key))
         for state in self.instances:
             routed = by_instance.get(id(state), [])
-            groups, keys = [g for g, _ in routed], [(k,) for _, k in routed]
+            groups, keys = [g for g, _ in routed], [state.table.held_key((k,)) for _, k in routed]
             olds = state.table.get_many(groups, keys)
             assert olds == [(self.live[k],) if k in self.live else None for _, k in routed]
             news = [((old[0] if old else 0) + step,) for old in olds]
             arrow = {}
             if columns:
-                arrow = {"key_columns": [pa.array([k for (k,) in keys], pa.string())],
+                arrow = {"key_columns": [pa.array([k for _, k in routed], pa.string())],
                          "value_columns": [pa.array([v for (v,) in news], pa.int64())]}
             state.table.put_many(groups, keys, news, **arrow)
             self.live.update((k, v[0]) for (_, k), v in zip(routed, news))
@@ -257,7 +257,7 @@ class StoreMachine(RuleBasedStateMachine):
         for key, value in self.live.items():
             group = key_group_for(key, MAX_PARALLELISM)
             state = instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
-            assert state.table.get_many([group], [(key,)]) == [(value,)]
+            assert state.table.get_many([group], [state.table.held_key((key,))]) == [(value,)]
 
     @rule()
     def instances_hold_exactly_the_live_state(self) -> None:
