@@ -31,7 +31,15 @@ no more use for its state (``obsolete``: the run of its last task was
 stopped, the query was rescaled away from its instance, or the store was
 deleted), so that the memory of stopped, rescaled or removed queries does
 not linger. It keeps the worker's process group and environment, and none of
-its descriptors, resident states or storage clients. Sockets live in
+its descriptors, resident states or storage clients.
+
+Garbage: after each task a host collects the cyclic garbage the task left
+and freezes what survives (``gc.freeze``), so Python's collector never again
+walks the state's millions of objects: at 5M keys per host, a full
+collection paused whichever batch it fell in by 0.1-0.6 s. Objects are
+still freed when their last reference goes; only cyclic garbage among frozen
+objects would wait, for the full collection a host runs once every
+``FULL_COLLECTION_TASKS`` tasks. Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
 ``cloudpickle`` for user functions.
 """
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import gc
 import hashlib
 import os
 import pickle
@@ -74,6 +83,8 @@ OBSOLETE_CHECK_SECONDS = 15.0
 """An idle host asks the store this often whether its state is still of use (``obsolete``)."""
 UNCOMMITTED_SECONDS = 60.0
 """A host whose first task's checkpoint is still not committed this long after it holds state no task will use."""
+FULL_COLLECTION_TASKS = 500
+"""A host walks its whole heap for cyclic garbage once per this many tasks (``collect_garbage``)."""
 START_SECONDS = 60.0
 """How long a worker waits for a host it started to listen."""
 
@@ -352,6 +363,8 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
     resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
     last_task = last_check = time.monotonic()
     served = None  # the last task this host ran
+    since_full = 0  # tasks since the last full collection of garbage
+    is_host = threading.current_thread() is threading.main_thread()
     gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
     try:
         while _alive(daemon_pid) and time.monotonic() - last_task < idle_limit(gaps, idle_seconds):
@@ -373,11 +386,30 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
             with connection:
                 connection.settimeout(None)
                 served = _serve_task(connection) or served
+            if is_host:
+                since_full = collect_garbage(since_full)
             last_task = time.monotonic()
     finally:
         listener.close()
         if address.exists():
             address.unlink(missing_ok=True)
+
+
+def collect_garbage(since_full: int) -> int:
+    """After a task: collect its cyclic garbage and freeze the rest; returns the tasks since a full collection.
+
+    ``gc.collect`` then walks only what is not frozen (what the tasks since
+    the last freeze made), a millisecond in a steady batch; every
+    ``FULL_COLLECTION_TASKS`` tasks, everything is unfrozen and walked once.
+    Call only in a host process: frozen objects stay frozen for the life of
+    the process.
+    """
+    if since_full + 1 >= FULL_COLLECTION_TASKS:
+        gc.unfreeze()
+        since_full = -1
+    gc.collect()
+    gc.freeze()
+    return since_full + 1
 
 
 def _serve_queued(listener: socket.socket) -> None:

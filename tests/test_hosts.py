@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import socket
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ import pyarrow as pa
 import pytest
 
 from spark_state import hosts
+from spark_state.hosts import FULL_COLLECTION_TASKS, collect_garbage
 from spark_state.manifest import ComponentSpec
 from spark_state.operator import forget_stores
 from spark_state.schema import KeyedSchema
@@ -195,3 +198,24 @@ def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
             os.kill(pid, signal.SIGKILL)
         hosts._reap_hosts()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Node:
+    def __init__(self):
+        self.other = self  # a reference cycle: freed only by the collector
+
+
+def test_after_a_task_a_host_collects_the_garbage_it_left_freezes_the_rest_and_walks_everything_now_and_then():
+    assert gc.get_freeze_count() == 0  # nothing in the test process is frozen before
+    try:
+        left = weakref.ref(_Node())  # garbage of the task
+        kept = _Node()  # the task's state: survives, and is frozen
+        assert collect_garbage(0) == 1
+        assert left() is None and gc.get_freeze_count() > 0
+        gone = weakref.ref(kept)
+        del kept  # frozen cyclic garbage: no collection walks it ...
+        assert collect_garbage(1) == 2 and gone() is not None
+        assert collect_garbage(FULL_COLLECTION_TASKS - 1) == 0  # ... until the full one
+        assert gone() is None and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
