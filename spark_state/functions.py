@@ -111,7 +111,12 @@ class AggregateDef:
     Arrow's for that input type, so Spark may compute the partials per key
     before rows cross into Python (not for floating-point min/max, where
     Spark orders NaN above every number and Arrow skips it, nor for decimals,
-    whose sums Spark types differently).
+    whose sums Spark types differently). ``identity(input_type)``: for a
+    one-column state, the state a new key merges a non-null partial into to
+    get that partial exactly (0 for an integer sum or count, -0.0 for a
+    floating-point sum: -0.0 + x is x, signed zeros included), or None when
+    there is none (min, max): a batch's new keys then merge at C speed with
+    the others.
     """
 
     name: str
@@ -123,15 +128,16 @@ class AggregateDef:
     output: Callable[[pa.DataType | None], pa.DataType]
     finish: Callable[[tuple], Any]
     in_jvm: Callable[[pa.DataType | None], bool]
+    identity: Callable[[pa.DataType | None], tuple | None] = lambda _: None
 
 
 AGGREGATES: dict[str, AggregateDef] = {
     d.name: d
     for d in (
         AggregateDef("count", False, lambda *_: None, lambda _: (pa.int64(),), ("count_all",), ("sum",),
-                     lambda _: pa.int64(), _first, _always),
+                     lambda _: pa.int64(), _first, _always, lambda _: (0,)),
         AggregateDef("sum", True, _numeric, lambda t: (_sum_type(t),), ("sum",), ("sum",), _sum_type,
-                     _first, _jvm_sums),
+                     _first, _jvm_sums, lambda t: (0,) if pa.types.is_integer(_sum_type(t)) else (-0.0,)),
         AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, _first,
                      _jvm_orders),
         AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, _first,
@@ -205,9 +211,11 @@ class Aggregate:
             keys = totals.column(key_columns[0]).to_pylist()
         else:
             keys = list(zip(*[totals.column(c).to_pylist() for c in key_columns]))
-        # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
-        olds = table.get_many(key_groups, keys)
         merges = definition.merges
+        # A new key reads the identity when every partial has a value (a null partial must not merge into it).
+        identity = definition.identity(self.input_type) if len(merges) == 1 and None not in partials[0] else None
+        # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
+        olds = table.get_many(key_groups, keys, identity)
         merged = None  # the one state column, when there is one and it could be merged at C speed
         if len(merges) == 1:
             merge, part = _MERGES[merges[0]], partials[0]

@@ -351,7 +351,7 @@ class KeyGroupTable:
             if default is None:
                 found.extend(map(values.get, keys[start:end]))
             else:
-                found.extend(values.get(k, default) for k in keys[start:end])
+                found.extend(map(values.get, keys[start:end], itertools.repeat(default, end - start)))
         return found
 
     def put_many(self, key_groups: Sequence[int], keys: Sequence[Any], values: Sequence[Value], *,

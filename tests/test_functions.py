@@ -80,10 +80,13 @@ batches = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), two_keys=st.booleans())
-def test_every_builtin_equals_the_running_aggregate_over_all_rows(batches, kind, two_keys):
-    aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else pa.int64())
-    got = _run(aggregate, batches, pa.int64(), two_keys=two_keys)
+@given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), two_keys=st.booleans(), floating=st.booleans())
+def test_every_builtin_equals_the_running_aggregate_over_all_rows(batches, kind, two_keys, floating):
+    input_type = pa.float64() if floating else pa.int64()
+    if floating:
+        batches = [[(k, None if v is None else v / 4) for k, v in pairs] for pairs in batches]
+    aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else input_type)
+    got = _run(aggregate, batches, input_type, two_keys=two_keys)
     for have, want in zip(got, _model(kind, batches)):
         assert have.keys() == want.keys()
         for key in want:
