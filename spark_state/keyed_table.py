@@ -15,8 +15,8 @@ parallelism pays per key group a batch touches, not per key of state.
 
 Lazier still, for a component with one state variable and one key column
 (the built-in aggregates, and user functions of that shape; such a table is
-*bare*: its dicts' keys are the key column's values, not 1-tuples, which
-halves what hashing and comparing a key costs): ``get_many``
+*bare*: its dicts' keys are the key column's values, not 1-tuples, so no
+access hashes or compares a tuple, and a key costs no tuple's memory): ``get_many``
 and ``put_many`` (the built-ins' access) look the keys they are given up in
 the fetched chains with one Arrow ``index_in`` over the key groups they
 touch, and keep only those keys in the group's dict, an *overlay* over its

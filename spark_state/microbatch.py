@@ -439,8 +439,8 @@ class _JavaPlan:
     PySpark's ``select``, ``groupBy``, ``agg`` and ``mapInArrow`` convert
     their Python lists of columns into Java sequences one element per round
     trip, and ``mapInArrow`` reads the frame's columns back from the JVM
-    first: about 90 round trips and 55 ms of every batch's driver time
-    before its job starts. The sequences are the same in every batch of a
+    first: about 90 round trips in every batch before its job starts, on the
+    driver's critical path. The sequences are the same in every batch of a
     parallelism, so they are built here once and the batch's plan is made
     with one call per step on the batch's Java ``Dataset``; what Spark
     analyses is the same plan. ``mapInArrow``'s input is every column of the
