@@ -33,12 +33,13 @@ deleted), so that the memory of stopped, rescaled or removed queries does
 not linger. It keeps the worker's process group and environment, and none of
 its descriptors, resident states or storage clients.
 
-Garbage: after each task a host collects the cyclic garbage the task left
-and freezes what survives (``gc.freeze``), so Python's collector never again
-walks the state's millions of objects: at 5M keys per host, a full
-collection paused whichever batch it fell in by 0.1-0.6 s. Objects are
-still freed when their last reference goes; only cyclic garbage among frozen
-objects would wait, for the full collection a host runs once every
+Garbage: a host freezes what it inherits from its worker when it starts,
+and after each task collects the young garbage the task left and freezes
+what survives (``gc.freeze``), so Python's collector never walks the state's
+millions of objects in a later batch: at 5M keys per host, a full collection
+paused whichever batch it fell in by 0.1-0.6 s. Objects are still freed when
+their last reference goes; only cyclic garbage that aged during a task, or
+among frozen objects, waits for the full collection a host runs once every
 ``FULL_COLLECTION_TASKS`` tasks. Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
 ``cloudpickle`` for user functions.
@@ -365,6 +366,8 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
     served = None  # the last task this host ran
     since_full = 0  # tasks since the last full collection of garbage
     is_host = threading.current_thread() is threading.main_thread()
+    if is_host:
+        gc.freeze()  # the worker's objects, inherited: never walked again
     gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
     try:
         while _alive(daemon_pid) and time.monotonic() - last_task < idle_limit(gaps, idle_seconds):
@@ -396,18 +399,21 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
 
 
 def collect_garbage(since_full: int) -> int:
-    """After a task: collect its cyclic garbage and freeze the rest; returns the tasks since a full collection.
+    """After a task: collect its young cyclic garbage, freeze the rest; returns the tasks since a full collection.
 
-    ``gc.collect`` then walks only what is not frozen (what the tasks since
-    the last freeze made), a millisecond in a steady batch; every
+    The young generations are what the task made since the collector last
+    ran (a millisecond to walk); what the task's own collections aged is
+    frozen unwalked: a restore's millions of new objects cost no walk. Every
     ``FULL_COLLECTION_TASKS`` tasks, everything is unfrozen and walked once.
     Call only in a host process: frozen objects stay frozen for the life of
     the process.
     """
     if since_full + 1 >= FULL_COLLECTION_TASKS:
         gc.unfreeze()
-        since_full = -1
-    gc.collect()
+        gc.collect()
+        gc.freeze()
+        return 0
+    gc.collect(1)
     gc.freeze()
     return since_full + 1
 
