@@ -356,20 +356,20 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
         signal.signal(signal.SIGHUP, _exit_on_signal)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(address))
-    listener.listen(8)
-    listener.settimeout(ACCEPT_SECONDS)
-    from spark_state import resident
+    try:  # from here on, however the host leaves (a signal while it starts included), its socket goes with it
+        listener.listen(8)
+        listener.settimeout(ACCEPT_SECONDS)
+        from spark_state import resident
 
-    query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
-    resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
-    last_task = last_check = time.monotonic()
-    served = None  # the last task this host ran
-    since_full = 0  # tasks since the last full collection of garbage
-    is_host = threading.current_thread() is threading.main_thread()
-    if is_host:
-        gc.freeze()  # the worker's objects, inherited: never walked again
-    gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
-    try:
+        query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
+        resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
+        last_task = last_check = time.monotonic()
+        served = None  # the last task this host ran
+        since_full = 0  # tasks since the last full collection of garbage
+        is_host = threading.current_thread() is threading.main_thread()
+        if is_host:
+            gc.freeze()  # the worker's objects, inherited: never walked again
+        gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
         while _alive(daemon_pid) and time.monotonic() - last_task < idle_limit(gaps, idle_seconds):
             try:
                 connection, _ = listener.accept()
