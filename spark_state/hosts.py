@@ -351,7 +351,8 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
 
     ``idle_seconds`` is ``idle_limit``'s floor.
     """
-    if threading.current_thread() is threading.main_thread():  # a host's; a test may serve from a thread
+    is_host = threading.current_thread() is threading.main_thread()  # a test may serve from a thread
+    if is_host:
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGHUP, _exit_on_signal)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -366,7 +367,6 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
         last_task = last_check = time.monotonic()
         served = None  # the last task this host ran
         since_full = 0  # tasks since the last full collection of garbage
-        is_host = threading.current_thread() is threading.main_thread()
         if is_host:
             gc.freeze()  # the worker's objects, inherited: never walked again
         gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks

@@ -177,10 +177,11 @@ class KeyGroupTable:
         self._changed_rows: list[ChangedRows] | None = []  # see ``changed_rows``; None: other changes too
         self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
         self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
-        self._overlays = self._width == 1 and len(schema.key_columns) == 1
-        self.bare = self._overlays  # the dicts' keys are the one key column's values (``held_key``)
+        # One key column and one variable: the dicts' keys are the key column's values (``held_key``), and
+        # lookups keep overlays over fetched chains (``_look_up``).
+        self.bare = self._width == 1 and len(schema.key_columns) == 1
         self._cold: set[int] = set()  # evicted key groups: state only in the store
-        self.keep_arrow = keep_arrow and self._overlays
+        self.keep_arrow = keep_arrow and self.bare
         self._bytes_per_key: float | None = None
 
     # Ownership and lazy folding ---------------------------------------------------------
@@ -242,7 +243,7 @@ class KeyGroupTable:
             return
         if isinstance(key_groups, np.ndarray):
             key_groups = key_groups.tolist()
-        if not self._overlays:
+        if not self.bare:
             for key_group in self._unloaded.keys() & set(key_groups):
                 self._group(key_group)
             return

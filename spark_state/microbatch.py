@@ -318,11 +318,12 @@ class MicroBatch:
         if self.query.isActive:
             self.query.stop()
         self.record_stop(str(self.query.runId))
-        unwatch_stops(str(self.query.runId))
 
     def record_stop(self, run_id: str) -> None:
         """Record in the query's store that run ``run_id`` stopped, so that the instance hosts holding its state
-        leave (``stops``), once per run; a store that cannot be written now only leaves them to their idle limit."""
+        leave (``stops``), once per run; a store that cannot be written now only leaves them to their idle limit.
+        The driver's watch (``stop_watch``) no longer looks for the run's end."""
+        unwatch_stops(run_id)
         with self._stop_lock:  # a second caller (the drain's stopper, awaitTermination) returns once it is written
             if run_id in self._stops_recorded:
                 return

@@ -1,7 +1,8 @@
 """Record a keyed run's stop in its store however the run ended: a driver thread that watches the runs.
 
 ``StatefulQuery.stop()``, a drain and ``StatefulQuery.awaitTermination()``
-record a stopped run themselves (``stops``) and ``unwatch`` it. A run can
+record a stopped run themselves (``MicroBatch.record_stop``, which
+``unwatch``-es it). A run can
 also end without them: stopped through the raw ``StreamingQuery``
 (``spark.streams.active``, ``query.query``), an ``availableNow`` run nobody
 awaits through ``StatefulQuery``, a failure. ``watch(query, batch)`` covers
@@ -52,7 +53,7 @@ def watch(query, batch) -> None:
 
 
 def unwatch(run_id: str) -> None:
-    """Stop watching run ``run_id`` (its stop is recorded by the caller)."""
+    """Stop watching run ``run_id`` (its stop is being recorded: ``MicroBatch.record_stop``)."""
     with _LOCK:
         _RUNS.pop(run_id, None)
 

@@ -40,7 +40,6 @@ from spark_state.timers import EVENT, PROCESSING, TIMERS
 from spark_state.sinks import open_sink
 from spark_state.spark_checkpoint import SparkCheckpoint
 from spark_state.startfrom import start_from_savepoint
-from spark_state.stop_watch import unwatch as unwatch_stops
 from spark_state.stop_watch import watch as watch_stops
 from spark_state.timed import deduplicate_function, session_fields, session_function
 
@@ -420,7 +419,7 @@ class StatefulQuery:
         try:
             self.query.stop()
         finally:
-            self._recorded_stop()
+            self._batch.record_stop(self.run_id)
 
     def awaitTermination(self, timeout: float | None = None) -> bool | None:
         """``StreamingQuery.awaitTermination``; a query found terminated (``availableNow``, a failure, a stop
@@ -429,12 +428,7 @@ class StatefulQuery:
             return self.query.awaitTermination(timeout)
         finally:
             if not self.query.isActive:
-                self._recorded_stop()
-
-    def _recorded_stop(self) -> None:
-        """Record that this run stopped, and stop watching for its end (``stop_watch``)."""
-        self._batch.record_stop(self.run_id)
-        unwatch_stops(self.run_id)
+                self._batch.record_stop(self.run_id)
 
     def request_drain(self) -> None:
         """Drain at the next micro-batch and stop, without waiting (``drain`` waits)."""
