@@ -295,6 +295,10 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
         serve(address, daemon_pid)
+        if _SIGNALLED is not None:  # asked to leave, and the handler's exit was dropped on the way
+            status = 128 + _SIGNALLED
+    except SystemExit as leaving:  # asked to leave by a signal (_exit_on_signal): no trace to print
+        status = leaving.code if isinstance(leaving.code, int) else 1
     except BaseException:  # noqa: BLE001  (the host must never return into the worker's code)
         traceback.print_exc()
         status = 1
@@ -370,7 +374,8 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
         if is_host:
             gc.freeze()  # the worker's objects, inherited: never walked again
         gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
-        while _alive(daemon_pid) and time.monotonic() - last_task < idle_limit(gaps, idle_seconds):
+        while (_SIGNALLED is None and _alive(daemon_pid)
+               and time.monotonic() - last_task < idle_limit(gaps, idle_seconds)):
             try:
                 connection, _ = listener.accept()
             except socket.timeout:
@@ -463,7 +468,20 @@ def obsolete(task, idle_seconds: float) -> bool:
     return component is None or component.parallelism != task.parallelism
 
 
+_SIGNALLED: int | None = None
+"""The signal that asked this host to leave, once one did."""
+
+
 def _exit_on_signal(signum, frame) -> None:
+    """Leave on ``signum``: now, by raising, and at the serving loop's next turn, by the flag.
+
+    Python runs a handler at whatever Python code runs next, and an exception
+    raised inside a finalizer or a ``gc.callbacks`` hook (a garbage collection
+    after a task runs them) is printed and dropped: without the flag, the host
+    would serve on with its socket in place until it idled out.
+    """
+    global _SIGNALLED
+    _SIGNALLED = signum
     raise SystemExit(128 + signum)
 
 
