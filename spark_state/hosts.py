@@ -31,7 +31,10 @@ no more use for its state (``obsolete``: the run of its last task was
 stopped, the query was rescaled away from its instance, or the store was
 deleted), so that the memory of stopped, rescaled or removed queries does
 not linger. It keeps the worker's process group and environment, and none of
-its descriptors, resident states or storage clients.
+its descriptors, resident states or storage clients. SIGTERM or SIGHUP make
+it leave, its socket removed, even when Python drops the handler's exit (one
+raised inside a finalizer or a garbage-collection hook): the serving loop
+also checks a flag the handler sets.
 
 Garbage: a host freezes what it inherits from its worker when it starts,
 and after each task collects the young garbage the task left and freezes
