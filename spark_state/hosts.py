@@ -300,8 +300,10 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         serve(address, daemon_pid)
         if _SIGNALLED is not None:  # asked to leave, and the handler's exit was dropped on the way
             status = 128 + _SIGNALLED
-    except SystemExit as leaving:  # asked to leave by a signal (_exit_on_signal): no trace to print
-        status = leaving.code if isinstance(leaving.code, int) else 1
+    except SystemExit:
+        if _SIGNALLED is None:  # not a signal's (_exit_on_signal): code the task ran called exit; say where
+            traceback.print_exc()
+        status = 1 if _SIGNALLED is None else 128 + _SIGNALLED
     except BaseException:  # noqa: BLE001  (the host must never return into the worker's code)
         traceback.print_exc()
         status = 1
