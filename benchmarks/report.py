@@ -212,7 +212,8 @@ def throughput_section(data: dict, file: str) -> list[str]:
         out[-1] += " ---: | ---: | ---: | ---: |"
         for label, v in s["versus_smallest"].items():
             run, m = s["runs"][label], memory[label]
-            per_key = f"{m['resident_bytes_per_key']:,.0f}" if m["resident_bytes_per_key"] is not None else "—"
+            per_key = m["resident_bytes_per_key"]
+            per_key = "—" if per_key is None else "< noise" if per_key <= 0 else f"{per_key:,.0f}"
             out.append(f"| {run['state_keys']:,} | {run['steady']['batch_seconds']['median']:.2f} "
                        f"| {_x(v['batch_time_ratio'])} | {_x(v['checkpoint_bytes_ratio'])} "
                        f"| {_x(run['steady']['max_over_median'])} | {len(run['steady']['batches_that_reloaded_state'])} "
@@ -227,8 +228,9 @@ def throughput_section(data: dict, file: str) -> list[str]:
     rocks = data.get("rocksdb_memory")
     if rocks is not None:
         out += ["", f"Resident B/key: the RSS growth of the processes holding the instances (the instance hosts) "
-                "over the smallest state's, per extra key; stored B/key: the prefill checkpoint's blob bytes per "
-                f"key. Spark's RocksDB store holding {rocks['state_keys']:,} keys reports "
+                "over the smallest state's, per extra key (`< noise`: no growth measured, the state being smaller "
+                "than the run-to-run spread of the processes' RSS); stored B/key: the prefill checkpoint's blob bytes "
+                f"per key. Spark's RocksDB store holding {rocks['state_keys']:,} keys reports "
                 f"{rocks['memory_bytes_per_key']:,.1f} B/key of memory (`memoryUsedBytes`, its own estimate of "
                 f"memtables and block cache) and {rocks['sst_bytes_per_key']:,.1f} B/key of SST files."]
     if "targets" in data:
