@@ -283,7 +283,7 @@ def _load_host_modules(store_uri: str) -> None:
 
 
 def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
-    status = 0
+    failed = False
     try:
         output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         nothing = os.open(os.devnull, os.O_RDONLY)
@@ -298,17 +298,12 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
         serve(address, daemon_pid)
-        if _SIGNALLED is not None:  # asked to leave, and the handler's exit was dropped on the way
-            status = 128 + _SIGNALLED
-    except SystemExit:
-        if _SIGNALLED is None:  # not a signal's (_exit_on_signal): code the task ran called exit; say where
+    except BaseException as error:  # noqa: BLE001  (the host must never return into the worker's code)
+        if not (isinstance(error, SystemExit) and _SIGNALLED is not None):  # a signal's exit is no error
             traceback.print_exc()
-        status = 1 if _SIGNALLED is None else 128 + _SIGNALLED
-    except BaseException:  # noqa: BLE001  (the host must never return into the worker's code)
-        traceback.print_exc()
-        status = 1
-    finally:
-        os._exit(status)
+            failed = True
+    finally:  # asked to leave by a signal (its exit raised, or dropped on the way): 128 + the signal
+        os._exit(1 if failed else 0 if _SIGNALLED is None else 128 + _SIGNALLED)
 
 
 def _remove_dead_executors(root: Path) -> None:
