@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -174,25 +176,17 @@ def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkey
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
-    """``_connect`` forks the host as this process's child; once it exits, the next connection reaps it (no zombie)."""
-    import signal
-
+@contextlib.contextmanager
+def _forked_host():
+    """A host ``_connect`` forked, as a worker forks it: its socket's address and its pid; killed if it still runs,
+    reaped and its files removed after the test."""
     directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
     address = directory / "x" / "q-0.sock"
     try:
         with hosts._connect(address, os.getpid(), str(directory / "state")):
             pass
         (host,) = hosts._STARTED
-        assert hosts._host_running(host)
-        assert os.waitpid(host, os.WNOHANG) == (0, 0)  # this process's child, still running
-        os.kill(host, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{host}/stat").read_text().split()[2] != "Z" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not address.exists(), _log(address)  # it left, and is a zombie until reaped
-        assert not hosts._host_running(host) and host not in hosts._STARTED
-        assert not Path(f"/proc/{host}").exists()  # reaped
+        yield address, host
     finally:
         for pid in hosts._STARTED:
             os.kill(pid, signal.SIGKILL)
@@ -205,18 +199,28 @@ def _log(address: Path) -> str:
     return "the host's log: " + (log.read_text(errors="replace")[-3000:] if log.exists() else "(none)")
 
 
-def test_a_host_signalled_while_a_garbage_collection_hook_runs_still_leaves_and_removes_its_socket():
+def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
+    """``_connect`` forks the host as this process's child; once it exits, the next connection reaps it (no zombie)."""
+    with _forked_host() as (address, host):
+        assert hosts._host_running(host)
+        assert os.waitpid(host, os.WNOHANG) == (0, 0)  # this process's child, still running
+        os.kill(host, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{host}/stat").read_text().split()[2] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not address.exists(), _log(address)  # it left, and is a zombie until reaped
+        assert not hosts._host_running(host) and host not in hosts._STARTED
+        assert not Path(f"/proc/{host}").exists()  # reaped
+
+
+def test_a_host_signalled_while_a_garbage_collection_hook_runs_still_leaves_and_removes_its_socket(tmp_path):
     """A handler's exit raised inside a ``gc.callbacks`` hook is dropped by Python; the host leaves all the same.
 
     The hook is inherited from this process (hypothesis installs one in a
     test process); in the host it sleeps through the collection after the
     first task, and the signal arrives while it sleeps.
     """
-    import signal
-
-    directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
-    address = directory / "x" / "q-0.sock"
-    interrupted = directory / "interrupted"
+    interrupted = tmp_path / "interrupted"
     here = os.getpid()
 
     def slow_hook(phase, info):
@@ -229,25 +233,19 @@ def test_a_host_signalled_while_a_garbage_collection_hook_runs_still_leaves_and_
 
     gc.callbacks.append(slow_hook)
     try:
-        with hosts._connect(address, os.getpid(), str(directory / "state")):
-            pass
-        (host,) = hosts._STARTED
-        time.sleep(0.3)  # the host ran the (empty) task and sleeps in its collection's hook
-        os.kill(host, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while (left := os.waitpid(host, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert interrupted.exists(), _log(address)  # the exit was raised inside the hook, where Python drops it
-        assert left[0] == host and not address.exists(), _log(address)  # it left all the same, its socket too
-        hosts._STARTED.discard(host)  # reaped here
-        assert os.waitstatus_to_exitcode(left[1]) == 128 + signal.SIGTERM  # as a host leaving on a signal does
-        assert "Traceback" not in _log(address)  # and a signal's exit prints no trace
+        with _forked_host() as (address, host):
+            time.sleep(0.3)  # the host ran the (empty) task and sleeps in its collection's hook
+            os.kill(host, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (left := os.waitpid(host, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert interrupted.exists(), _log(address)  # the exit was raised inside the hook, where Python drops it
+            assert left[0] == host and not address.exists(), _log(address)  # it left all the same, its socket too
+            hosts._STARTED.discard(host)  # reaped here
+            assert os.waitstatus_to_exitcode(left[1]) == 128 + signal.SIGTERM  # as a host leaving on a signal does
+            assert "Traceback" not in _log(address)  # and a signal's exit prints no trace
     finally:
         gc.callbacks.remove(slow_hook)
-        for pid in hosts._STARTED:
-            os.kill(pid, signal.SIGKILL)
-        hosts._reap_hosts()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _Node:
