@@ -36,10 +36,10 @@ import traceback
 import urllib.request
 from pathlib import Path
 
+from tests.jvm import JVM_OPTIONS
+
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
-JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-"""For every JVM of the test (daemons, driver, executors): about half the CPU to start, which dominates here."""
 
 
 def spark_home() -> Path:

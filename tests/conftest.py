@@ -59,6 +59,7 @@ def spark():
     from pyspark.sql import SparkSession
 
     from spark_state.streaming import UNIX_SOCKETS
+    from tests.jvm import JVM_OPTIONS
 
     session = (
         SparkSession.builder.master("local[2]")
@@ -68,6 +69,7 @@ def spark():
         .config("spark.ui.enabled", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.driver.memory", "2g")
+        .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .getOrCreate()
     )

@@ -25,12 +25,15 @@ def driver_session(work: Path, parallelism: int):
     """The test drivers' Spark session: ``local[2]``, UI and AQE off, state in WORK/state at ``parallelism``."""
     from pyspark.sql import SparkSession
 
+    from tests.jvm import JVM_OPTIONS
+
     spark = (
         SparkSession.builder.master("local[2]")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
         .config("spark.state.parallelism", str(parallelism))
         .config("spark.state.store", str(work / "state"))
         .getOrCreate()
