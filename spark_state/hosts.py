@@ -45,7 +45,8 @@ their last reference goes; only cyclic garbage that aged during a task, or
 among frozen objects, waits for the full collection a host runs once every
 ``FULL_COLLECTION_TASKS`` tasks. Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
-``cloudpickle`` for user functions.
+``cloudpickle`` for user functions and its ``Broadcast`` for the broadcast
+variables they read (``_pickled_task``).
 """
 
 from __future__ import annotations
@@ -156,13 +157,11 @@ def _batch(payload: bytes) -> pa.RecordBatch:
 
 def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``operator.run_instance(task, instance, batches)``, run by the instance's host (see the module docstring)."""
-    from pyspark import cloudpickle
-
     daemon_pid = os.getppid()
     connection = _connect(host_address(daemon_pid, task.store_uri, task.component, instance), daemon_pid,
                           task.store_uri)
     with connection:
-        _send(connection, TASK, cloudpickle.dumps((task, instance)))
+        _send(connection, TASK, _pickled_task(task, instance))
         for batch in batches:
             _send(connection, BATCH, memoryview(_batch_bytes(batch)))
         _send(connection, END)
@@ -180,6 +179,40 @@ def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterat
                 return
             else:
                 raise pickle.loads(payload)
+
+
+def _pickled_task(task, instance: int) -> bytes:
+    """``(task, instance)`` pickled for the host, each broadcast variable its functions read carried by value.
+
+    PySpark pickles a broadcast variable as its id, which only a process
+    Spark sent the broadcast to can resolve: a worker cannot pickle one at
+    all. The host gets its value instead (``_loaded_broadcast``), once per
+    task.
+    """
+    import io
+
+    from pyspark import cloudpickle
+    from pyspark.core.broadcast import Broadcast
+
+    class Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, Broadcast):
+                return _loaded_broadcast, (obj.value,)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump((task, instance))
+    return buffer.getvalue()
+
+
+def _loaded_broadcast(value):
+    """In a host: a broadcast variable of a task's function, holding ``value`` (``_pickled_task``)."""
+    from pyspark.core.broadcast import Broadcast
+
+    broadcast = Broadcast.__new__(Broadcast)
+    broadcast._jbroadcast = broadcast._sc = broadcast._pickle_registry = broadcast._path = None
+    broadcast._value = value
+    return broadcast
 
 
 def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:

@@ -453,6 +453,7 @@ class _JavaPlan:
         self.plan, self.context = plan, context
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
+        self.udfs: _UdfTemplate | None = None  # the first batch's UDF, whose parts the next batches reuse
 
     @classmethod
     def build(cls, plan: "_TaskPlan", context) -> "_JavaPlan":
@@ -480,10 +481,62 @@ class _JavaPlan:
             names = DataFrame(routed, session).columns
             quoted = [F.col("`" + name.replace("`", "``") + "`") for name in names]
             self.inputs = _to_seq(self.context, quoted, _to_java_column)
-        udf = pandas_udf(process, returnType=self.plan.output_schema,
-                         functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
-        mapped = routed.mapInArrow(udf._unwrapped._judf.apply(self.inputs), False, None)
+        judf = self.udfs.udf(process) if self.udfs is not None else None
+        if judf is None:  # the first batch, or one the template does not fit: PySpark builds it
+            udf = pandas_udf(process, returnType=self.plan.output_schema,
+                             functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
+            judf = udf._judf
+            if self.udfs is None:
+                self.udfs = _UdfTemplate(self.context, judf, udf.returnType)
+        mapped = routed.mapInArrow(judf.apply(self.inputs), False, None)
         return DataFrame(mapped, session)
+
+
+class _UdfTemplate:
+    """A batch's mapInArrow UDF in two py4j calls, from the parts of the first batch's, which PySpark built.
+
+    PySpark builds a Python UDF's JVM object (a ``UserDefinedPythonFunction``
+    around a ``SimplePythonFunction``) in about a dozen py4j round trips: it
+    converts the environment, the includes and the broadcast variables to
+    Java collections and looks up classes and settings, every time. Only the
+    pickled function differs between batches, so this keeps the first UDF
+    and the parts of its function (read once, as elements of the two case
+    classes: that holds across PySpark versions, whatever their constructors
+    take) and makes each next UDF as PySpark does, from the new pickled
+    ``(function, return type)``: a new function, then a copy of the first
+    UDF around it. It declines (``udf`` returns None: build it the usual
+    way) what PySpark would build differently: a pickled function past
+    Spark's broadcast threshold, one that pickles broadcast variables, or a
+    context whose environment or includes changed since.
+    """
+
+    def __init__(self, context, judf, return_type):
+        self.context, self.judf, self.return_type = context, judf, return_type
+        self.udf_parts = [judf.productElement(i) for i in range(judf.productArity())]
+        function = judf.func()
+        self.function_parts = [function.productElement(i) for i in range(function.productArity())]
+        self.threshold = context._jvm.PythonUtils.getBroadcastThreshold(context._jsc)
+        self.new_function = context._jvm.SimplePythonFunction
+        self.settings = self._settings(context)
+
+    @staticmethod
+    def _settings(context) -> tuple:
+        return dict(context.environment), list(context._python_includes)
+
+    def udf(self, process: Callable):
+        """The JVM UDF of ``process``, or None where PySpark would build it differently."""
+        from pyspark.serializers import CloudPickleSerializer
+
+        if self._settings(self.context) != self.settings:
+            return None
+        pickled = CloudPickleSerializer().dumps((process, self.return_type))
+        broadcasts = self.context._pickled_broadcast_vars  # (a registry, always true: it has no len)
+        if next(iter(broadcasts), None) is not None or len(pickled) > self.threshold:
+            broadcasts.clear()  # PySpark pickles the function again, and collects them again
+            return None
+        function = self.new_function(bytearray(pickled), *self.function_parts[1:])
+        name, _, *rest = self.udf_parts
+        return self.judf.copy(name, function, *rest)
 
 
 def _spark_partials(function: Aggregate) -> tuple:

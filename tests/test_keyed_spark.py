@@ -325,6 +325,45 @@ def test_a_built_in_shuffles_each_batch_once_and_only_the_columns_it_needs(spark
     assert "HashAggregate" in plan.split("Exchange")[0], plan
 
 
+def test_later_batches_build_their_udf_from_the_first_one_s_parts_and_a_function_may_read_a_broadcast(
+        spark, tmp_path, monkeypatch):
+    """Each batch after the first makes its UDF from the first one's JVM parts (``_UdfTemplate``), except for a
+    function that reads a broadcast variable, which PySpark's own path ships with it; the instance hosts get
+    the broadcast's value."""
+    from spark_state import microbatch
+
+    templated: list[bool] = []
+    original = microbatch._UdfTemplate.udf
+
+    def udf(self, process):
+        judf = original(self, process)
+        templated.append(judf is not None)
+        return judf
+
+    monkeypatch.setattr(microbatch._UdfTemplate, "udf", udf)
+    job = Job(spark, tmp_path / "plain")
+    for salt in range(3):
+        job.add_batch(100, keys=10, salt=salt)
+    job.run(2)
+    assert job.outputs == job.expected() and templated == [True, True]
+
+    # A function that reads a broadcast variable: PySpark builds every batch's UDF, to ship the broadcast.
+    weights = spark.sparkContext.broadcast({"u1": 10})
+
+    def weighted(key, rows, state):
+        total = (state.get()[0] if state.exists else 0) + len(rows) * weights.value.get(key[0], 1)
+        state.update((total,))
+        return [{"user": key[0], "count": total}]
+
+    templated.clear()
+    job = Job(spark, tmp_path / "broadcast")
+    for salt in range(3):
+        job.add_batch(100, keys=10, salt=salt)
+    job.run(2, lambda k: k.apply(weighted, state_schema="count long", output_schema="user string, count long"))
+    expected = {b: {u: c * (10 if u == "u1" else 1) for u, c in out.items()} for b, out in job.expected().items()}
+    assert job.outputs == expected and templated == [False, False]
+
+
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
     from spark_state.blobstore import BlobStore
     from spark_state.resident import restore_instance
