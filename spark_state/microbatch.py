@@ -486,7 +486,7 @@ class _JavaPlan:
             udf = pandas_udf(process, returnType=self.plan.output_schema,
                              functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
             judf = udf._judf
-            if self.udfs is None:
+            if self.udfs is None or self.udfs.stale():
                 self.udfs = _UdfTemplate(self.context, judf, udf.returnType)
         mapped = routed.mapInArrow(judf.apply(self.inputs), False, None)
         return DataFrame(mapped, session)
@@ -507,7 +507,8 @@ class _UdfTemplate:
     UDF around it. It declines (``udf`` returns None: build it the usual
     way) what PySpark would build differently: a pickled function past
     Spark's broadcast threshold, one that pickles broadcast variables, or a
-    context whose environment or includes changed since.
+    context whose environment or includes changed since (``stale``: the
+    UDF PySpark then builds becomes the next template).
     """
 
     def __init__(self, context, judf, return_type):
@@ -523,11 +524,15 @@ class _UdfTemplate:
     def _settings(context) -> tuple:
         return dict(context.environment), list(context._python_includes)
 
+    def stale(self) -> bool:
+        """Whether the context's environment or includes changed since the template's UDF was built."""
+        return self._settings(self.context) != self.settings
+
     def udf(self, process: Callable):
         """The JVM UDF of ``process``, or None where PySpark would build it differently."""
         from pyspark.serializers import CloudPickleSerializer
 
-        if self._settings(self.context) != self.settings:
+        if self.stale():
             return None
         pickled = CloudPickleSerializer().dumps((process, self.return_type))
         broadcasts = self.context._pickled_broadcast_vars  # (a registry, always true: it has no len)

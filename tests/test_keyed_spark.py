@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -342,10 +343,21 @@ def test_later_batches_build_their_udf_from_the_first_one_s_parts_and_a_function
 
     monkeypatch.setattr(microbatch._UdfTemplate, "udf", udf)
     job = Job(spark, tmp_path / "plain")
-    for salt in range(3):
+    for salt in range(4):
         job.add_batch(100, keys=10, salt=salt)
+    module = tmp_path / "spark_state_test_include.zip"  # a zip (not a .py file) joins the includes
+    with zipfile.ZipFile(module, "w") as archive:
+        archive.writestr("spark_state_test_include.py", "")
+    record = job.sink
+
+    def sink(out, batch_id):
+        record(out, batch_id)
+        if batch_id == 0:  # new includes: the next UDF is PySpark's, and the template after it
+            spark.sparkContext.addPyFile(str(module))
+
+    job.sink = sink
     job.run(2)
-    assert job.outputs == job.expected() and templated == [True, True]
+    assert job.outputs == job.expected() and templated == [False, True, True]
 
     # A function that reads a broadcast variable: PySpark builds every batch's UDF, to ship the broadcast.
     weights = spark.sparkContext.broadcast({"u1": 10})
