@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import functools
 import gc
 import hashlib
 import os
@@ -192,6 +193,16 @@ def _pickled_task(task, instance: int) -> bytes:
     import io
 
     from pyspark import cloudpickle
+
+    buffer = io.BytesIO()
+    _task_pickler()(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump((task, instance))
+    return buffer.getvalue()
+
+
+@functools.cache
+def _task_pickler() -> type:
+    """``_pickled_task``'s pickler class, made once per worker (not per task)."""
+    from pyspark import cloudpickle
     from pyspark.core.broadcast import Broadcast
 
     class Pickler(cloudpickle.CloudPickler):
@@ -200,9 +211,7 @@ def _pickled_task(task, instance: int) -> bytes:
                 return _loaded_broadcast, (obj.value,)
             return super().reducer_override(obj)
 
-    buffer = io.BytesIO()
-    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump((task, instance))
-    return buffer.getvalue()
+    return Pickler
 
 
 def _loaded_broadcast(value):
