@@ -442,18 +442,19 @@ class _JavaPlan:
     trip, and ``mapInArrow`` reads the frame's columns back from the JVM
     first: about 90 round trips in every batch before its job starts, on the
     driver's critical path. The sequences are the same in every batch of a
-    parallelism, so they are built here once and the batch's plan is made
-    with one call per step on the batch's Java ``Dataset``; what Spark
-    analyses is the same plan. ``mapInArrow``'s input is every column of the
-    frame it maps (as PySpark's own ``mapInArrow`` passes them), named once
-    from the first batch's schema, which a stream keeps.
+    parallelism, so they are built here once and the plan is made with one
+    call per step on the batch's Java ``Dataset``. Spark analyses each step
+    again (17-45 ms a batch), so later batches take that plan from the last
+    one built this way (``_PlanTemplate``). ``mapInArrow``'s input is every
+    column of the frame it maps (as PySpark's own ``mapInArrow`` passes
+    them), named once from the first batch's schema, which a stream keeps.
     """
 
     def __init__(self, plan: "_TaskPlan", context, routed, by, keys, first, rest):
         self.plan, self.context = plan, context
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
-        self.udfs: _UdfTemplate | None = None  # the first batch's UDF, whose parts the next batches reuse
+        self.template: _PlanTemplate | None = None  # the plan PySpark's calls built last, for the next batches
 
     @classmethod
     def build(cls, plan: "_TaskPlan", context) -> "_JavaPlan":
@@ -474,6 +475,14 @@ class _JavaPlan:
         from pyspark.util import PythonEvalType
 
         session = batch_df.sparkSession
+        rows = batch_df._jdf.queryExecution().analyzed()
+        if self.template is not None and not self.template.fits(rows):
+            self.template = None
+        if self.template is not None:
+            mapped = self.template.rebase(rows, process)
+            if mapped is not None:
+                return DataFrame(mapped, session)
+        # The first batch, one whose rows or context changed, or a function the template declines: PySpark's calls.
         routed = batch_df._jdf.select(self.routed).repartitionById(parallelism, self.by)
         if self.keys is not None:
             routed = routed.groupBy(self.keys).agg(self.first, self.rest)
@@ -481,67 +490,118 @@ class _JavaPlan:
             names = DataFrame(routed, session).columns
             quoted = [F.col("`" + name.replace("`", "``") + "`") for name in names]
             self.inputs = _to_seq(self.context, quoted, _to_java_column)
-        judf = self.udfs.udf(process) if self.udfs is not None else None
-        if judf is None:  # the first batch, or one the template does not fit: PySpark builds it
-            udf = pandas_udf(process, returnType=self.plan.output_schema,
-                             functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
-            judf = udf._judf
-            if self.udfs is None or self.udfs.stale():
-                self.udfs = _UdfTemplate(self.context, judf, udf.returnType)
-        mapped = routed.mapInArrow(judf.apply(self.inputs), False, None)
+        udf = pandas_udf(process, returnType=self.plan.output_schema,
+                         functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
+        mapped = routed.mapInArrow(udf._judf.apply(self.inputs), False, None)
+        if self.template is None:
+            self.template = _PlanTemplate.build(self.context, session, rows, mapped, udf.returnType)
         return DataFrame(mapped, session)
 
 
-class _UdfTemplate:
-    """A batch's mapInArrow UDF in two py4j calls, from the parts of the first batch's, which PySpark built.
+class _PlanTemplate:
+    """A batch's analysed plan in about ten py4j calls: the plan of an earlier batch, on this batch's rows.
 
-    PySpark builds a Python UDF's JVM object (a ``UserDefinedPythonFunction``
-    around a ``SimplePythonFunction``) in about a dozen py4j round trips: it
-    converts the environment, the includes and the broadcast variables to
-    Java collections and looks up classes and settings, every time. Only the
-    pickled function differs between batches, so this keeps the first UDF
-    and the parts of its function (read once, as elements of the two case
-    classes: that holds across PySpark versions, whatever their constructors
-    take) and makes each next UDF as PySpark does, from the new pickled
-    ``(function, return type)``: a new function, then a copy of the first
-    UDF around it. It declines (``udf`` returns None: build it the usual
-    way) what PySpark would build differently: a pickled function past
-    Spark's broadcast threshold, one that pickles broadcast variables, or a
-    context whose environment or includes changed since (``stale``: the
-    UDF PySpark then builds becomes the next template).
+    Spark analyses a plan again at every ``Dataset`` step (the ``select``
+    with the key-group expression, ``repartitionById``, the partial
+    aggregate, ``mapInArrow``): 17-45 ms in every batch, on the driver's
+    critical path. Two parts of the plan differ between the batches of a
+    parallelism: the batch's rows (a leaf whose output, the same attributes
+    with the same ids, a stream keeps) and the pickled function. So this
+    keeps the analysed plan that PySpark's calls built for one batch and
+    makes each next batch's as Spark would: a copy of each node of the chain
+    above the rows with its child replaced (case-class copies, from the
+    node's elements: that holds across Spark versions, whatever their
+    constructors take), the top one around a copy of its ``PythonUDF`` with
+    a new ``SimplePythonFunction`` made as PySpark makes it, from the new
+    pickled ``(function, return type)`` and the first one's other parts.
+    The result is marked analysed, as Spark marks what it has analysed, so
+    the ``Dataset`` over it is not analysed again: it is the plan Spark's
+    analysis gives, as ``tests/test_keyed_spark.py`` checks against it.
+
+    It does not fit (``fits``; the next plan PySpark's calls build replaces
+    it) a batch whose rows have other attributes, or a context whose
+    environment or includes changed since (PySpark puts both into the
+    function); ``rebase`` declines (returns None: build that batch's plan
+    the usual way) what PySpark would ship differently: a pickled function
+    past Spark's broadcast threshold, or one that pickles broadcast
+    variables.
     """
 
-    def __init__(self, context, judf, return_type):
-        self.context, self.judf, self.return_type = context, judf, return_type
-        self.udf_parts = [judf.productElement(i) for i in range(judf.productArity())]
-        function = judf.func()
-        self.function_parts = [function.productElement(i) for i in range(function.productArity())]
+    def __init__(self, context, session, rows, chain, udf, function, return_type):
+        self.context, self.session, self.return_type = context, session._jsparkSession, return_type
+        self.rows_output = rows.output()
+        self.chain = chain  # (node, its elements, the index of its child), from the top down to the rows
+        self.udf, self.udf_parts = udf, _elements(udf)
+        self.function_index = _index_of(self.udf_parts, function)
+        self.function_parts = _elements(function)
         self.threshold = context._jvm.PythonUtils.getBroadcastThreshold(context._jsc)
         self.new_function = context._jvm.SimplePythonFunction
+        self.datasets = context._jvm.org.apache.spark.sql.classic.Dataset
         self.settings = self._settings(context)
+
+    @classmethod
+    def build(cls, context, session, rows, mapped, return_type) -> "_PlanTemplate | None":
+        """The template of ``mapped`` (a Java ``Dataset``) over ``rows`` (the batch's analysed plan), if its
+        plan is a chain of one-child nodes down to ``rows`` whose top node's first element is the Python UDF."""
+        node, chain = mapped.queryExecution().analyzed(), []
+        while not node.fastEquals(rows):
+            if node.children().size() != 1:
+                return None
+            child = node.children().head()
+            parts = _elements(node)
+            index = _index_of(parts, child)
+            if index is None:
+                return None
+            chain.append((node, parts, index))
+            node = child
+        if not chain or chain[0][0].nodeName() != "MapInArrow":
+            return None
+        udf = chain[0][1][0]
+        if udf.getClass().getSimpleName() != "PythonUDF" or _index_of(_elements(udf), udf.func()) is None:
+            return None
+        return cls(context, session, rows, chain, udf, udf.func(), return_type)
 
     @staticmethod
     def _settings(context) -> tuple:
         return dict(context.environment), list(context._python_includes)
 
-    def stale(self) -> bool:
-        """Whether the context's environment or includes changed since the template's UDF was built."""
-        return self._settings(self.context) != self.settings
+    def fits(self, rows) -> bool:
+        """Whether the template's plan holds over ``rows`` (a batch's analysed plan) in the context as it is."""
+        return self._settings(self.context) == self.settings and rows.output().equals(self.rows_output)
 
-    def udf(self, process: Callable):
-        """The JVM UDF of ``process``, or None where PySpark would build it differently."""
+    def rebase(self, rows, process: Callable):
+        """The template's plan over ``rows`` mapped by ``process``, as a Java ``Dataset``; None where PySpark
+        would ship the function differently."""
         from pyspark.serializers import CloudPickleSerializer
 
-        if self.stale():
-            return None
         pickled = CloudPickleSerializer().dumps((process, self.return_type))
         broadcasts = self.context._pickled_broadcast_vars  # (a registry, always true: it has no len)
         if next(iter(broadcasts), None) is not None or len(pickled) > self.threshold:
             broadcasts.clear()  # PySpark pickles the function again, and collects them again
             return None
         function = self.new_function(bytearray(pickled), *self.function_parts[1:])
-        name, _, *rest = self.udf_parts
-        return self.judf.copy(name, function, *rest)
+        udf = self.udf.copy(*_replaced(self.udf_parts, self.function_index, function))
+        plan = rows
+        for node, parts, child in reversed(self.chain[1:]):
+            plan = node.copy(*_replaced(parts, child, plan))
+        top, parts, child = self.chain[0]
+        plan = top.copy(*_replaced(_replaced(parts, child, plan), 0, udf))
+        plan.setAnalyzed()
+        return self.datasets.ofRows(self.session, plan)
+
+
+def _elements(node) -> list:
+    """The elements of a JVM case class (its first parameter list), in order."""
+    return [node.productElement(i) for i in range(node.productArity())]
+
+
+def _index_of(parts: list, element) -> int | None:
+    """The index of the JVM object ``element`` among ``parts`` (None if it is not one of them)."""
+    return next((i for i, part in enumerate(parts) if hasattr(part, "equals") and part.equals(element)), None)
+
+
+def _replaced(parts: list, index: int, value) -> list:
+    return [value if i == index else part for i, part in enumerate(parts)]
 
 
 def _spark_partials(function: Aggregate) -> tuple:

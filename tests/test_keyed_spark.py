@@ -326,22 +326,33 @@ def test_a_built_in_shuffles_each_batch_once_and_only_the_columns_it_needs(spark
     assert "HashAggregate" in plan.split("Exchange")[0], plan
 
 
-def test_later_batches_build_their_udf_from_the_first_one_s_parts_and_a_function_may_read_a_broadcast(
+def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_function_may_read_a_broadcast(
         spark, tmp_path, monkeypatch):
-    """Each batch after the first makes its UDF from the first one's JVM parts (``_UdfTemplate``), except for a
-    function that reads a broadcast variable, which PySpark's own path ships with it; the instance hosts get
-    the broadcast's value."""
+    """Each batch after the first takes the analysed plan of the first (``_PlanTemplate``) over its own rows and
+    function: the plan Spark's analysis gives, node for node. A context whose includes changed makes the next
+    plan PySpark's (and that one the template); a function that reads a broadcast variable has every plan
+    built by PySpark, which ships the broadcast, and the instance hosts get its value."""
+    import re
+
     from spark_state import microbatch
 
     templated: list[bool] = []
-    original = microbatch._UdfTemplate.udf
+    plans: list[str] = []
+    rebase, tasks = microbatch._PlanTemplate.rebase, microbatch._JavaPlan.tasks
 
-    def udf(self, process):
-        judf = original(self, process)
-        templated.append(judf is not None)
-        return judf
+    def recorded_rebase(self, rows, process):
+        mapped = rebase(self, rows, process)
+        templated.append(mapped is not None)
+        return mapped
 
-    monkeypatch.setattr(microbatch._UdfTemplate, "udf", udf)
+    def recorded_tasks(self, batch_df, parallelism, process):
+        mapped = tasks(self, batch_df, parallelism, process)
+        for step in ("analyzed", "optimizedPlan", "executedPlan"):  # ids differ between batches, nothing else
+            plans.append(re.sub(r"(#|plan_id=)\d+", "", getattr(mapped._jdf.queryExecution(), step)().toString()))
+        return mapped
+
+    monkeypatch.setattr(microbatch._PlanTemplate, "rebase", recorded_rebase)
+    monkeypatch.setattr(microbatch._JavaPlan, "tasks", recorded_tasks)
     job = Job(spark, tmp_path / "plain")
     for salt in range(4):
         job.add_batch(100, keys=10, salt=salt)
@@ -357,7 +368,8 @@ def test_later_batches_build_their_udf_from_the_first_one_s_parts_and_a_function
 
     job.sink = sink
     job.run(2)
-    assert job.outputs == job.expected() and templated == [False, True, True]
+    assert job.outputs == job.expected() and templated == [True, True]  # batch 1 is PySpark's: new includes
+    assert len(plans) == 12 and plans[:3] * 4 == plans, plans
 
     # A function that reads a broadcast variable: PySpark builds every batch's UDF, to ship the broadcast.
     weights = spark.sparkContext.broadcast({"u1": 10})
@@ -373,7 +385,7 @@ def test_later_batches_build_their_udf_from_the_first_one_s_parts_and_a_function
         job.add_batch(100, keys=10, salt=salt)
     job.run(2, lambda k: k.apply(weighted, state_schema="count long", output_schema="user string, count long"))
     expected = {b: {u: c * (10 if u == "u1" else 1) for u, c in out.items()} for b, out in job.expected().items()}
-    assert job.outputs == expected and templated == [False, False]
+    assert job.outputs == expected and templated == [False, False]  # batches 1 and 2 declined
 
 
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
