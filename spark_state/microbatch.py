@@ -476,12 +476,11 @@ class _JavaPlan:
 
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
-        if self.template is not None and not self.template.fits(rows):
-            self.template = None
         if self.template is not None:
-            mapped = self.template.rebase(rows, process)
+            mapped = self.template.rebase(rows, process) if self.template.fits(rows) else None
             if mapped is not None:
                 return DataFrame(mapped, session)
+            self.template = None  # the plan built next takes its place (and holds this batch's rows, not older ones)
         # The first batch, one whose rows or context changed, or a function the template declines: PySpark's calls.
         routed = batch_df._jdf.select(self.routed).repartitionById(parallelism, self.by)
         if self.keys is not None:
@@ -518,13 +517,16 @@ class _PlanTemplate:
     the ``Dataset`` over it is not analysed again: it is the plan Spark's
     analysis gives, as ``tests/test_keyed_spark.py`` checks against it.
 
-    It does not fit (``fits``; the next plan PySpark's calls build replaces
-    it) a batch whose rows have other attributes, or a context whose
-    environment or includes changed since (PySpark puts both into the
-    function); ``rebase`` declines (returns None: build that batch's plan
-    the usual way) what PySpark would ship differently: a pickled function
-    past Spark's broadcast threshold, or one that pickles broadcast
-    variables.
+    It does not fit (``fits``) a batch whose rows have other attributes, or
+    a context whose environment or includes changed since (PySpark puts both
+    into the function), and ``rebase`` declines (returns None) what PySpark
+    would ship differently: a pickled function past Spark's broadcast
+    threshold, or one that pickles broadcast variables. That batch's plan
+    is built the usual way, and becomes the template. A template holds the
+    nodes of the latest batch it made (``rebase`` keeps them), so no older
+    batch's rows stay referenced: their RDD, and the shuffle files of a
+    stream that shuffles before ``keyed``, are released as Spark releases
+    them.
     """
 
     def __init__(self, context, session, rows, chain, udf, function, return_type):
@@ -581,11 +583,15 @@ class _PlanTemplate:
             return None
         function = self.new_function(bytearray(pickled), *self.function_parts[1:])
         udf = self.udf.copy(*_replaced(self.udf_parts, self.function_index, function))
-        plan = rows
-        for node, parts, child in reversed(self.chain[1:]):
-            plan = node.copy(*_replaced(parts, child, plan))
-        top, parts, child = self.chain[0]
-        plan = top.copy(*_replaced(_replaced(parts, child, plan), 0, udf))
+        plan, chain = rows, []
+        for depth in range(len(self.chain) - 1, -1, -1):
+            node, parts, child = self.chain[depth]
+            parts = _replaced(parts, child, plan)
+            if depth == 0:
+                parts = _replaced(parts, 0, udf)
+            plan = node.copy(*parts)
+            chain.append((plan, parts, child))
+        self.chain = chain[::-1]  # the next batch copies these: the template holds no older batch's rows
         plan.setAnalyzed()
         return self.datasets.ofRows(self.session, plan)
 

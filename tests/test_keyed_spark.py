@@ -338,6 +338,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
 
     templated: list[bool] = []
     plans: list[str] = []
+    java_plans, rows = [], []  # each batch's ``_JavaPlan`` and analysed rows
     rebase, tasks = microbatch._PlanTemplate.rebase, microbatch._JavaPlan.tasks
 
     def recorded_rebase(self, rows, process):
@@ -347,6 +348,8 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
 
     def recorded_tasks(self, batch_df, parallelism, process):
         mapped = tasks(self, batch_df, parallelism, process)
+        java_plans.append(self)
+        rows.append(batch_df._jdf.queryExecution().analyzed())
         for step in ("analyzed", "optimizedPlan", "executedPlan"):  # ids differ between batches, nothing else
             plans.append(re.sub(r"(#|plan_id=)\d+", "", getattr(mapped._jdf.queryExecution(), step)().toString()))
         return mapped
@@ -370,6 +373,9 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     job.run(2)
     assert job.outputs == job.expected() and templated == [True, True]  # batch 1 is PySpark's: new includes
     assert len(plans) == 12 and plans[:3] * 4 == plans, plans
+    # The template holds the last batch's rows (its nodes copy next), no older batch's (their RDDs are released).
+    bottom = java_plans[-1].template.chain[-1][0].children().head()
+    assert bottom.fastEquals(rows[-1]) and not any(bottom.fastEquals(old) for old in rows[:-1])
 
     # A function that reads a broadcast variable: PySpark builds every batch's UDF, to ship the broadcast.
     weights = spark.sparkContext.broadcast({"u1": 10})
