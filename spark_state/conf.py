@@ -31,7 +31,8 @@ key                                    default                     meaning
 ``spark.state.allowNonRestoredState``  ``false``                   with ``fromSavepoint``: drop savepoint state the
                                                                    query does not continue, start new components empty
 ``spark.state.orphanGraceSeconds``     3600                        unreferenced blobs and items (of failed, retried or
-                                                                   zombie attempts) are deleted once this old
+                                                                   zombie attempts) are deleted once this old (listed
+                                                                   at most 60 times per grace period)
 ``spark.state.restoreFrom``            unset                       recovery: a new checkpointLocation starts from this
                                                                    retained checkpoint id instead of the latest
 ``spark.state.sharedLocalStore``       ``false``                   ``true``: the local store path is one shared

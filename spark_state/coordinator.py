@@ -63,7 +63,7 @@ from spark_state.manifest import (
     check_compatible,
     next_manifest,
 )
-from spark_state.manifestlog import CheckpointExistsError, ManifestLog
+from spark_state.manifestlog import FILE_SWEEPS_PER_GRACE, CheckpointExistsError, ManifestLog
 
 UNKNOWN = object()
 """A start offset that could not be determined (as opposed to None: the source's beginning)."""
@@ -326,9 +326,11 @@ def check_reports(reports: Sequence[InstanceReport], parallelism: int) -> None:
 class Coordinator:
     """The driver's part of every micro-batch around ``plan_batch``, for one state store."""
 
-    def __init__(self, manifests: ManifestLog, *, store: str):
+    def __init__(self, manifests: ManifestLog, *, store: str, clock: Callable[[], float] = time.monotonic):
         self.manifests = manifests
         self.store = store
+        self._clock = clock
+        self._files_listed: float | None = None  # ``clock()`` at the last cleanup that listed the files
 
     def plan(self, batch: SparkBatch, *, restore_from: int | None = None) -> BatchPlan:
         """Decide how to run ``batch``: its checkpoint id and the checkpoint it continues.
@@ -389,5 +391,11 @@ class Coordinator:
             ) from exc
 
     def cleanup(self, manifest: Manifest, *, grace_seconds: float) -> list[str]:
-        """Step 5: delete what no retained checkpoint needs (unreferenced files once ``grace_seconds`` old)."""
-        return self.manifests.cleanup(manifest, grace_seconds=grace_seconds)
+        """Step 5: delete what no retained checkpoint needs: records, and unreferenced files once ``grace_seconds``
+        old, which it lists at most ``FILE_SWEEPS_PER_GRACE`` times per grace period (every batch with 0)."""
+        now = self._clock()
+        files = self._files_listed is None or now - self._files_listed >= grace_seconds / FILE_SWEEPS_PER_GRACE
+        deleted = self.manifests.cleanup(manifest, grace_seconds=grace_seconds, files=files)
+        if files:
+            self._files_listed = now
+        return deleted

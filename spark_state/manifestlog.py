@@ -68,6 +68,11 @@ MAX_DELTAS = 16
 """At most this many delta records follow a full one."""
 DEFAULT_ORPHAN_GRACE_SECONDS = 3600
 """Unreferenced blobs and items younger than this are kept: longer than any task attempt should take."""
+FILE_SWEEPS_PER_GRACE = 60
+"""A running query lists its store's files (``cleanup(files=True)``) at most this many times per grace period
+(``Coordinator.cleanup``): a file is deleted at most 1/60 of the grace period later than it may be (one minute
+by default), and the batches in between list no blob or items directory (on an object store, a request per
+retained checkpoint directory)."""
 CACHED_MANIFESTS = 32
 """Parsed manifests a reader keeps (least recently used dropped first)."""
 
@@ -275,7 +280,7 @@ class ManifestLog(ManifestReader):
     # Step 5 -----------------------------------------------------------------
 
     def plan_cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
-                     now_ms: int | None = None) -> CleanupPlan:
+                     now_ms: int | None = None, files: bool = True) -> CleanupPlan:
         """What ``cleanup(manifest)`` deletes, without deleting anything (``spark-state cleanup --dry-run``).
 
         Kept: the checkpoints ``manifest`` retains and those savepoints pin
@@ -288,7 +293,8 @@ class ManifestLog(ManifestReader):
         listed after ``manifest`` was committed, so a savepoint created
         concurrently is either seen here or refused by ``create_savepoint``.
         ``CorruptBlobError`` if a savepoint record does not read (it might pin
-        anything).
+        anything). With ``files=False`` only records: no blob or items
+        directory is listed, and the files are left to a later cleanup.
         """
         cutoff = (int(time.time() * 1000) if now_ms is None else now_ms) - int(grace_seconds * 1000)
         kept_ids = set(manifest.consistent_checkpoints) | Savepoints(self.storage).pinned()
@@ -303,8 +309,8 @@ class ManifestLog(ManifestReader):
             for component in kept.components.values():
                 referenced.update(component.blobs)
                 referenced.update(ref.path for ref in component.instance_items.values())
-        files: list[str] = []
-        for top in (BLOBS_DIR, ITEMS_DIR):
+        doomed: list[str] = []
+        for top in (BLOBS_DIR, ITEMS_DIR) if files else ():
             for component in self.storage.list(top):
                 for checkpoint_dir in self.storage.list(join(top, component)):
                     if not checkpoint_dir.isdigit() or int(checkpoint_dir) > manifest.checkpoint_id:
@@ -313,11 +319,11 @@ class ManifestLog(ManifestReader):
                     for name in self.storage.list(directory):
                         path, written = join(directory, name), written_ms(name)
                         if path not in referenced and (written is None or written <= cutoff):
-                            files.append(path)
-        return CleanupPlan(manifest.checkpoint_id, tuple(doomed_records), tuple(files))
+                            doomed.append(path)
+        return CleanupPlan(manifest.checkpoint_id, tuple(doomed_records), tuple(doomed))
 
     def cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
-                now_ms: int | None = None) -> list[str]:
+                now_ms: int | None = None, files: bool = True) -> list[str]:
         """Delete what no retained checkpoint and no savepoint needs (step 5); return the deleted paths.
 
         Records first, then files, one by one (``plan_cleanup`` says which):
@@ -327,7 +333,7 @@ class ManifestLog(ManifestReader):
         nothing and returns ``[]``.
         """
         try:
-            plan = self.plan_cleanup(manifest, grace_seconds=grace_seconds, now_ms=now_ms)
+            plan = self.plan_cleanup(manifest, grace_seconds=grace_seconds, now_ms=now_ms, files=files)
         except CorruptBlobError as exc:
             _LOG.warning("cleanup of %s skipped: %s", self.storage.uri, exc)
             return []

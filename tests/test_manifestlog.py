@@ -19,8 +19,10 @@ import pytest
 
 from spark_state.blob import BlobIndex
 from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.coordinator import Coordinator
 from spark_state.manifestlog import (
     CHECKPOINTS_DIR,
+    FILE_SWEEPS_PER_GRACE,
     CheckpointExistsError,
     ManifestLog,
     latest_source_offsets,
@@ -552,6 +554,33 @@ def test_cleanup_deletes_only_unreferenced_files_older_than_the_grace_period(sto
     assert storage.exists(young) and store.blobs.read_items(kept) == ["kept"]
     assert store.manifests.cleanup(manifest, grace_seconds=0, now_ms=now) == [young]
     assert store.blobs.read_items(kept) == ["kept"]  # referenced: never deleted, whatever its age
+
+
+def test_a_running_query_deletes_records_every_batch_and_lists_its_files_sixty_times_per_grace_period(
+        storage, monkeypatch):
+    """``Coordinator.cleanup`` deletes the records retention drops at every batch, but lists the blob and items
+    directories (for files past the grace period) at most ``FILE_SWEEPS_PER_GRACE`` times per grace period: on an
+    object store each listing is a request per retained checkpoint directory. With a grace of 0, every batch."""
+    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", 0)  # every record full: retention drops each one
+    store = Store(storage, retained=1)
+    spec = ComponentSpec(COMPONENT, M, 1, SCHEMA)
+    now = [1000.0]
+    coordinator = Coordinator(store.manifests, store="test", clock=lambda: now[0])
+    assert FILE_SWEEPS_PER_GRACE == 60
+    store.commit(1, {COMPONENT: (spec, [])}, {})
+    first = _orphan(storage, 1, None)  # a name without a time counts as old
+    manifest = store.commit(2, {COMPONENT: (spec, [])}, {})
+    assert sorted(coordinator.cleanup(manifest, grace_seconds=60)) == sorted([manifest_path(1), first])
+
+    second = _orphan(storage, 2, None)
+    manifest = store.commit(3, {COMPONENT: (spec, [])}, {})
+    now[0] += 0.99  # under 60 / 60 s since the files were listed: records only
+    assert coordinator.cleanup(manifest, grace_seconds=60) == [manifest_path(2)] and storage.exists(second)
+    now[0] += 0.01
+    assert coordinator.cleanup(manifest, grace_seconds=60) == [second]
+
+    third = _orphan(storage, 3, None)
+    assert coordinator.cleanup(manifest, grace_seconds=0) == [third]  # no time since: listed all the same
 
 
 def test_a_zombie_writing_late_cannot_make_cleanup_fail_and_keeps_its_file(tmp_path, monkeypatch):
