@@ -410,15 +410,14 @@ class _TaskPlan:
     def build(cls, stream, task: TaskSpec) -> "_TaskPlan":
         from pyspark.sql import functions as F
 
-        from spark_state.routing import instance_column, key_group_column
+        from spark_state.routing import routing_columns
 
         key_columns = list(task.schema.key_columns)
         # The key types from the stream (its schema is resolved once), not from analysing every batch.
-        key_group = key_group_column(stream.keyed.df, key_columns, task.max_parallelism)
+        key_group, instance = routing_columns(stream.keyed.df, key_columns, task.parallelism, task.max_parallelism)
         event_column = [task.event_time.column] if task.event_time is not None else []
         inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
         needed = list(dict.fromkeys(key_columns + inputs + event_column))
-        instance = instance_column(key_group, task.parallelism, task.max_parallelism, in_range=True)
         partials = None
         function = task.function
         if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():
@@ -529,13 +528,12 @@ class _PlanTemplate:
     them.
     """
 
-    def __init__(self, context, session, rows, chain, udf, function, return_type):
+    def __init__(self, context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type):
         self.context, self.session, self.return_type = context, session._jsparkSession, return_type
         self.rows_output = rows.output()
         self.chain = chain  # (node, its elements, the index of its child), from the top down to the rows
-        self.udf, self.udf_parts = udf, _elements(udf)
-        self.function_index = _index_of(self.udf_parts, function)
-        self.function_parts = _elements(function)
+        self.udf, self.udf_parts, self.function_index = udf, udf_parts, function_index
+        self.function_parts = function_parts  # all but the first, the pickled function (kilobytes to copy)
         self.threshold = context._jvm.PythonUtils.getBroadcastThreshold(context._jsc)
         self.new_function = context._jvm.SimplePythonFunction
         self.datasets = context._jvm.org.apache.spark.sql.classic.Dataset
@@ -559,9 +557,14 @@ class _PlanTemplate:
         if not chain or chain[0][0].nodeName() != "MapInArrow":
             return None
         udf = chain[0][1][0]
-        if udf.getClass().getSimpleName() != "PythonUDF" or _index_of(_elements(udf), udf.func()) is None:
+        if udf.getClass().getSimpleName() != "PythonUDF":
             return None
-        return cls(context, session, rows, chain, udf, udf.func(), return_type)
+        udf_parts, function = _elements(udf), udf.func()
+        function_index = _index_of(udf_parts, function)
+        if function_index is None:
+            return None
+        function_parts = _elements(function, first=1)
+        return cls(context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type)
 
     @staticmethod
     def _settings(context) -> tuple:
@@ -581,7 +584,7 @@ class _PlanTemplate:
         if next(iter(broadcasts), None) is not None or len(pickled) > self.threshold:
             broadcasts.clear()  # PySpark pickles the function again, and collects them again
             return None
-        function = self.new_function(bytearray(pickled), *self.function_parts[1:])
+        function = self.new_function(bytearray(pickled), *self.function_parts)
         udf = self.udf.copy(*_replaced(self.udf_parts, self.function_index, function))
         plan, chain = rows, []
         for depth in range(len(self.chain) - 1, -1, -1):
@@ -596,9 +599,9 @@ class _PlanTemplate:
         return self.datasets.ofRows(self.session, plan)
 
 
-def _elements(node) -> list:
-    """The elements of a JVM case class (its first parameter list), in order."""
-    return [node.productElement(i) for i in range(node.productArity())]
+def _elements(node, first: int = 0) -> list:
+    """The elements of a JVM case class (its first parameter list), in order, from the ``first``."""
+    return [node.productElement(i) for i in range(first, node.productArity())]
 
 
 def _index_of(parts: list, element) -> int | None:

@@ -38,10 +38,35 @@ def _pad_to_4_bytes(binary: Column) -> Column:
     return F.concat(binary, F.substring(F.unhex(F.lit("000000")), F.lit(1), pad_length))
 
 
+def _pad_to_4_bytes_sql(binary: str) -> str:
+    """``_pad_to_4_bytes`` as SQL text."""
+    return f"concat({binary}, substring(unhex('000000'), 1, pmod(-octet_length({binary}), 4)))"
+
+
 def _encode(column: Column, data_type: T.DataType, index: int) -> Column:
     """Return ``column`` encoded for ``hash`` as ``keygroups`` encodes a component."""
-    if isinstance(data_type, _INTEGRAL_TYPES):
+    kind = _encoding(data_type, index)
+    if kind == "bigint":
         return column.cast("bigint")
+    if kind == "string":
+        return _pad_to_4_bytes(column.cast("binary"))
+    return _pad_to_4_bytes(column) if kind == "binary" else column
+
+
+def _encode_sql(column: str, data_type: T.DataType, index: int) -> str:
+    """``_encode`` as SQL text, of ``column`` (SQL text)."""
+    kind = _encoding(data_type, index)
+    if kind == "bigint":
+        return f"CAST({column} AS BIGINT)"
+    if kind == "string":
+        return _pad_to_4_bytes_sql(f"CAST({column} AS BINARY)")
+    return _pad_to_4_bytes_sql(column) if kind == "binary" else column
+
+
+def _encoding(data_type: T.DataType, index: int) -> str:
+    """How a key component of ``data_type`` is encoded (see the module docstring); raises if it cannot be."""
+    if isinstance(data_type, _INTEGRAL_TYPES):
+        return "bigint"
     if isinstance(data_type, T.StringType):
         collation = getattr(data_type, "collation", _BINARY_COLLATION)
         if collation != _BINARY_COLLATION:
@@ -50,11 +75,11 @@ def _encode(column: Column, data_type: T.DataType, index: int) -> Column:
                 "treats as equal would get different key groups. Normalise the key (for example "
                 f"lower()) and collate it as {_BINARY_COLLATION}"
             )
-        return _pad_to_4_bytes(column.cast("binary"))
+        return "string"
     if isinstance(data_type, T.BinaryType):
-        return _pad_to_4_bytes(column)
+        return "binary"
     if isinstance(data_type, T.NullType):
-        return column
+        return "void"
     raise UnsupportedKeyError(
         f"key column {index} has Spark type {data_type.simpleString()}, which has no canonical "
         "encoding; supported: tinyint, smallint, int, bigint, boolean, string, binary, void. "
@@ -86,14 +111,33 @@ def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parall
         raise UnsupportedKeyError(
             "key_cols must be a non-empty list of column names or Columns, e.g. ['user_id']"
         )
+    sql = _key_group_sql(df, key_cols, m)
+    if sql is not None:
+        return F.expr(sql)
     columns = [F.col(c) if isinstance(c, str) else c for c in key_cols]
-    top_level = {field.name: field.dataType for field in df.schema.fields}  # kept by the DataFrame once read
-    if all(isinstance(c, str) and c in top_level for c in key_cols):
-        data_types = [top_level[c] for c in key_cols]
-    else:  # expressions, nested or differently cased names: as Spark resolves them
-        data_types = [field.dataType for field in df.select(*columns).schema.fields]
+    data_types = [field.dataType for field in df.select(*columns).schema.fields]  # as Spark resolves them
     encoded = [_encode(column, data_type, i) for i, (column, data_type) in enumerate(zip(columns, data_types))]
     return F.pmod(F.hash(*encoded), F.lit(m))
+
+
+def _key_group_sql(df: DataFrame, key_cols: Sequence[str | Column], m: int) -> str | None:
+    """``key_group_column`` as SQL text when every key column is a top-level column named as in ``df``'s schema
+    (None otherwise: expressions, nested or differently cased names).
+
+    One parse in the JVM instead of a py4j round trip per function and
+    literal (about 30 ms on the driver for a string key), in the first batch
+    of a query and of every parallelism.
+    """
+    top_level = {field.name: field.dataType for field in df.schema.fields}  # kept by the DataFrame once read
+    if not all(isinstance(c, str) and c in top_level for c in key_cols):
+        return None
+    encoded = [_encode_sql(_quoted(c), top_level[c], i) for i, c in enumerate(key_cols)]
+    return f"pmod(hash({', '.join(encoded)}), {m})"
+
+
+def _quoted(name: str) -> str:
+    """A column name as a SQL identifier (a top-level column, whatever characters its name holds)."""
+    return "`" + name.replace("`", "``") + "`"
 
 
 def instance_column(key_group_col: str | Column, parallelism: int, max_parallelism: int, *,
@@ -136,3 +180,34 @@ def instance_column(key_group_col: str | Column, parallelism: int, max_paralleli
     out_of_range = (group < F.lit(0)) | (group >= F.lit(m))
     error = F.raise_error(F.concat(F.lit(f"key group out of range, need 0 <= key_group < {m}: "), group.cast("string")))
     return F.when(out_of_range, error).otherwise(instance).cast("int")
+
+
+def instance_sql(key_group: str, parallelism: int, max_parallelism: int, *, in_range: bool = False) -> str:
+    """``instance_column`` as SQL text, of ``key_group`` (SQL text: a quoted name, or ``key_group_sql``'s text).
+
+    One parse in the JVM instead of a py4j round trip per function and
+    literal (see ``_key_group_sql``); the same expression, which
+    ``tests/test_routing_spark.py`` checks against Python for every key group.
+    """
+    p, m = check_parallelism(parallelism, max_parallelism)
+    q, r = divmod(m, p)  # see instance_column
+    by_small = f"FLOOR(({key_group} - {r}) / {q})" if r else f"FLOOR({key_group} / {q})"
+    instance = f"greatest(FLOOR({key_group} / {q + 1}), {by_small})" if r else by_small
+    if in_range:
+        return f"CAST({instance} AS INT)"
+    error = f"raise_error(concat('key group out of range, need 0 <= key_group < {m}: ', CAST({key_group} AS STRING)))"
+    return f"CAST(CASE WHEN ({key_group} < 0) OR ({key_group} >= {m}) THEN {error} ELSE {instance} END AS INT)"
+
+
+def routing_columns(df: DataFrame, key_cols: Sequence[str], parallelism: int, max_parallelism: int
+                    ) -> tuple[Column, Column]:
+    """The key group and instance Columns of ``df``'s rows keyed by ``key_cols`` (names of its columns).
+
+    As ``key_group_column`` and ``instance_column(..., in_range=True)`` over
+    it, each parsed from SQL text once when the key columns are top-level.
+    """
+    sql = _key_group_sql(df, key_cols, check_max_parallelism(max_parallelism))
+    if sql is None:
+        key_group = key_group_column(df, key_cols, max_parallelism)
+        return key_group, instance_column(key_group, parallelism, max_parallelism, in_range=True)
+    return F.expr(sql), F.expr(instance_sql(sql, parallelism, max_parallelism, in_range=True))

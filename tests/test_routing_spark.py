@@ -88,7 +88,9 @@ def test_key_groups_match_python(keyed):
 
 @pytest.mark.parametrize("max_parallelism", list(INSTANCE_CASES))
 def test_instances_match_python_for_every_key_group(spark, max_parallelism):
-    from spark_state.routing import instance_column
+    from pyspark.sql import functions as F
+
+    from spark_state.routing import instance_column, instance_sql
 
     parallelisms = INSTANCE_CASES[max_parallelism]
     table = (
@@ -97,6 +99,9 @@ def test_instances_match_python_for_every_key_group(spark, max_parallelism):
             "id",
             *(instance_column("id", p, max_parallelism).alias(f"p{p}") for p in parallelisms),
             *(instance_column("id", p, max_parallelism, in_range=True).alias(f"unchecked{p}") for p in parallelisms),
+            *(F.expr(instance_sql("id", p, max_parallelism)).alias(f"sql{p}") for p in parallelisms),
+            *(F.expr(instance_sql("id", p, max_parallelism, in_range=True)).alias(f"sql_unchecked{p}")
+              for p in parallelisms),
         )
         .toArrow()
     )
@@ -104,8 +109,24 @@ def test_instances_match_python_for_every_key_group(spark, max_parallelism):
     assert sorted(key_groups) == list(range(max_parallelism))
     for p in parallelisms:
         expected = [instance_for_key_group(g, p, max_parallelism) for g in key_groups]
-        assert table[f"p{p}"].to_pylist() == expected, p
-        assert table[f"unchecked{p}"].to_pylist() == expected, p
+        for name in (f"p{p}", f"unchecked{p}", f"sql{p}", f"sql_unchecked{p}"):
+            assert table[name].to_pylist() == expected, name
+
+
+def test_routing_columns_match_python(keyed):
+    """``routing_columns`` (the keyed operator's routing, parsed from SQL text) gives every row the key group
+    and the instance Python gives its key, for one key column and for several, a name needing quotes among them."""
+    from spark_state.routing import routing_columns
+
+    df, rows = keyed
+    df = df.withColumnRenamed("s", "the `s`.col")
+    for cols, m, p in ((["the `s`.col"], 1024, 3), (["l", "the `s`.col", "bin", "flag"], 4096, 7)):
+        key_group, instance = routing_columns(df, cols, p, m)
+        table = df.select(key_group.alias("g"), instance.alias("i")).toArrow()
+        python = [tuple(row["s" if c == "the `s`.col" else c] for c in cols) for row in rows]
+        expected = [key_group_for(key, m) for key in python]
+        assert table["g"].to_pylist() == expected, cols
+        assert table["i"].to_pylist() == [instance_for_key_group(g, p, m) for g in expected], cols
 
 
 def test_key_groups_match_vectorized_on_spark_arrow(keyed):
