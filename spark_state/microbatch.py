@@ -497,7 +497,7 @@ class _JavaPlan:
 
 
 class _PlanTemplate:
-    """A batch's analysed plan in about ten py4j calls: the plan of an earlier batch, on this batch's rows.
+    """A batch's analysed plan in about a dozen py4j calls: the plan of an earlier batch, on this batch's rows.
 
     Spark analyses a plan again at every ``Dataset`` step (the ``select``
     with the key-group expression, ``repartitionById``, the partial
