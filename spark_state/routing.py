@@ -183,7 +183,7 @@ def instance_column(key_group_col: str | Column, parallelism: int, max_paralleli
 
 
 def instance_sql(key_group: str, parallelism: int, max_parallelism: int, *, in_range: bool = False) -> str:
-    """``instance_column`` as SQL text, of ``key_group`` (SQL text: a quoted name, or ``key_group_sql``'s text).
+    """``instance_column`` as SQL text, of ``key_group`` (SQL text: a quoted name, or ``_key_group_sql``'s text).
 
     One parse in the JVM instead of a py4j round trip per function and
     literal (see ``_key_group_sql``); the same expression, which
