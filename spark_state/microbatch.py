@@ -473,6 +473,8 @@ class _JavaPlan:
         from pyspark.sql.pandas.functions import pandas_udf
         from pyspark.util import PythonEvalType
 
+        from spark_state.routing import quoted_identifier
+
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
         if self.template is not None:
@@ -486,7 +488,7 @@ class _JavaPlan:
             routed = routed.groupBy(self.keys).agg(self.first, self.rest)
         if self.inputs is None:
             names = DataFrame(routed, session).columns
-            quoted = [F.col("`" + name.replace("`", "``") + "`") for name in names]
+            quoted = [F.col(quoted_identifier(name)) for name in names]
             self.inputs = _to_seq(self.context, quoted, _to_java_column)
         udf = pandas_udf(process, returnType=self.plan.output_schema,
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped

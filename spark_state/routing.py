@@ -131,11 +131,11 @@ def _key_group_sql(df: DataFrame, key_cols: Sequence[str | Column], m: int) -> s
     top_level = {field.name: field.dataType for field in df.schema.fields}  # kept by the DataFrame once read
     if not all(isinstance(c, str) and c in top_level for c in key_cols):
         return None
-    encoded = [_encode_sql(_quoted(c), top_level[c], i) for i, c in enumerate(key_cols)]
+    encoded = [_encode_sql(quoted_identifier(c), top_level[c], i) for i, c in enumerate(key_cols)]
     return f"pmod(hash({', '.join(encoded)}), {m})"
 
 
-def _quoted(name: str) -> str:
+def quoted_identifier(name: str) -> str:
     """A column name as a SQL identifier (a top-level column, whatever characters its name holds)."""
     return "`" + name.replace("`", "``") + "`"
 
