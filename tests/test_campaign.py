@@ -12,9 +12,9 @@ import pytest
 from tests.campaign.supervisor import PROBLEM_COUNTS, Campaign
 
 # A driver kill, a savepoint taken while the query runs, and a query forked from it (with this seed, its first
-# driver is killed while it starts, then started again); a drain: the final cycle of every query drains it. Each cycle is a driver process (about
-# 20 s), so the other kinds are left to the suite's other tests: truncation to test_storage_faults, worker kills
-# and a deleted newest record to test_keyed_spark.
+# driver is killed while it starts, then started again); a drain: the final cycle of every query drains it. Each
+# cycle is a driver process (about 20 s), so the other kinds are left to the suite's other tests: truncation to
+# test_storage_faults, worker kills and a deleted newest record to test_keyed_spark.
 KINDS = ["kill_after_manifest", "savepoint", "fork"]
 
 
