@@ -454,6 +454,7 @@ class _JavaPlan:
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
         self.template: _PlanTemplate | None = None  # the plan PySpark's calls built last, for the next batches
+        self.declined = False  # whether the template declined a batch's function (``_PlanTemplate.rebase``)
 
     @classmethod
     def build(cls, plan: "_TaskPlan", context) -> "_JavaPlan":
@@ -478,9 +479,11 @@ class _JavaPlan:
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
         if self.template is not None:
-            mapped = self.template.rebase(rows, process) if self.template.fits(rows) else None
-            if mapped is not None:
-                return DataFrame(mapped, session)
+            if self.template.fits(rows):
+                mapped = self.template.rebase(rows, process)
+                if mapped is not None:
+                    return DataFrame(mapped, session)
+                self.declined = True  # so will every batch's function: no more templates to build and drop
             self.template = None  # the plan built next takes its place (and holds this batch's rows, not older ones)
         # The first batch, one whose rows or context changed, or a function the template declines: PySpark's calls.
         routed = batch_df._jdf.select(self.routed).repartitionById(parallelism, self.by)
@@ -493,7 +496,7 @@ class _JavaPlan:
         udf = pandas_udf(process, returnType=self.plan.output_schema,
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
         mapped = routed.mapInArrow(udf._judf.apply(self.inputs), False, None)
-        if self.template is None:
+        if self.template is None and not self.declined:
             self.template = _PlanTemplate.build(self.context, session, rows, mapped, udf.returnType)
         return DataFrame(mapped, session)
 
@@ -523,7 +526,11 @@ class _PlanTemplate:
     into the function), and ``rebase`` declines (returns None) what PySpark
     would ship differently: a pickled function past Spark's broadcast
     threshold, or one that pickles broadcast variables. That batch's plan
-    is built the usual way, and becomes the template. A template holds the
+    is built the usual way, and becomes the template; except after a
+    declined function: a function of the same query reads the same
+    broadcasts in every batch, so ``_JavaPlan`` builds no more templates
+    for it (each would cost about 15 py4j calls, to be declined again). A
+    template holds the
     nodes of the latest batch it made (``rebase`` keeps them), so no older
     batch's rows stay referenced: their RDD, and the shuffle files of a
     stream that shuffles before ``keyed``, are released as Spark releases
