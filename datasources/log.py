@@ -330,12 +330,17 @@ class ReplayableLog:
                 body = self.commits.load_if_exists(n)
             if body is None:
                 later = [i for i in self.commits.ids() if i > n]
-                if later:
+                if not later:
+                    return index
+                # A writer commits n + 1 only once it has read commit n, so n existed before the later ones: unless
+                # another writer created it between the read above and the listing, it is gone.
+                with _as_corrupt_log():
+                    body = self.commits.load_if_exists(n)
+                if body is None:
                     raise CorruptLogError(
                         f"log commit {self.commits.where(n)} is missing, but commits up to {later[-1]} exist: reading "
                         "on would drop every record after it. Restore the file from a copy, or rewrite the log"
                     )
-                return index
             where = self.commits.where(n)
             index = apply_commit(index, Commit.from_json(body, where), where)
 

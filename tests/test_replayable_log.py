@@ -185,6 +185,31 @@ def test_concurrent_appends_race_for_commit_ids_and_never_overlap():
         assert [s.start for s in split.segments] == [0] + [s.end for s in split.segments[:-1]]
 
 
+def test_a_reader_that_finds_the_next_commit_missing_then_lists_commits_another_writer_just_made_reads_them():
+    """The next commit is absent when a reader looks, then another writer commits it and one more before the
+    reader lists the commits to see whether the first was lost: that is a race, not a missing commit."""
+    storage = MemoryStorage()
+    writer = new_log(1, storage)
+    append(writer, 0, 0, 3)
+    reader = ReplayableLog.open(storage)
+    assert reader.index().commit_id == 0
+    commits_dir = writer.commits.directory
+    real_list = storage.list
+
+    def list_after_two_more_commits(directory):
+        if directory == commits_dir:
+            storage.list = real_list
+            append(writer, 0, 3, 3)
+            append(writer, 0, 6, 3)
+        return real_list(directory)
+
+    storage.list = list_after_two_more_commits
+    assert reader.index().commit_id == 2 and [r[2] for r in rows(reader)] == list(range(9))
+    storage.delete(writer.commits.path(1))  # a commit that is really gone, with one after it: refused
+    with pytest.raises(CorruptLogError, match=re.escape(writer.commits.where(1)) + " is missing"):
+        ReplayableLog.open(storage).index()
+
+
 def test_stale_writer_loses_the_race_and_retries_at_the_next_id():
     storage = MemoryStorage()
     a = new_log(1, storage)
