@@ -444,7 +444,11 @@ class _JavaPlan:
     parallelism, so they are built here once and the plan is made with one
     call per step on the batch's Java ``Dataset``. Spark analyses each step
     again (17-45 ms a batch), so later batches take that plan from the last
-    one built this way (``_PlanTemplate``). ``mapInArrow``'s input is every
+    one built this way (``_PlanTemplate``). The template of a batch's plan is
+    made when the next batch comes (``pending`` until then): a run of one
+    batch, such as a scheduled ``availableNow`` run or the first batch of a
+    restart, does not pay for one (about 20-70 ms of py4j calls, one per
+    element of each node). ``mapInArrow``'s input is every
     column of the frame it maps (as PySpark's own ``mapInArrow`` passes
     them), named once from the first batch's schema, which a stream keeps.
     """
@@ -454,6 +458,7 @@ class _JavaPlan:
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
         self.template: _PlanTemplate | None = None  # the plan PySpark's calls built last, for the next batches
+        self.pending: tuple | None = None  # (rows, Java Dataset, return type, settings) of a plan not templated yet
         self.declined = False  # whether the template declined a batch's function (``_PlanTemplate.rebase``)
 
     @classmethod
@@ -478,6 +483,8 @@ class _JavaPlan:
 
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
+        if self.pending is not None:
+            self.template, self.pending = _PlanTemplate.build(self.context, session, *self.pending), None
         if self.template is not None:
             if self.template.fits(rows):
                 mapped = self.template.rebase(rows, process)
@@ -496,8 +503,8 @@ class _JavaPlan:
         udf = pandas_udf(process, returnType=self.plan.output_schema,
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
         mapped = routed.mapInArrow(udf._judf.apply(self.inputs), False, None)
-        if self.template is None and not self.declined:
-            self.template = _PlanTemplate.build(self.context, session, rows, mapped, udf.returnType)
+        if not self.declined:
+            self.pending = (rows, mapped, udf.returnType, _PlanTemplate.settings_of(self.context))
         return DataFrame(mapped, session)
 
 
@@ -526,18 +533,19 @@ class _PlanTemplate:
     into the function), and ``rebase`` declines (returns None) what PySpark
     would ship differently: a pickled function past Spark's broadcast
     threshold, or one that pickles broadcast variables. That batch's plan
-    is built the usual way, and becomes the template; except after a
-    declined function: a function of the same query reads the same
-    broadcasts in every batch, so ``_JavaPlan`` builds no more templates
-    for it (each would cost about 15 py4j calls, to be declined again). A
-    template holds the
-    nodes of the latest batch it made (``rebase`` keeps them), so no older
+    is built the usual way, and becomes the template when the next batch
+    comes; except after a declined function: a function of the same query
+    reads the same broadcasts in every batch, so ``_JavaPlan`` builds no
+    more templates for it (each would cost about 15 py4j calls, to be
+    declined again). A template holds the nodes of the latest batch it
+    made (``rebase`` keeps them), so no older
     batch's rows stay referenced: their RDD, and the shuffle files of a
     stream that shuffles before ``keyed``, are released as Spark releases
     them.
     """
 
-    def __init__(self, context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type):
+    def __init__(self, context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type,
+                 settings):
         self.context, self.session, self.return_type = context, session._jsparkSession, return_type
         self.rows_output = rows.output()
         self.chain = chain  # (node, its elements, the index of its child), from the top down to the rows
@@ -546,12 +554,13 @@ class _PlanTemplate:
         self.threshold = context._jvm.PythonUtils.getBroadcastThreshold(context._jsc)
         self.new_function = context._jvm.SimplePythonFunction
         self.datasets = context._jvm.org.apache.spark.sql.classic.Dataset
-        self.settings = self._settings(context)
+        self.settings = settings
 
     @classmethod
-    def build(cls, context, session, rows, mapped, return_type) -> "_PlanTemplate | None":
-        """The template of ``mapped`` (a Java ``Dataset``) over ``rows`` (the batch's analysed plan), if its
-        plan is a chain of one-child nodes down to ``rows`` whose top node's first element is the Python UDF."""
+    def build(cls, context, session, rows, mapped, return_type, settings) -> "_PlanTemplate | None":
+        """The template of ``mapped`` (a Java ``Dataset``) over ``rows`` (the batch's analysed plan), built in
+        the context's ``settings`` (``settings_of``), if its plan is a chain of one-child nodes down to ``rows``
+        whose top node's first element is the Python UDF."""
         node, chain = mapped.queryExecution().analyzed(), []
         while not node.fastEquals(rows):
             if node.children().size() != 1:
@@ -573,15 +582,17 @@ class _PlanTemplate:
         if function_index is None:
             return None
         function_parts = _elements(function, first=1)
-        return cls(context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type)
+        return cls(context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type,
+                   settings)
 
     @staticmethod
-    def _settings(context) -> tuple:
+    def settings_of(context) -> tuple:
+        """What of ``context`` PySpark puts into a Python function: its environment and includes."""
         return dict(context.environment), list(context._python_includes)
 
     def fits(self, rows) -> bool:
         """Whether the template's plan holds over ``rows`` (a batch's analysed plan) in the context as it is."""
-        return self._settings(self.context) == self.settings and rows.output().equals(self.rows_output)
+        return self.settings_of(self.context) == self.settings and rows.output().equals(self.rows_output)
 
     def rebase(self, rows, process: Callable):
         """The template's plan over ``rows`` mapped by ``process``, as a Java ``Dataset``; None where PySpark

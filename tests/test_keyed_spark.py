@@ -337,9 +337,10 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     from spark_state import microbatch
 
     templated: list[bool] = []
+    built: list[bool] = []  # each template built (from the batch before the one that builds it): whether it could be
     plans: list[str] = []
     java_plans, rows = [], []  # each batch's ``_JavaPlan`` and analysed rows
-    rebase, tasks = microbatch._PlanTemplate.rebase, microbatch._JavaPlan.tasks
+    rebase, tasks, build = microbatch._PlanTemplate.rebase, microbatch._JavaPlan.tasks, microbatch._PlanTemplate.build
 
     def recorded_rebase(self, rows, process):
         mapped = rebase(self, rows, process)
@@ -354,7 +355,13 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
             plans.append(re.sub(r"(#|plan_id=)\d+", "", getattr(mapped._jdf.queryExecution(), step)().toString()))
         return mapped
 
+    def recorded_build(*args):
+        template = build(*args)
+        built.append(template is not None)
+        return template
+
     monkeypatch.setattr(microbatch._PlanTemplate, "rebase", recorded_rebase)
+    monkeypatch.setattr(microbatch._PlanTemplate, "build", recorded_build)
     monkeypatch.setattr(microbatch._JavaPlan, "tasks", recorded_tasks)
     job = Job(spark, tmp_path / "plain")
     for salt in range(4):
@@ -372,6 +379,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     job.sink = sink
     job.run(2)
     assert job.outputs == job.expected() and templated == [True, True]  # batch 1 is PySpark's: new includes
+    assert built == [True, True]  # by batches 1 and 2, from the plans of batches 0 and 1: batch 3 had a template
     assert len(plans) == 12 and plans[:3] * 4 == plans, plans
     # The template holds the last batch's rows (its nodes copy next), no older batch's (their RDDs are released).
     bottom = java_plans[-1].template.chain[-1][0].children().head()
@@ -385,7 +393,15 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
         state.update((total,))
         return [{"user": key[0], "count": total}]
 
+    # A run of one batch (a scheduled availableNow run, a restart's first batch) builds no template.
+    built.clear()
+    job = Job(spark, tmp_path / "single")
+    job.add_batch(100, keys=10, salt=0)
+    job.run(2)
+    assert job.outputs == job.expected() and built == [] and java_plans[-1].pending is not None
+
     templated.clear()
+    built.clear()
     job = Job(spark, tmp_path / "broadcast")
     for salt in range(3):
         job.add_batch(100, keys=10, salt=salt)
@@ -393,6 +409,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     expected = {b: {u: c * (10 if u == "u1" else 1) for u, c in out.items()} for b, out in job.expected().items()}
     # Batch 1's function declined the template built from batch 0's plan; batch 2 has none to decline.
     assert job.outputs == expected and templated == [False] and java_plans[-1].template is None
+    assert built == [True] and java_plans[-1].pending is None
 
 
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
