@@ -53,7 +53,8 @@ _advised: list[bool] = []
 
 def python_on_unix_sockets(session) -> bool:
     """Whether ``session``'s Python workers talk to the JVM over Unix sockets (``UNIX_SOCKETS``)."""
-    return session.sparkContext.getConf().get(UNIX_SOCKETS, "false").lower() == "true"
+    # The running context's own SparkConf, read by one call (``getConf()`` copies every setting, one call each).
+    return session.sparkContext._jsc.sc().conf().get(UNIX_SOCKETS, "false").lower() == "true"
 
 
 def advise_unix_sockets(session) -> bool:

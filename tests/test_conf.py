@@ -173,7 +173,9 @@ def test_a_query_start_advises_unix_sockets_once_when_python_tasks_use_tcp(monke
 
     def session(value):
         conf = {} if value is None else {streaming.UNIX_SOCKETS: value}
-        return SimpleNamespace(sparkContext=SimpleNamespace(getConf=lambda: SimpleNamespace(get=conf.get)))
+        java_conf = SimpleNamespace(get=conf.get)  # the context's SparkConf in the JVM
+        return SimpleNamespace(sparkContext=SimpleNamespace(_jsc=SimpleNamespace(sc=lambda: SimpleNamespace(
+            conf=lambda: java_conf))))
 
     monkeypatch.setattr(streaming, "_advised", [])
     assert not streaming.advise_unix_sockets(session("true"))
