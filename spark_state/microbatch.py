@@ -447,8 +447,8 @@ class _JavaPlan:
     one built this way (``_PlanTemplate``). The template of a batch's plan is
     made when the next batch comes (``pending`` until then): a run of one
     batch, such as a scheduled ``availableNow`` run or the first batch of a
-    restart, does not pay for one (about 20-70 ms of py4j calls, one per
-    element of each node). ``mapInArrow``'s input is every
+    restart, does not pay for one (10-40 ms of py4j calls, one per element
+    of each node). ``mapInArrow``'s input is every
     column of the frame it maps (as PySpark's own ``mapInArrow`` passes
     them), named once from the first batch's schema, which a stream keeps.
     """
@@ -538,10 +538,9 @@ class _PlanTemplate:
     reads the same broadcasts in every batch, so ``_JavaPlan`` builds no
     more templates for it (each would cost about 15 py4j calls, to be
     declined again). A template holds the nodes of the latest batch it
-    made (``rebase`` keeps them), so no older
-    batch's rows stay referenced: their RDD, and the shuffle files of a
-    stream that shuffles before ``keyed``, are released as Spark releases
-    them.
+    made (``rebase`` keeps them), so no older batch's rows stay referenced:
+    their RDD, and the shuffle files of a stream that shuffles before
+    ``keyed``, are released as Spark releases them.
     """
 
     def __init__(self, context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type,
