@@ -331,7 +331,8 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     """Each batch after the first takes the analysed plan of the first (``_PlanTemplate``) over its own rows and
     function: the plan Spark's analysis gives, node for node. A context whose includes changed makes the next
     plan PySpark's (and that one the template); a function that reads a broadcast variable has every plan
-    built by PySpark, which ships the broadcast, and the instance hosts get its value."""
+    built by PySpark, which ships the broadcast, and the instance hosts get its value. A template is built when
+    the batch after the one whose plan it copies comes: a run of one batch builds none."""
     import re
 
     from spark_state import microbatch
