@@ -106,6 +106,11 @@ def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parall
         InvalidParallelismError: bad ``max_parallelism``.
         UnsupportedKeyError: no key columns, or a column of an unsupported type.
     """
+    return _key_group(df, key_cols, max_parallelism)[1]
+
+
+def _key_group(df: DataFrame, key_cols: Sequence[str | Column], max_parallelism: int) -> tuple[str | None, Column]:
+    """``key_group_column``'s checks and Column, with its SQL text when it has one (``_key_group_sql``)."""
     m = check_max_parallelism(max_parallelism)
     if isinstance(key_cols, (str, Column)) or not key_cols:
         raise UnsupportedKeyError(
@@ -113,11 +118,11 @@ def key_group_column(df: DataFrame, key_cols: Sequence[str | Column], max_parall
         )
     sql = _key_group_sql(df, key_cols, m)
     if sql is not None:
-        return F.expr(sql)
+        return sql, F.expr(sql)
     columns = [F.col(c) if isinstance(c, str) else c for c in key_cols]
     data_types = [field.dataType for field in df.select(*columns).schema.fields]  # as Spark resolves them
     encoded = [_encode(column, data_type, i) for i, (column, data_type) in enumerate(zip(columns, data_types))]
-    return F.pmod(F.hash(*encoded), F.lit(m))
+    return None, F.pmod(F.hash(*encoded), F.lit(m))
 
 
 def _key_group_sql(df: DataFrame, key_cols: Sequence[str | Column], m: int) -> str | None:
@@ -206,8 +211,7 @@ def routing_columns(df: DataFrame, key_cols: Sequence[str], parallelism: int, ma
     As ``key_group_column`` and ``instance_column(..., in_range=True)`` over
     it, each parsed from SQL text once when the key columns are top-level.
     """
-    sql = _key_group_sql(df, key_cols, check_max_parallelism(max_parallelism))
+    sql, key_group = _key_group(df, key_cols, max_parallelism)
     if sql is None:
-        key_group = key_group_column(df, key_cols, max_parallelism)
         return key_group, instance_column(key_group, parallelism, max_parallelism, in_range=True)
-    return F.expr(sql), F.expr(instance_sql(sql, parallelism, max_parallelism, in_range=True))
+    return key_group, F.expr(instance_sql(sql, parallelism, max_parallelism, in_range=True))
