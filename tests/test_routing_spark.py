@@ -115,15 +115,18 @@ def test_instances_match_python_for_every_key_group(spark, max_parallelism):
 
 def test_routing_columns_match_python(keyed):
     """``routing_columns`` (the keyed operator's routing, parsed from SQL text) gives every row the key group
-    and the instance Python gives its key, for one key column and for several, a name needing quotes among them."""
+    and the instance Python gives its key, for one key column and for several, a name needing quotes among them;
+    a name cased otherwise than in the schema takes the Column path, as Spark resolves it."""
     from spark_state.routing import routing_columns
 
     df, rows = keyed
     df = df.withColumnRenamed("s", "the `s`.col")
-    for cols, m, p in ((["the `s`.col"], 1024, 3), (["l", "the `s`.col", "bin", "flag"], 4096, 7)):
+    in_rows = {"the `s`.col": "s", "L": "l"}
+    for cols, m, p in ((["the `s`.col"], 1024, 3), (["l", "the `s`.col", "bin", "flag"], 4096, 7),
+                       (["L", "flag"], 1024, 5)):
         key_group, instance = routing_columns(df, cols, p, m)
         table = df.select(key_group.alias("g"), instance.alias("i")).toArrow()
-        python = [tuple(row["s" if c == "the `s`.col" else c] for c in cols) for row in rows]
+        python = [tuple(row[in_rows.get(c, c)] for c in cols) for row in rows]
         expected = [key_group_for(key, m) for key in python]
         assert table["g"].to_pylist() == expected, cols
         assert table["i"].to_pylist() == [instance_for_key_group(g, p, m) for g in expected], cols
