@@ -321,6 +321,7 @@ def run_application(spec: dict) -> dict:
     """
     from pyspark.sql import SparkSession
 
+    import datasources
     from spark_state import keyed
     from spark_state.errors import ConfigError
 
@@ -330,6 +331,7 @@ def run_application(spec: dict) -> dict:
     session = builder.config("spark.state.parallelism", str(spec["parallelism"])).getOrCreate()
     try:
         session.sparkContext.setLogLevel("WARN")
+        datasources.register(session)  # the source's tasks in the instances' worker pool on every executor
         if spec["append"]:
             (session.createDataFrame([(user,) for user in spec["append"]], "user string")
              .write.format("replayable").mode("append").option("numSplits", 2).option("keyColumn", "user")

@@ -69,6 +69,29 @@ def test_stream_honours_max_records_per_batch_under_available_now_and_trims(spar
     assert on_disk == sorted(seg.path for s in log.index().splits for seg in s.segments)
 
 
+def test_register_gives_both_sources_the_environment_of_the_session_s_python_functions(spark, tmp_path):
+    """Spark's own registration hands the sources' tasks another environment, so another pool of Python workers;
+    ``datasources.register`` gives them the context's, as PySpark gives every Python function (a keyed query's
+    instances among them). A new session: registrations are per session, and the others here keep Spark's."""
+    import datasources
+
+    session = spark.newSession()
+
+    def environment_of(name: str) -> dict:
+        source = session._jsparkSession.sessionState().dataSourceManager().lookupDataSource(name)
+        return dict(source.dataSourceCls().envVars())
+
+    context = dict(session.sparkContext.environment)
+    assert environment_of("replayable") != context and environment_of("spark-state") != context
+    datasources.register(session)
+    datasources.register(session)  # again: harmless
+    assert environment_of("replayable") == context and environment_of("spark-state") == context
+    path = tmp_path / "log"
+    write_source_log(session, path, 200)
+    read = session.read.format("replayable").option("path", str(path)).load()
+    assert sorted(r.value for r in read.select("value").collect()) == list(range(200))
+
+
 def test_generator_stream_is_bounded_and_admission_controlled(spark, tmp_path):
     query = (spark.readStream.format("replayable").option("generator", "keyed").option("numSplits", 2)
              .option("rowsPerSplit", 1500).option("maxRecordsPerBatch", 2000).load()

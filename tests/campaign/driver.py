@@ -82,12 +82,15 @@ def build(shape: str, events):
 def run(spec: dict) -> int:
     from pyspark.sql import SparkSession
 
+    import datasources
+
     control = Path(spec["control"])
     builder = SparkSession.builder.appName(f"campaign-{spec['shape']}")
     for key, value in spec["conf"].items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    datasources.register(spark)  # the source's tasks in the instances' worker pool: one cold start, not two
     query = None
     try:
         reader = (spark.readStream.format("replayable").option("path", spec["events"])
