@@ -445,12 +445,13 @@ class _JavaPlan:
     call per step on the batch's Java ``Dataset``. Spark analyses each step
     again (17-45 ms a batch), so later batches take that plan from the last
     one built this way (``_PlanTemplate``). The template of a batch's plan is
-    made when the next batch comes (``pending`` until then): a run of one
-    batch, such as a scheduled ``availableNow`` run or the first batch of a
-    restart, does not pay for one (10-40 ms of py4j calls, one per element
-    of each node). ``mapInArrow``'s input is every
-    column of the frame it maps (as PySpark's own ``mapInArrow`` passes
-    them), named once from the first batch's schema, which a stream keeps.
+    made by a thread of its own while that batch's job runs (``building``),
+    and the next batch waits for it: its 10-60 ms of py4j calls, one per
+    element of each node, are on no batch's critical path. One that fails
+    (the session stopped under it, say) leaves the next batch to PySpark's
+    calls. ``mapInArrow``'s input is every column of the frame it maps (as
+    PySpark's own ``mapInArrow`` passes them), named once from the first
+    batch's schema, which a stream keeps.
     """
 
     def __init__(self, plan: "_TaskPlan", context, routed, by, keys, first, rest):
@@ -458,7 +459,7 @@ class _JavaPlan:
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
         self.template: _PlanTemplate | None = None  # the plan PySpark's calls built last, for the next batches
-        self.pending: tuple | None = None  # (rows, Java Dataset, return type, settings) of a plan not templated yet
+        self.building: tuple[threading.Thread, list] | None = None  # the thread making the next template, its result
         self.declined = False  # whether the template declined a batch's function (``_PlanTemplate.rebase``)
 
     @classmethod
@@ -483,8 +484,8 @@ class _JavaPlan:
 
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
-        if self.pending is not None:
-            self.template, self.pending = _PlanTemplate.build(self.context, session, *self.pending), None
+        if self.building is not None:
+            self.template = self._built()
         if self.template is not None:
             if self.template.fits(rows):
                 mapped = self.template.rebase(rows, process)
@@ -504,8 +505,35 @@ class _JavaPlan:
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
         mapped = routed.mapInArrow(udf._judf.apply(self.inputs), False, None)
         if not self.declined:
-            self.pending = (rows, mapped, udf.returnType, _PlanTemplate.settings_of(self.context))
+            self._build(session, rows, mapped, udf.returnType)
         return DataFrame(mapped, session)
+
+    def _build(self, session, rows, mapped, return_type) -> None:
+        """Start making the template of ``mapped`` over ``rows`` in a thread (``_built`` waits for it)."""
+        arguments = (self.context, session, rows, mapped, return_type, _PlanTemplate.settings_of(self.context))
+        result: list = []
+
+        def build() -> None:
+            try:
+                result.append(_PlanTemplate.build(*arguments))
+            except Exception as error:  # noqa: BLE001  (handed to ``_built``)
+                result.append(error)
+
+        thread = threading.Thread(target=build, name="spark-state plan template", daemon=True)
+        thread.start()
+        self.building = (thread, result)
+
+    def _built(self) -> "_PlanTemplate | None":
+        """The template the thread ``_build`` started made (waiting for it), or None."""
+        thread, result = self.building
+        self.building = None
+        thread.join()
+        template = result[0] if result else None
+        if isinstance(template, Exception):
+            _LOG.warning("spark-state: could not make the plan template of the last batch (%s: %s); this batch's plan "
+                         "is made by PySpark's calls", type(template).__name__, template)
+            return None
+        return template
 
 
 class _PlanTemplate:
@@ -533,8 +561,8 @@ class _PlanTemplate:
     into the function), and ``rebase`` declines (returns None) what PySpark
     would ship differently: a pickled function past Spark's broadcast
     threshold, or one that pickles broadcast variables. That batch's plan
-    is built the usual way, and becomes the template when the next batch
-    comes; except after a declined function: a function of the same query
+    is built the usual way, and becomes the template of the next batches
+    (made while its job runs); except after a declined function: a function of the same query
     reads the same broadcasts in every batch, so ``_JavaPlan`` builds no
     more templates for it (each would cost about 15 py4j calls, to be
     declined again). A template holds the nodes of the latest batch it

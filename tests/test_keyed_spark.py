@@ -8,6 +8,7 @@ the expected output is computed from the same files by a plain Python model.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import zipfile
@@ -327,18 +328,20 @@ def test_a_built_in_shuffles_each_batch_once_and_only_the_columns_it_needs(spark
 
 
 def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_function_may_read_a_broadcast(
-        spark, tmp_path, monkeypatch):
+        spark, tmp_path, monkeypatch, caplog):
     """Each batch after the first takes the analysed plan of the first (``_PlanTemplate``) over its own rows and
     function: the plan Spark's analysis gives, node for node. A context whose includes changed makes the next
     plan PySpark's (and that one the template); a function that reads a broadcast variable has every plan
-    built by PySpark, which ships the broadcast, and the instance hosts get its value. A template is built when
-    the batch after the one whose plan it copies comes: a run of one batch builds none."""
+    built by PySpark, which ships the broadcast, and the instance hosts get its value. A template is built by a
+    thread of its own while the job of the batch whose plan it copies runs, so on no batch's critical path."""
     import re
+    import threading
 
     from spark_state import microbatch
 
     templated: list[bool] = []
-    built: list[bool] = []  # each template built (from the batch before the one that builds it): whether it could be
+    built: list[bool] = []  # each template built (from the plan of a batch PySpark's calls made): whether it could be
+    build_threads: set[str] = set()  # the names of the threads that ran ``_PlanTemplate.build``
     plans: list[str] = []
     java_plans, rows = [], []  # each batch's ``_JavaPlan`` and analysed rows
     rebase, tasks, build = microbatch._PlanTemplate.rebase, microbatch._JavaPlan.tasks, microbatch._PlanTemplate.build
@@ -357,6 +360,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
         return mapped
 
     def recorded_build(*args):
+        build_threads.add(threading.current_thread().name)
         template = build(*args)
         built.append(template is not None)
         return template
@@ -380,7 +384,8 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     job.sink = sink
     job.run(2)
     assert job.outputs == job.expected() and templated == [True, True]  # batch 1 is PySpark's: new includes
-    assert built == [True, True]  # by batches 1 and 2, from the plans of batches 0 and 1: batch 3 had a template
+    assert built == [True, True]  # from the plans of batches 0 and 1 (PySpark's): batches 2 and 3 had a template
+    assert build_threads == {"spark-state plan template"}  # its own thread, never the one running a batch
     assert len(plans) == 12 and plans[:3] * 4 == plans, plans
     # The template holds the last batch's rows (its nodes copy next), no older batch's (their RDDs are released).
     bottom = java_plans[-1].template.chain[-1][0].children().head()
@@ -394,13 +399,6 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
         state.update((total,))
         return [{"user": key[0], "count": total}]
 
-    # A run of one batch (a scheduled availableNow run, a restart's first batch) builds no template.
-    built.clear()
-    job = Job(spark, tmp_path / "single")
-    job.add_batch(100, keys=10, salt=0)
-    job.run(2)
-    assert job.outputs == job.expected() and built == [] and java_plans[-1].pending is not None
-
     templated.clear()
     built.clear()
     job = Job(spark, tmp_path / "broadcast")
@@ -410,7 +408,22 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     expected = {b: {u: c * (10 if u == "u1" else 1) for u, c in out.items()} for b, out in job.expected().items()}
     # Batch 1's function declined the template built from batch 0's plan; batch 2 has none to decline.
     assert job.outputs == expected and templated == [False] and java_plans[-1].template is None
-    assert built == [True] and java_plans[-1].pending is None
+    assert built == [True] and java_plans[-1].building is None
+
+    # A build that fails (the session stopped under it, say) leaves the next batch to PySpark's calls.
+    def failed_build(*args):
+        raise RuntimeError("no template")
+
+    monkeypatch.setattr(microbatch._PlanTemplate, "build", failed_build)
+    templated.clear()
+    job = Job(spark, tmp_path / "failed")
+    for salt in range(3):
+        job.add_batch(100, keys=10, salt=salt)
+    with caplog.at_level(logging.WARNING, logger=microbatch.__name__):
+        job.run(2)
+    assert job.outputs == job.expected() and templated == [] and java_plans[-1].template is None
+    warned = [r for r in caplog.records if "could not make the plan template" in r.getMessage()]
+    assert len(warned) == 2  # at batches 1 and 2 (batch 2's own failed build has no next batch to wait for it)
 
 
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
