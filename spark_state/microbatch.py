@@ -269,6 +269,7 @@ class MicroBatch:
             cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
         if drain:
             self._drained(coordinator, spark_batch)
+        self._task_plan(task).java(batch_df.sparkSession.sparkContext).prepare()  # the next batch's plan, meanwhile
         self.history.append(
             {
                 "batch_id": batch_id,
@@ -445,11 +446,12 @@ class _JavaPlan:
     call per step on the batch's Java ``Dataset``. Spark analyses each step
     again (17-45 ms a batch), so later batches take that plan from the last
     one built this way (``_PlanTemplate``). The template of a batch's plan is
-    made by a thread of its own while that batch's job runs (``building``),
-    and the next batch waits for it: its 10-60 ms of py4j calls, one per
-    element of each node, are on no batch's critical path. One that fails
-    (the session stopped under it, say) leaves the next batch to PySpark's
-    calls. ``mapInArrow``'s input is every column of the frame it maps (as
+    made by a thread of its own once the batch is committed (``prepare``;
+    ``pending`` until then, ``building`` while it runs), while Spark commits
+    the batch and plans the next, and the next batch waits for it: its
+    10-60 ms of py4j calls, one per element of each node, are on no batch's
+    critical path, and not in a job's either. One that fails (the session
+    stopped under it, say) leaves the next batch to PySpark's calls. ``mapInArrow``'s input is every column of the frame it maps (as
     PySpark's own ``mapInArrow`` passes them), named once from the first
     batch's schema, which a stream keeps.
     """
@@ -459,6 +461,7 @@ class _JavaPlan:
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
         self.template: _PlanTemplate | None = None  # the plan PySpark's calls built last, for the next batches
+        self.pending: tuple | None = None  # (rows, Java Dataset, return type, settings) of a plan not templated yet
         self.building: tuple[threading.Thread, list] | None = None  # the thread making the next template, its result
         self.declined = False  # whether the template declined a batch's function (``_PlanTemplate.rebase``)
 
@@ -505,12 +508,14 @@ class _JavaPlan:
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
         mapped = routed.mapInArrow(udf._judf.apply(self.inputs), False, None)
         if not self.declined:
-            self._build(session, rows, mapped, udf.returnType)
+            self.pending = (session, rows, mapped, udf.returnType, _PlanTemplate.settings_of(self.context))
         return DataFrame(mapped, session)
 
-    def _build(self, session, rows, mapped, return_type) -> None:
-        """Start making the template of ``mapped`` over ``rows`` in a thread (``_built`` waits for it)."""
-        arguments = (self.context, session, rows, mapped, return_type, _PlanTemplate.settings_of(self.context))
+    def prepare(self) -> None:
+        """Start making the template of the plan ``tasks`` made last, if any, in a thread (``_built`` waits)."""
+        if self.pending is None:
+            return
+        arguments, self.pending = (self.context, *self.pending), None
         result: list = []
 
         def build() -> None:
@@ -524,7 +529,7 @@ class _JavaPlan:
         self.building = (thread, result)
 
     def _built(self) -> "_PlanTemplate | None":
-        """The template the thread ``_build`` started made (waiting for it), or None."""
+        """The template the thread ``prepare`` started made (waiting for it), or None."""
         thread, result = self.building
         self.building = None
         thread.join()

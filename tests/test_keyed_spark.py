@@ -333,7 +333,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     function: the plan Spark's analysis gives, node for node. A context whose includes changed makes the next
     plan PySpark's (and that one the template); a function that reads a broadcast variable has every plan
     built by PySpark, which ships the broadcast, and the instance hosts get its value. A template is built by a
-    thread of its own while the job of the batch whose plan it copies runs, so on no batch's critical path."""
+    thread of its own once the batch whose plan it copies is committed, so on no batch's critical path."""
     import re
     import threading
 
@@ -386,6 +386,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     assert job.outputs == job.expected() and templated == [True, True]  # batch 1 is PySpark's: new includes
     assert built == [True, True]  # from the plans of batches 0 and 1 (PySpark's): batches 2 and 3 had a template
     assert build_threads == {"spark-state plan template"}  # its own thread, never the one running a batch
+    assert java_plans[-1].pending is None and java_plans[-1].building is None
     assert len(plans) == 12 and plans[:3] * 4 == plans, plans
     # The template holds the last batch's rows (its nodes copy next), no older batch's (their RDDs are released).
     bottom = java_plans[-1].template.chain[-1][0].children().head()
