@@ -451,9 +451,10 @@ class _JavaPlan:
     the batch and plans the next, and the next batch waits for it: its
     10-60 ms of py4j calls, one per element of each node, are on no batch's
     critical path, and not in a job's either. One that fails (the session
-    stopped under it, say) leaves the next batch to PySpark's calls. ``mapInArrow``'s input is every column of the frame it maps (as
-    PySpark's own ``mapInArrow`` passes them), named once from the first
-    batch's schema, which a stream keeps.
+    stopped under it, say) leaves the next batch to PySpark's calls.
+    ``mapInArrow``'s input is every column of the frame it maps (as PySpark's
+    own ``mapInArrow`` passes them), named once from the first batch's
+    schema, which a stream keeps.
     """
 
     def __init__(self, plan: "_TaskPlan", context, routed, by, keys, first, rest):
@@ -461,7 +462,7 @@ class _JavaPlan:
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
         self.template: _PlanTemplate | None = None  # the plan PySpark's calls built last, for the next batches
-        self.pending: tuple | None = None  # (rows, Java Dataset, return type, settings) of a plan not templated yet
+        self.pending: tuple | None = None  # (session, rows, Java Dataset, return type, settings): not templated yet
         self.building: tuple[threading.Thread, list] | None = None  # the thread making the next template, its result
         self.declined = False  # whether the template declined a batch's function (``_PlanTemplate.rebase``)
 
@@ -567,10 +568,10 @@ class _PlanTemplate:
     would ship differently: a pickled function past Spark's broadcast
     threshold, or one that pickles broadcast variables. That batch's plan
     is built the usual way, and becomes the template of the next batches
-    (made while its job runs); except after a declined function: a function of the same query
-    reads the same broadcasts in every batch, so ``_JavaPlan`` builds no
-    more templates for it (each would cost about 15 py4j calls, to be
-    declined again). A template holds the nodes of the latest batch it
+    (made once that batch is committed); except after a declined function:
+    a function of the same query reads the same broadcasts in every batch,
+    so ``_JavaPlan`` builds no more templates for it (each would cost about
+    15 py4j calls, to be declined again). A template holds the nodes of the latest batch it
     made (``rebase`` keeps them), so no older batch's rows stay referenced:
     their RDD, and the shuffle files of a stream that shuffles before
     ``keyed``, are released as Spark releases them.
