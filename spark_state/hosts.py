@@ -13,9 +13,11 @@ between batches, whichever worker carries the next task.
 Protocol (one connection per task; a host serves one connection at a time,
 so two attempts of one instance never run at once): the worker sends frames
 ``TASK`` (the pickled task and instance), ``BATCH`` (one Arrow IPC stream per
-input record batch) and ``END``; the host answers ``BATCH`` frames of output
-and ``END``, or ``ERROR`` (the pickled exception, re-raised in the worker, so
-a typed error reaches the driver as it would without hosts). A worker that
+input record batch) and ``END``; the host restores the instance as soon as
+the task comes, reads the rows while Spark is still preparing them, and
+answers ``BATCH`` frames of output and ``END``, or, once it has read the
+rows, ``ERROR`` (the pickled exception, re-raised in the worker, so a typed
+error reaches the driver as it would without hosts). A worker that
 sees the connection close without ``END`` raises ``InstanceHostLostError``:
 the task fails and Spark retries it, which starts a new host.
 
@@ -527,31 +529,49 @@ def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+class _WorkerGone(Exception):
+    """The worker closed the connection before it sent all of its task's rows (its task failed)."""
+
+
+def _received_batches(connection: socket.socket) -> Iterator[pa.RecordBatch]:
+    """The task's input rows, read as they come, until ``END``."""
+    while True:
+        frame = _receive(connection)
+        if frame is None:
+            raise _WorkerGone
+        kind, payload = frame
+        if kind == END:
+            return
+        yield _batch(payload)
+
+
 def _serve_task(connection: socket.socket):
-    """Receive one task and its rows, run it, send its output (or its error); the task, once received."""
+    """Receive one task, run it on its rows, send its output (or its error); the task, once received.
+
+    The rows are read as the instance takes them, after its restore: the
+    worker sends the task first and its rows as Spark hands them over (once
+    the JVM has read and aggregated them), so the restore runs meanwhile.
+    """
     from spark_state.operator import run_instance
 
     frame = _receive(connection)
     if frame is None or frame[0] != TASK:
         return None
     task, instance = pickle.loads(frame[1])
-    batches = []
-    while True:
-        frame = _receive(connection)
-        if frame is None:
-            return task  # the worker is gone: its task failed and will be retried
-        kind, payload = frame
-        if kind == END:
-            break
-        batches.append(_batch(payload))
+    batches = _received_batches(connection)
     try:
         for batch in run_instance(task, instance, batches):
             _send(connection, BATCH, memoryview(_batch_bytes(batch)))
-    except (BrokenPipeError, ConnectionResetError):
-        return task
+    except (_WorkerGone, BrokenPipeError, ConnectionResetError):
+        return task  # the worker is gone: its task failed and will be retried
     except Exception as error:  # noqa: BLE001  (handed to the worker, which raises it in the task)
         if hasattr(error, "add_note"):
             error.add_note("raised in the instance host:\n" + traceback.format_exc())
+        try:
+            for _ in batches:  # the worker sends all of its rows before it reads an answer
+                pass
+        except _WorkerGone:
+            return task
         _send_error(connection, error)
         return task
     try:

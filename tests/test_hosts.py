@@ -267,3 +267,79 @@ def test_after_a_task_a_host_collects_the_garbage_it_left_freezes_the_rest_and_w
         assert gone() is None and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def _serving(host_end: socket.socket) -> tuple[threading.Thread, list]:
+    """``_serve_task`` on ``host_end`` in a thread that closes it afterwards, as ``serve`` does; its result."""
+    served: list = []
+
+    def run():
+        with host_end:
+            served.append(hosts._serve_task(host_end))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, served
+
+
+def _send_rows(worker: socket.socket, batches: int, rows: int) -> None:
+    batch = pa.RecordBatch.from_pydict({"key": [f"k{i:07d}" for i in range(rows)]})
+    for _ in range(batches):
+        hosts._send(worker, hosts.BATCH, memoryview(hosts._batch_bytes(batch)))
+    hosts._send(worker, hosts.END)
+
+
+def test_a_host_starts_its_instance_when_the_task_comes_and_reads_the_rows_as_the_instance_takes_them(
+        monkeypatch, tmp_path):
+    """The restore (the first thing ``run_instance`` does) overlaps the wait for rows Spark is still preparing."""
+    import pickle
+
+    from spark_state import operator
+
+    started = threading.Event()
+
+    def run_instance(task, instance, batches):
+        started.set()
+        yield pa.RecordBatch.from_pydict({"rows": [sum(batch.num_rows for batch in batches)]})
+
+    monkeypatch.setattr(operator, "run_instance", run_instance)
+    worker, host_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    task = _task(tmp_path, 1, None, 2)
+    with worker:
+        thread, served = _serving(host_end)
+        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0)))
+        assert started.wait(10)  # no row sent yet
+        _send_rows(worker, batches=3, rows=2)
+        kind, payload = hosts._receive(worker)
+        assert kind == hosts.BATCH and hosts._batch(payload).column("rows").to_pylist() == [6]
+        assert hosts._receive(worker) == (hosts.END, b"")
+        thread.join(10)
+    assert served == [task]
+
+
+def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_answers_with_the_error(
+        monkeypatch, tmp_path):
+    """The worker sends every row before it reads an answer: a host that answered and closed first would leave
+    it a broken pipe instead of the typed error."""
+    import pickle
+
+    from spark_state import operator
+    from spark_state.errors import ConfigError
+
+    def run_instance(task, instance, batches):
+        raise ConfigError("refused before the rows")
+        yield  # a generator, as the operator's
+
+    monkeypatch.setattr(operator, "run_instance", run_instance)
+    worker, host_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    task = _task(tmp_path, 1, None, 2)
+    with worker:
+        thread, served = _serving(host_end)
+        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0)))
+        _send_rows(worker, batches=40, rows=50_000)  # about 20 MB: far more than the socket buffers hold
+        kind, payload = hosts._receive(worker)
+        assert kind == hosts.ERROR
+        error = pickle.loads(payload)
+        assert isinstance(error, ConfigError) and "refused before the rows" in str(error)
+        thread.join(10)
+    assert served == [task]
