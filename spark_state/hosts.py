@@ -570,7 +570,7 @@ def _serve_task(connection: socket.socket):
         try:
             for _ in batches:  # the worker sends all of its rows before it reads an answer
                 pass
-        except _WorkerGone:
+        except (_WorkerGone, OSError):
             return task
         _send_error(connection, error)
         return task
