@@ -282,6 +282,25 @@ def _serving(host_end: socket.socket) -> tuple[threading.Thread, list]:
     return thread, served
 
 
+@contextlib.contextmanager
+def _task_sent(monkeypatch, tmp_path: Path, run_instance):
+    """The worker's end of a connection to a host (``_serve_task``, whose instances run ``run_instance``), the
+    task sent; on exit, checks that the host finished and returned the task."""
+    import pickle
+
+    from spark_state import operator
+
+    monkeypatch.setattr(operator, "run_instance", run_instance)
+    worker, host_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    task = _task(tmp_path, 1, None, 2)
+    with worker:
+        thread, served = _serving(host_end)
+        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0)))
+        yield worker
+        thread.join(10)
+    assert served == [task]
+
+
 def _send_rows(worker: socket.socket, batches: int, rows: int) -> None:
     batch = pa.RecordBatch.from_pydict({"key": [f"k{i:07d}" for i in range(rows)]})
     for _ in range(batches):
@@ -292,29 +311,18 @@ def _send_rows(worker: socket.socket, batches: int, rows: int) -> None:
 def test_a_host_starts_its_instance_when_the_task_comes_and_reads_the_rows_as_the_instance_takes_them(
         monkeypatch, tmp_path):
     """The restore (the first thing ``run_instance`` does) overlaps the wait for rows Spark is still preparing."""
-    import pickle
-
-    from spark_state import operator
-
     started = threading.Event()
 
     def run_instance(task, instance, batches):
         started.set()
         yield pa.RecordBatch.from_pydict({"rows": [sum(batch.num_rows for batch in batches)]})
 
-    monkeypatch.setattr(operator, "run_instance", run_instance)
-    worker, host_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    task = _task(tmp_path, 1, None, 2)
-    with worker:
-        thread, served = _serving(host_end)
-        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0)))
+    with _task_sent(monkeypatch, tmp_path, run_instance) as worker:
         assert started.wait(10)  # no row sent yet
         _send_rows(worker, batches=3, rows=2)
         kind, payload = hosts._receive(worker)
         assert kind == hosts.BATCH and hosts._batch(payload).column("rows").to_pylist() == [6]
         assert hosts._receive(worker) == (hosts.END, b"")
-        thread.join(10)
-    assert served == [task]
 
 
 def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_answers_with_the_error(
@@ -323,23 +331,15 @@ def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_
     it a broken pipe instead of the typed error."""
     import pickle
 
-    from spark_state import operator
     from spark_state.errors import ConfigError
 
     def run_instance(task, instance, batches):
         raise ConfigError("refused before the rows")
         yield  # a generator, as the operator's
 
-    monkeypatch.setattr(operator, "run_instance", run_instance)
-    worker, host_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    task = _task(tmp_path, 1, None, 2)
-    with worker:
-        thread, served = _serving(host_end)
-        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0)))
+    with _task_sent(monkeypatch, tmp_path, run_instance) as worker:
         _send_rows(worker, batches=40, rows=50_000)  # about 20 MB: far more than the socket buffers hold
         kind, payload = hosts._receive(worker)
         assert kind == hosts.ERROR
         error = pickle.loads(payload)
         assert isinstance(error, ConfigError) and "refused before the rows" in str(error)
-        thread.join(10)
-    assert served == [task]
