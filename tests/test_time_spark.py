@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -27,7 +25,6 @@ from spark_state.storage import open_storage
 
 pytestmark = pytest.mark.spark
 
-SESSION_JOB = Path(__file__).with_name("session_job.py")
 BASE = 1_700_000_000_000
 
 
@@ -56,21 +53,49 @@ def _sessions_oracle(events: pd.DataFrame, gap_ms: int) -> list[tuple]:
     return sorted(out)
 
 
-def _run_session_job(work: Path, parallelism: int, *options: str) -> int:
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
-    command = [sys.executable, str(SESSION_JOB), str(work), str(parallelism), *options]
-    return subprocess.run(command, env=env, capture_output=True, timeout=600).returncode
-
-
-def test_sessions_through_a_killed_driver_a_restart_a_live_rescale_and_a_drain_equal_a_batch_computation(spark, tmp_path):
+def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_equal_a_batch_computation(
+        spark, tmp_path, monkeypatch):
     events = (
         spark.read.format("replayable").option("generator", "keyed").option("numSplits", 3).option("keys", 60)
         .option("skew", 1.0).option("seed", 5).option("rowsPerSplit", 1000).load()
         .selectExpr("key", "value", "event_time + make_interval(0, 0, 0, 0, 0, 0, (offset % 7) * 0.05) AS event_time")
     )
     events.write.format("replayable").mode("append").option("numSplits", 3).save(str(tmp_path / "events"))
-    assert _run_session_job(tmp_path, 3, "--die-at", "committed:1") == 41  # killed after a commit
-    assert _run_session_job(tmp_path, 5, "--live-change", "2:3", "--drain") == 0
+    spark.conf.set("spark.state.store", str(tmp_path / "state"))
+    holder: dict = {}
+
+    def start(parallelism: int, **trigger):
+        """Session windows over the log, 800 rows per batch, written per batch id as Parquet."""
+        spark.conf.set("spark.state.parallelism", str(parallelism))
+        stream = (spark.readStream.format("replayable").option("path", str(tmp_path / "events"))
+                  .option("maxRecordsPerBatch", 800).load())
+        writer = (keyed(stream, "key", name="sessions").withWatermark("event_time", "2 seconds")
+                  .session_window("300 ms", "value").writeStream.format("parquet").option("path", str(tmp_path / "out"))
+                  .option("checkpointLocation", str(tmp_path / "chk")))
+        return writer.trigger(**trigger).start() if trigger else writer.start()
+
+    def fail_after_commit(self, at, batch_id):
+        if at == "committed" and batch_id == 1:  # the state is committed, Spark's batch is not
+            raise RuntimeError("injected driver failure after the commit")
+
+    def rescale_live(self, at, batch_id):
+        if at == "committed" and batch_id == 2:
+            holder["query"].set_parallelism(2)  # from batch 3 on, without a restart
+
+    monkeypatch.setattr(MicroBatch, "_fault", fail_after_commit)
+    failed = start(3, availableNow=True)
+    with pytest.raises(Exception, match="injected driver failure"):
+        failed.awaitTermination()
+    monkeypatch.setattr(MicroBatch, "_fault", rescale_live)
+    query = holder["query"] = start(5)
+    query.processAllAvailable()
+    query.request_drain()
+    last = spark.read.format("replayable").load(str(tmp_path / "events")).selectExpr("max(event_time) AS t").first()["t"]
+    (spark.createDataFrame([("drain-trigger", 0, last)], "key string, value long, event_time timestamp")
+     .write.format("replayable").mode("append").save(str(tmp_path / "events")))
+    query.awaitTermination(300)
+    assert not query.isActive and query.exception() is None
+    assert query.batches[0]["replayed"]  # batch 1, committed in the store before the failure
     log = spark.read.format("replayable").load(str(tmp_path / "events")).toPandas()
     log["t"] = (log["event_time"].astype("int64") // 1_000_000).astype("int64")
     expected = _sessions_oracle(log, 300)
