@@ -343,3 +343,44 @@ def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_
         assert kind == hosts.ERROR
         error = pickle.loads(payload)
         assert isinstance(error, ConfigError) and "refused before the rows" in str(error)
+
+
+def test_a_worker_that_finds_no_host_runs_the_first_task_itself_then_forks_the_host_holding_its_state(
+        monkeypatch, tmp_path):
+    """On local disk without a memory bound, a new instance's first task runs in the worker (no fork and no relay
+    on its path); the host forked after it starts with the state that task built, and the worker keeps none. With
+    a memory bound, the host is forked first and runs the first task."""
+    from spark_state import operator, resident
+
+    def run_instance(task, instance, batches):
+        held = resident.release(task.store_uri, task.component, instance)
+        rows = sum(batch.num_rows for batch in batches)
+        resident.keep(task.store_uri, task.component, instance, (held or 0) + rows)
+        yield pa.RecordBatch.from_pydict({"pid": [os.getpid()], "held": [held or 0]})
+
+    monkeypatch.setattr(operator, "run_instance", run_instance)
+    task = SimpleNamespace(**vars(_task(tmp_path / "state", 1, None, 2)), resident_memory=None)
+    bounded = SimpleNamespace(**{**vars(task), "component": "d", "resident_memory": 1 << 20})
+    rows = [pa.RecordBatch.from_pydict({"key": ["a", "b", "c"]})]
+    before = set(hosts._STARTED)
+    try:
+        (first,) = hosts.run_hosted(task, 0, rows)
+        assert first.to_pylist() == [{"pid": os.getpid(), "held": 0}]  # run in this process
+        (host,) = hosts._STARTED - before
+        assert resident.resident_instances(task.store_uri, "c") == []  # the host holds it now
+        (second,) = hosts.run_hosted(task, 0, rows)
+        assert second.to_pylist() == [{"pid": host, "held": 3}], _log(hosts.host_address(os.getppid(),
+                                                                                            task.store_uri, "c", 0))
+        (third,) = hosts.run_hosted(bounded, 0, rows)
+        assert third.to_pylist() == [{"pid": (hosts._STARTED - before - {host}).pop(), "held": 0}]
+    finally:
+        for pid in hosts._STARTED - before:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while hosts._STARTED - before and time.monotonic() < deadline:
+            hosts._reap_hosts()
+            time.sleep(0.01)
+        for component in ("c", "d"):
+            address = hosts.host_address(os.getppid(), task.store_uri, component, 0)
+            for suffix in (".sock", ".lock", ".log"):
+                address.with_suffix(suffix).unlink(missing_ok=True)
