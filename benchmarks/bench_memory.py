@@ -10,8 +10,10 @@ executor) run side by side, one batch each in turn:
 - ``unbounded``: no bound, the default;
 - ``bound_<size>``: ``spark.state.residentMemory=<size>`` for each size of
   the mode, chosen below the state (the smallest below even its Arrow form);
-- ``baseline``: the same query over one file of 1,000 rows: its instance
-  hosts' RSS is what a host costs without state (interpreter, pyarrow).
+- ``baseline``: the same query over two files of the same 1,000 keys: its
+  instance hosts' RSS is what a host costs without state (interpreter,
+  pyarrow). A worker runs a new instance's first task and forks its host
+  after it (``hosts``), so hosts report from the second batch on.
 
 Each but ``baseline`` is prefilled with S distinct keys, ``prefill_rows`` new
 keys a batch (a first batch of all S would hold them all as its own changes,
@@ -78,12 +80,13 @@ def _bytes(size: str) -> int:
 
 
 def _rss_high_water(reports: list[dict]) -> dict:
-    """Per instance host (pid): the largest RSS high-water mark its reports gave, in bytes."""
+    """Per instance host (pid): the largest RSS high-water mark its reports gave, in bytes (not the workers' that
+    ran first tasks)."""
     by_pid: dict[int, int] = {}
     for batch in reports:
         for meta in batch["instances"]:
             rss = meta.get("memory", {}).get("rss_high_water_bytes")
-            if rss is not None:
+            if rss is not None and meta.get("in_host"):
                 by_pid[meta["pid"]] = max(by_pid.get(meta["pid"], 0), rss)
     return by_pid
 
@@ -119,10 +122,10 @@ def run(spark, config: Config) -> dict:
     files = [*prefill, *steady]
     labels = ["unbounded", *(f"bound_{b}" for b in config.bounds)]
     inputs = {label: common.write_input(WORK / f"{label}-files", files, SCHEMA_DDL) for label in labels}
-    inputs["baseline"] = common.write_input(WORK / "baseline-files", [common.batch_over(keys, np.arange(1000))],
+    inputs["baseline"] = common.write_input(WORK / "baseline-files", [common.batch_over(keys, np.arange(1000))] * 2,
                                             SCHEMA_DDL)
     schedules = {label: list(range(len(files))) for label in labels}
-    schedules["baseline"] = [0]
+    schedules["baseline"] = [0, 1]
     confs = {f"bound_{b}": {BOUND: b} for b in config.bounds}
     try:
         queries, wall = common.timed(lambda: common.run_keyed_interleaved(
