@@ -10,10 +10,8 @@ executor) run side by side, one batch each in turn:
 - ``unbounded``: no bound, the default;
 - ``bound_<size>``: ``spark.state.residentMemory=<size>`` for each size of
   the mode, chosen below the state (the smallest below even its Arrow form);
-- ``baseline``: the same query over two files of the same 1,000 keys: its
-  instance hosts' RSS is what a host costs without state (interpreter,
-  pyarrow). A worker runs a new instance's first task and forks its host
-  after it (``hosts``), so hosts report from the second batch on.
+- ``baseline``: the same query over one file of 1,000 rows: its instance
+  hosts' RSS is what a host costs without state (interpreter, pyarrow).
 
 Each but ``baseline`` is prefilled with S distinct keys, ``prefill_rows`` new
 keys a batch (a first batch of all S would hold them all as its own changes,
@@ -80,13 +78,12 @@ def _bytes(size: str) -> int:
 
 
 def _rss_high_water(reports: list[dict]) -> dict:
-    """Per instance host (pid): the largest RSS high-water mark its reports gave, in bytes (not the workers' that
-    ran first tasks)."""
+    """Per instance host (pid): the largest RSS high-water mark its reports gave, in bytes."""
     by_pid: dict[int, int] = {}
     for batch in reports:
         for meta in batch["instances"]:
             rss = meta.get("memory", {}).get("rss_high_water_bytes")
-            if rss is not None and meta.get("in_host"):
+            if rss is not None:
                 by_pid[meta["pid"]] = max(by_pid.get(meta["pid"], 0), rss)
     return by_pid
 
@@ -122,10 +119,10 @@ def run(spark, config: Config) -> dict:
     files = [*prefill, *steady]
     labels = ["unbounded", *(f"bound_{b}" for b in config.bounds)]
     inputs = {label: common.write_input(WORK / f"{label}-files", files, SCHEMA_DDL) for label in labels}
-    inputs["baseline"] = common.write_input(WORK / "baseline-files", [common.batch_over(keys, np.arange(1000))] * 2,
+    inputs["baseline"] = common.write_input(WORK / "baseline-files", [common.batch_over(keys, np.arange(1000))],
                                             SCHEMA_DDL)
     schedules = {label: list(range(len(files))) for label in labels}
-    schedules["baseline"] = [0, 1]
+    schedules["baseline"] = [0]
     confs = {f"bound_{b}": {BOUND: b} for b in config.bounds}
     try:
         queries, wall = common.timed(lambda: common.run_keyed_interleaved(

@@ -339,12 +339,6 @@ def _start_host(address: Path, daemon_pid: int, log: Path, store_uri: str) -> in
 
 _STARTED: set[int] = set()
 """The hosts this worker forked that it has not reaped yet."""
-_IN_HOST = False
-
-
-def in_host() -> bool:
-    """Whether this process is an instance host (a task's report says where it ran)."""
-    return _IN_HOST
 
 
 def _reap_hosts() -> None:
@@ -398,8 +392,6 @@ def _become_host(address: Path, daemon_pid: int, log: Path, *, first=None, lock_
     ``first``: the ``(task, instance)`` the worker just ran (``_run_then_fork_host``), whose state the host keeps;
     ``lock_fd``: the start lock's descriptor, closed once the host listens.
     """
-    global _IN_HOST
-    _IN_HOST = True
     failed = False
     try:
         output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

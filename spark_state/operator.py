@@ -51,7 +51,6 @@ from spark_state.functions import (
     BatchTime,
     PythonFunction,
 )
-from spark_state.hosts import in_host
 from spark_state.keygroups import KeyGroupRange, key_groups_for_columns
 from spark_state.manifest import ComponentManifest
 from spark_state.manifestlog import ManifestReader
@@ -321,7 +320,6 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
         "keys": len(state),
         "restore": restore_info,
         "pid": os.getpid(),
-        "in_host": in_host(),  # false: a worker ran it (``instanceHosts=false``, or a first task; see ``hosts``)
         "seconds": round(time.perf_counter() - started, 4),
         "phase_seconds": phases.seconds,
     })
