@@ -24,10 +24,7 @@ the task fails and Spark retries it, which starts a new host.
 Lifetime: a worker forks the host when none answers (under a file lock, so
 two workers start one; forking skips an interpreter start-up, which would
 cost each new instance a third of a second; the worker reaps it once it has
-exited). With a store on local disk and no memory bound, that worker first
-runs the task itself and forks the host after it, holding the state it
-built (``_run_then_fork_host``): a new instance's first task pays neither
-the fork nor a new process's first touches of its memory. The host exits when the executor's Python daemon (its starter's
+exited); the host exits when the executor's Python daemon (its starter's
 parent, which lives as long as the executor) is gone, after ``idle_limit``
 without a task (``IDLE_SECONDS``, or three times its recent gaps between
 tasks when they are longer, so that a query with a slow trigger keeps its
@@ -164,14 +161,8 @@ def _batch(payload: bytes) -> pa.RecordBatch:
 def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``operator.run_instance(task, instance, batches)``, run by the instance's host (see the module docstring)."""
     daemon_pid = os.getppid()
-    address = host_address(daemon_pid, task.store_uri, task.component, instance)
-    connection = _try_connect(address)
-    if connection is None and _first_task_here(task):
-        connection = yield from _run_then_fork_host(task, instance, batches, address, daemon_pid)
-        if connection is None:
-            return
-    elif connection is None:
-        connection = _connect(address, daemon_pid, task.store_uri)
+    connection = _connect(host_address(daemon_pid, task.store_uri, task.component, instance), daemon_pid,
+                          task.store_uri)
     with connection:
         _send(connection, TASK, _pickled_task(task, instance))
         for batch in batches:
@@ -191,57 +182,6 @@ def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterat
                 return
             else:
                 raise pickle.loads(payload)
-
-
-def _first_task_here(task) -> bool:
-    """Whether a worker that finds no host runs the task itself and then forks the host holding the state.
-
-    Only for a store on local disk (its client holds no connection or thread
-    a fork would copy) and without a memory bound (a host's share of the
-    bound counts its query's hosts, which a worker does not).
-    """
-    from spark_state.storage import is_local
-
-    return task.resident_memory is None and is_local(task.store_uri)
-
-
-def _run_then_fork_host(task, instance: int, batches: Iterable[pa.RecordBatch], address: Path, daemon_pid: int):
-    """No host answers: run the task here, then fork the host, which starts with the state in its memory.
-
-    A new instance's first task (a restart, a rescale, a host that died)
-    then costs no fork and no relay of its rows through a process that has
-    yet to touch its memory: measured at 4 -> 8 over 100k keys on two cores,
-    starting the eight hosts first made the restart a third slower. The
-    fork comes after the task's last output, the host holds the lock until
-    it listens (the worker's descriptor of the lock closes at once, the
-    host's once it listens), and this worker keeps no state of the instance.
-    Yields the task's output; returns None, or the connection to a host that
-    started while this worker waited for the lock.
-    """
-    from spark_state import resident
-    from spark_state.operator import run_instance
-
-    _reap_hosts()
-    _remove_dead_executors(address.parent.parent)
-    address.parent.mkdir(parents=True, exist_ok=True)
-    with open(address.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        connection = _try_connect(address)
-        if connection is not None:
-            return connection
-        address.unlink(missing_ok=True)
-        try:
-            yield from run_instance(task, instance, batches)
-        except BaseException:  # a failed or abandoned task leaves no state in this worker
-            resident.release(task.store_uri, task.component, instance)
-            raise
-        host = os.fork()
-        if host == 0:
-            _become_host(address, daemon_pid, address.with_suffix(".log"), first=(task, instance),
-                         lock_fd=lock.fileno())  # never returns
-        _STARTED.add(host)
-        resident.release(task.store_uri, task.component, instance)  # the host holds it now
-    return None
 
 
 def _pickled_task(task, instance: int) -> bytes:
@@ -386,12 +326,7 @@ def _load_host_modules(store_uri: str) -> None:
             pass
 
 
-def _become_host(address: Path, daemon_pid: int, log: Path, *, first=None, lock_fd: int | None = None) -> None:
-    """In a forked child: close what the worker had open and serve ``address``.
-
-    ``first``: the ``(task, instance)`` the worker just ran (``_run_then_fork_host``), whose state the host keeps;
-    ``lock_fd``: the start lock's descriptor, closed once the host listens.
-    """
+def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
     failed = False
     try:
         output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -399,21 +334,14 @@ def _become_host(address: Path, daemon_pid: int, log: Path, *, first=None, lock_
         os.dup2(nothing, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
-        if lock_fd is None:
-            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        else:
-            os.closerange(3, lock_fd)
-            os.closerange(lock_fd + 1, os.sysconf("SC_OPEN_MAX"))
-        from spark_state import resident
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         from spark_state.operator import forget_stores
+        from spark_state.resident import forget_all
 
         _STARTED.clear()  # the worker's children, not the host's
-        kept = resident.release(first[0].store_uri, first[0].component, first[1]) if first else None
-        resident.forget_all()  # other states this worker held stay with the worker
-        if kept is not None:
-            resident.keep(first[0].store_uri, first[0].component, first[1], kept)
+        forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
-        serve(address, daemon_pid, served=first[0] if first else None, lock_fd=lock_fd)
+        serve(address, daemon_pid)
     except BaseException as error:  # noqa: BLE001  (the host must never return into the worker's code)
         if not (isinstance(error, SystemExit) and _SIGNALLED is not None):  # a signal's exit is no error
             traceback.print_exc()
@@ -466,12 +394,10 @@ def idle_limit(gaps: Iterable[float], idle_seconds: float = IDLE_SECONDS) -> flo
     return max(idle_seconds, min(MAX_IDLE_SECONDS, IDLE_GAPS * max(gaps, default=0.0)))
 
 
-def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS, served=None,
-          lock_fd: int | None = None) -> None:
+def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS) -> None:
     """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out.
 
-    ``idle_seconds`` is ``idle_limit``'s floor; ``served``: the task whose state the host starts with (run by its
-    worker); ``lock_fd``: a descriptor to close once the host listens.
+    ``idle_seconds`` is ``idle_limit``'s floor.
     """
     is_host = threading.current_thread() is threading.main_thread()  # a test may serve from a thread
     if is_host:
@@ -481,19 +407,17 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS,
     listener.bind(str(address))
     try:  # from here on, however the host leaves (a signal while it starts included), its socket goes with it
         listener.listen(8)
-        if lock_fd is not None:
-            os.close(lock_fd)  # the start lock: a worker waiting for it now finds this host
         listener.settimeout(ACCEPT_SECONDS)
         from spark_state import resident
 
         query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
         resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
         last_task = last_check = time.monotonic()
-        since_full = 0  # tasks since the last full collection of garbage  (``served``: the last task this host ran)
+        served = None  # the last task this host ran
+        since_full = 0  # tasks since the last full collection of garbage
         if is_host:
             gc.freeze()  # the worker's objects, inherited: never walked again
-        # Between the starts of its latest tasks; a first task run by the worker counts as started now.
-        gaps, last_start = collections.deque(maxlen=GAPS_KEPT), (last_task if served is not None else None)
+        gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
         while (_SIGNALLED is None and _alive(daemon_pid)
                and time.monotonic() - last_task < idle_limit(gaps, idle_seconds)):
             try:

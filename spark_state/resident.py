@@ -477,12 +477,6 @@ def keep(store: str, component: str, instance: int, state: ResidentState) -> Non
         _RESIDENT.setdefault((store, component), {})[instance] = state
 
 
-def release(store: str, component: str, instance: int) -> ResidentState | None:
-    """Stop holding ``instance``'s state in this process; the state, if it held one."""
-    with _LOCK:
-        return _RESIDENT.get((store, component), {}).pop(instance, None)
-
-
 def forget_all() -> None:
     """Drop every state this process holds (a forked instance host starts empty)."""
     with _LOCK:

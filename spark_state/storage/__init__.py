@@ -92,12 +92,6 @@ def preload(uri: str) -> None:
         storage.client()  # its service models read and credentials resolved; the storage object is dropped
 
 
-def is_local(uri: str) -> bool:
-    """Whether ``uri`` names a store on a local (or locally mounted) filesystem: its client holds no connection
-    or thread, so a process may fork with it open (see ``hosts``)."""
-    return isinstance(uri, str) and (not _SCHEME.match(uri) or urlsplit(uri).scheme.lower() == "file")
-
-
 def open_storage(uri: str) -> Storage:
     """Return the storage that ``uri`` names; ``ConfigError`` (naming the URI) if it names none."""
     storage = _open(uri)
