@@ -34,8 +34,8 @@ same rows in every run and for every system. Keys are strings ``k0000000``...
    (applyInPandasWithState costs 1-2 ms per key), so they run only the first
    measured batch (a "probe" batch of 10k rows, 20k in full mode) and ratios
    use the batches both systems ran. Systems run in rotated order each round,
-   after one unmeasured run of each over the first three files, a full-size
-   batch among them (the JVM's JIT; the pandas APIs over the warm-up file).
+   after one unmeasured run of each over all the files at every parallelism
+   (the JVM's JIT; the pandas APIs over the warm-up file only).
 2. ``state_size``: one keyed count per state size (quick: 10k and 1M keys;
    full: 10k, 100k, 1M, 10M), run side by side, one batch each in turn: each
    is prefilled with its size (a first batch of distinct keys), then all get
@@ -278,14 +278,16 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
     tables = warmup + probe + rest
     files = common.write_input(WORK / "throughput-input", tables, SCHEMA_DDL)
     rows = dict(enumerate(files.rows))
-    # Warm the JVM (and its Python workers) with every system before measuring, so the system that happens to
-    # run first in a round does not pay for the JIT alone: over the first three files (a full-size batch among
-    # them: a small one leaves the paths of a large one to be compiled during the first measured run), or over
-    # the warm-up file alone for the systems that run only the probe batch (they cost a millisecond per key).
-    for system in config.systems:
-        limit = config.batch_limits.get(system, config.throughput_batches)
-        warm = common.first_files(files, 3 if limit == config.throughput_batches else 1)
-        SYSTEMS[system][0](spark, warm, config.parallelisms[0], WORK / f"warm-{system}")
+    # Warm the JVM (and its Python workers) with every system before measuring, so that the system that runs
+    # first in round 0 (always the first of ``config.systems``) does not pay for the JIT alone: a run over all
+    # the files at every parallelism (after three files at the first parallelism only, round 0 gave the first
+    # system its lowest ratio at p=2 in three of four side-by-side runs), or over the warm-up file alone for the
+    # systems that run only the probe batch (they cost a millisecond per key).
+    for parallelism in config.parallelisms:
+        for system in config.systems:
+            limit = config.batch_limits.get(system, config.throughput_batches)
+            warm = files if limit == config.throughput_batches else common.first_files(files, 1)
+            SYSTEMS[system][0](spark, warm, parallelism, WORK / f"warm-{system}-p{parallelism}")
     runs = []
     for round_index in range(config.rounds):
         shift = round_index % len(config.systems)

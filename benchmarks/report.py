@@ -49,6 +49,11 @@ def _x(r: float) -> str:
     return f"{r:.2f}x"
 
 
+def _x_exact(r: float) -> str:
+    """``_x``, with a third decimal when two would round a ratio other than 1 to 1.00x."""
+    return f"{r:.3f}x" if r != 1 and f"{r:.2f}" == "1.00" else _x(r)
+
+
 def _targets(targets: list[dict]) -> str:
     """The line listing a benchmark's targets, each met or missed."""
     return "Targets: " + "; ".join(f"{t['target']}: {t['value']} ({'met' if t['met'] else 'missed'})"
@@ -440,12 +445,13 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
     for parallelism, numbers in keyed["throughput"]["by_parallelism"].items():
         for system, v in numbers["keyed_count_vs"].items():
             if v["ratio"] < 1:
-                out.append(f"- Throughput at parallelism {parallelism}: {_x(v['ratio'])} of `{system}` "
-                           f"({(1 - v['ratio']) * 100:.0f}% slower).")
+                slower = (1 - v["ratio"]) * 100
+                out.append(f"- Throughput at parallelism {parallelism}: {_x_exact(v['ratio'])} of `{system}` "
+                           f"({slower:.{1 if slower < 1 else 0}f}% slower).")
     for target in keyed.get("targets", []):
         if not target["met"] and target["target"].startswith("throughput"):
             out.append(f"- Throughput target missed at parallelism {target['parallelism']}: {target['target']} "
-                       f"{_x(target['measured'])} (at least {_x(target['at_least'])}).")
+                       f"{_x_exact(target['measured'])} (at least {_x(target['at_least'])}).")
     for size in rescale["sizes"]:
         rows = size["summary"]
         slower_pinned = [r for r in rows if r["ours_vs_spark_pinned"] < 1]
