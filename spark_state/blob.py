@@ -143,7 +143,8 @@ def encode_blob(
     ``_deleted``. Key groups must be strictly increasing and inside
     ``key_group_range`` (inclusive bounds). Returns the blob bytes and their
     index; ``compression`` is an Arrow IPC codec ("lz4", "zstd") or None;
-    ``earliest`` gives, per key group, the earliest timers its entry records.
+    ``earliest`` gives, per key group, the earliest timers its entry records
+    (no later than the key group's earliest; see ``timers``).
     """
     file_metadata = {
         "spark_state.format_version": str(FORMAT_VERSION),

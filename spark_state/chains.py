@@ -148,8 +148,9 @@ class ChainTracker:
              max_chain_length: int) -> list[PlannedEntry]:
         """The entries to write for the changed key groups (``changes``: key group -> the keys changed).
 
-        ``size(g)`` is the number of keys key group ``g`` holds now. A key
-        group never stored and empty again needs nothing. Planned key groups
+        ``size(g)`` is the number of keys key group ``g`` holds now, or an
+        estimate below it (0 exactly when it is empty): it only chooses between
+        entry kinds. A key group never stored and empty again needs nothing. Planned key groups
         stay unknown until ``record``.
         """
         if max_chain_length < 1:

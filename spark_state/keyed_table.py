@@ -441,9 +441,15 @@ class KeyGroupTable:
         return rows[0] if rows is not None and len(rows) == 1 else None
 
     def key_count(self, key_group: int) -> int:
+        """The keys ``key_group`` holds; with several variables, the most any one holds, without visiting a key.
+
+        Exact when one variable holds every key (a value with timers: its
+        timers are on keys with a value), else below the keys the variables
+        hold together; 0 exactly when the key group is empty.
+        """
         if key_group in self._unloaded:
             return self._unloaded_count(key_group)
-        return len(_keys(self._groups[key_group])) if key_group in self._groups else 0
+        return max(map(len, self._groups[key_group])) if key_group in self._groups else 0
 
     def rows(self, key_group: int, keys: Sequence[Key] | None = None) -> tuple[list[Key], list[list[Value | None]]]:
         """The given keys (all keys when None) and, per variable, their values (None where absent).

@@ -69,6 +69,9 @@ from spark_state.timers import TIMERS, TimerIndex, minima
 
 CATCH_UP_MAX_GAP_BYTES = 8192
 """Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
+EXACT_TIMERS_EVERY = 4
+"""A key group's recorded earliest timers are recomputed over all its keys once the keys changed since the last
+recomputation reach 1 / ``EXACT_TIMERS_EVERY`` of its keys with timers (``ResidentState.timer_bound``)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class ResidentState:
         self.key_group_range = key_group_range
         self.timers_variable = schema.variable_index(TIMERS.name) if schema.has_variable(TIMERS.name) else None
         self.timers = TimerIndex() if self.timers_variable is not None else None
+        # Per key group with timers: a lower bound of its earliest timer of each kind, and how many keys changed
+        # since the bound was last exact (``timer_bound``).
+        self._timer_bounds: dict[int, tuple[int | None, int | None, int | None]] = {}
+        self._changed_since_exact: dict[int, int] = {}
         self.bounded = bounded and self.timers is None
         self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded)
         if self.bounded:
@@ -137,6 +144,8 @@ class ResidentState:
             self.chains.set(key_group, ())
             if self.timers is not None:
                 self.timers.set_earliest(key_group, None)
+                self._timer_bounds.pop(key_group, None)
+                self._changed_since_exact.pop(key_group, None)
         for key_group, batches in entries.items():
             if key_group in plan.appends:
                 self.table.apply(key_group, batches)
@@ -145,7 +154,13 @@ class ResidentState:
             chain = component.chains[key_group]
             self.chains.set(key_group, chain)
             if self.timers is not None:
-                self.timers.set_earliest(key_group, component.blobs[chain[-1]].index.entry_for(key_group).earliest)
+                earliest = component.blobs[chain[-1]].index.entry_for(key_group).earliest
+                self.timers.set_earliest(key_group, earliest)
+                if earliest is not None:  # what the entry's writer recorded: a lower bound (``timer_bound``)
+                    self._timer_bounds[key_group] = tuple(earliest)
+                    self._changed_since_exact[key_group] = 0
+                else:
+                    self._timer_bounds.pop(key_group, None)
         self._component = component
         return CatchUp(plan, stats, self._catch_up_items(blobs, component, instance, parallelism))
 
@@ -256,7 +271,8 @@ class ResidentState:
         aggregates), its Arrow rows are the delta entries, sorted by key
         group, instead of rows read back from the dicts.
         With timers, ``earliest`` then holds each written key group's earliest
-        timers, for its index entry. With ``stored``, a key group compacted
+        timers (a lower bound: ``timer_bound``), for its index entry. With
+        ``stored``, a key group compacted
         into a full entry (few of its keys changed, but too many since its
         full entry for a ``merge``) whose stored chain is the one this state
         reflects is written as that chain folded with its changed keys
@@ -304,7 +320,7 @@ class ResidentState:
                 rows = len(chosen)
             bounds.append((entry, False, start, rows))
             if self.timers_variable is not None:
-                self.earliest[entry.key_group] = minima(self.table.values(entry.key_group, self.timers_variable).values())
+                self.earliest[entry.key_group] = self.timer_bound(entry.key_group, changes.get(entry.key_group, ()))
             self.table.drop_if_empty(entry.key_group)
         for key_group in changes:
             self.table.drop_if_empty(key_group)
@@ -324,6 +340,35 @@ class ResidentState:
             entries = stored.compact(entries, from_store)
             self.compaction = stored.last
         return entries
+
+    def timer_bound(self, key_group: int, changed: Iterable) -> tuple[int | None, int | None, int | None]:
+        """The earliest timer of each kind in ``key_group`` at most: exact, or a lower bound; after ``changed``.
+
+        Costs the changed keys, not the key group: the bound is the last one
+        lowered by the changed keys' timers (a timer deleted or fired leaves it
+        lower than the key group's earliest). It is recomputed over every key
+        once the keys changed since reach a ``1 / EXACT_TIMERS_EVERY`` share of
+        the key group's keys with timers, so recomputing costs at most that
+        many times the changes. A bound written too early only makes a restore
+        fold the key group at an earlier batch (``timers.TimerIndex``); it
+        never makes a timer fire late.
+        """
+        timers = self.table.values(key_group, self.timers_variable)
+        if not timers:
+            self._timer_bounds.pop(key_group, None)
+            self._changed_since_exact.pop(key_group, None)
+            return (None, None, None)
+        changed = changed if isinstance(changed, (set, frozenset, list, tuple)) else list(changed)
+        since = self._changed_since_exact.get(key_group, 0) + len(changed)
+        bound = self._timer_bounds.get(key_group)
+        if bound is None or since * EXACT_TIMERS_EVERY >= len(timers):
+            bound, since = minima(timers.values()), 0
+        else:
+            lowered = minima([timers[key] for key in changed if key in timers])
+            bound = tuple(b if n is None else n if b is None else min(b, n) for b, n in zip(bound, lowered))
+        self._timer_bounds[key_group] = bound
+        self._changed_since_exact[key_group] = since
+        return bound
 
     def _changed_batch(self, changed: ChangedRows, changes: dict[int, set]) -> tuple[pa.RecordBatch, dict] | None:
         """The rows one ``put_many`` changed as one blob-schema batch in key-group order, and each group's slice.

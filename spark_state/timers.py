@@ -9,8 +9,11 @@ with its value, and a checkpoint writes them incrementally.
 
 An instance must find the timers due in a batch without scanning its keys.
 Every blob entry records, for its key group, the earliest time of each kind
-(``TIMER_KINDS``) over the key group's keys when it was written; a restore
-knows each key group's earliest times from the manifest without folding it.
+(``TIMER_KINDS``) over the key group's keys when it was written, or an
+earlier one (recomputing it over every key costs the key group, so a batch
+lowers it by the keys it changed and recomputes it only after a share of the
+key group changed: ``ResidentState.timer_bound``); a restore knows each key
+group's earliest times from the manifest without folding it.
 ``TimerIndex`` keeps those for key groups not folded yet, and a heap of
 ``(time, key group, key)`` for folded ones: a batch folds only key groups
 whose earliest timer is due, so its cost follows the due timers, not the

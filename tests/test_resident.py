@@ -12,9 +12,10 @@ from spark_state.errors import CorruptBlobError, KeyGroupOwnershipError
 from spark_state.keyed_table import SET_ENTRY_BYTES
 from spark_state.keygroups import key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
-from spark_state.resident import ResidentState, keep, resident_instances, take
+from spark_state.resident import EXACT_TIMERS_EVERY, ResidentState, keep, resident_instances, take
 from spark_state.schema import DELETED_COLUMN, KeyedSchema, StateVariable
 from spark_state.storage.memory import MemoryStorage
+from spark_state.timers import TIMERS, minima
 from tests.stores import Store
 
 M = 4
@@ -419,3 +420,92 @@ def _commit_two(store, checkpoint_id, state, schema, entries=None):
     blob = store.blobs.write_blob("c", checkpoint_id, 0, state.key_group_range, schema.blob_schema, entries)
     state.chains.record(blob.path)
     return store.commit(checkpoint_id, {"c": (ComponentSpec("c", M, 1, schema), [blob])}, {}).components["c"]
+
+
+TIMED = KeyedSchema((pa.field("key", pa.string()),), (StateVariable("value", (pa.field("v", pa.int64()),)), TIMERS))
+
+
+def _set_timer(state: ResidentState, key: str, event_ms: int | None) -> None:
+    """Give ``key`` one event-time timer at ``event_ms`` (None: no timer), as a function's write would."""
+    group = key_group_for(key, M)
+    if event_ms is None:
+        state.table.delete(group, (key,), 1)
+    else:
+        state.table.put(group, (key,), ([event_ms], [], None), 1)
+
+
+def _recorded(state: ResidentState) -> dict[int, tuple]:
+    state.snapshot(max_chain_length=8)
+    return dict(state.earliest)
+
+
+def _true_earliest(state: ResidentState, key_group: int) -> tuple:
+    return minima(state.table.values(key_group, 1).values())
+
+
+def test_recorded_earliest_timers_cost_the_changed_keys_and_are_never_later_than_the_true_ones(store):
+    state = ResidentState(TIMED, key_group_range(0, 1, M))
+    keys = [f"k{n}" for n in range(400)]
+    for n, key in enumerate(keys):
+        state.table.put(key_group_for(key, M), (key,), (n,), 0)
+        _set_timer(state, key, 1_000 + n)
+    first = _recorded(state)  # a key group never recorded: computed over its keys, exact
+    assert first == {g: _true_earliest(state, g) for g in first}
+    group = key_group_for(keys[0], M)
+    size = len(state.table.values(group, 1))
+    _set_timer(state, keys[0], 50_000)  # its earliest timer moves later: one changed key of ~100
+    stale = _recorded(state)[group]
+    assert stale == (1_000, None, None)  # not recomputed over the key group: still the old, earlier time
+    assert stale[0] < _true_earliest(state, group)[0]
+    _set_timer(state, keys[4], 10)  # an earlier timer lowers it at once
+    assert _recorded(state)[group] == (10, None, None)
+    mine = [key for key in keys if key_group_for(key, M) == group]
+    for key in mine[: size // EXACT_TIMERS_EVERY]:  # a quarter of its keys changed since: recomputed, exact
+        _set_timer(state, key, 20_000)
+    assert _recorded(state)[group] == _true_earliest(state, group)
+    for key in mine:
+        _set_timer(state, key, None)  # no timer left: none recorded
+    assert _recorded(state)[group] == (None, None, None)
+
+
+def test_earliest_timers_restored_from_the_store_stay_a_lower_bound_through_random_changes(store):
+    import random
+
+    rng = random.Random(7)
+    state = ResidentState(TIMED, key_group_range(0, 1, M))
+    keys = [f"k{n}" for n in range(300)]
+    for key in keys:
+        state.table.put(key_group_for(key, M), (key,), (0,), 0)
+        _set_timer(state, key, rng.randrange(10_000))
+    component = _commit_two(store, 1, state, TIMED)
+    stale = 0
+    for checkpoint_id in range(2, 12):
+        if checkpoint_id == 6:  # a restore: bounds come from the entries' records
+            state = ResidentState(TIMED, key_group_range(0, 1, M))
+            state.catch_up(store.blobs, component, 0, 1)
+        for key in rng.sample(keys, 15):
+            _set_timer(state, key, None if rng.random() < 0.3 else rng.randrange(10_000))
+        entries = state.snapshot(max_chain_length=8)
+        for group, recorded in state.earliest.items():
+            truth = _true_earliest(state, group)
+            for bound, exact in zip(recorded, truth):
+                if exact is not None:  # a kind with timers: recorded, and no later than its earliest
+                    assert bound is not None and bound <= exact, (group, recorded, truth)
+            stale += recorded != truth
+        component = _commit_two(store, checkpoint_id, state, TIMED, entries)
+    assert stale  # the run recorded bounds below the true earliest, not only exact ones
+
+
+def test_a_key_groups_size_for_the_planner_is_its_largest_variables_and_zero_only_when_empty():
+    table = ResidentState(TIMED, key_group_range(0, 1, M)).table
+    group = key_group_for("a", M)
+    same = [key for key in (f"s{n}" for n in range(400)) if key_group_for(key, M) == group][:3]
+    for key in same:
+        table.put(group, (key,), (1,), 0)
+    table.put(group, (same[0],), ([5], [], None), 1)
+    assert table.key_count(group) == 3  # the values' keys; the one key with a timer is among them
+    for key in same:
+        table.delete(group, (key,), 0)
+    assert table.key_count(group) == 1  # a timer without a value still holds its key
+    table.delete(group, (same[0],), 1)
+    assert table.key_count(group) == 0
