@@ -23,11 +23,22 @@ Run: ``./run bench bench_time [--full]``. Prints one JSON object, writes
    watermark one second, so 1% of the timers fire (each re-registers 100 s
    later). The same query without timers gets the same batches: the ratio of
    their steady batch times is the cost of timers.
+4. ``timer_checkpoint``: what a checkpoint of a state with timers costs as
+   the state grows, in-process (an instance's ``ResidentState`` over memory
+   storage, ``DEFAULT_MAX_PARALLELISM`` key groups, so no Spark and no disk
+   in the figure): each state size is filled with keys holding a value and
+   an event-time timer, then ``timer_rounds`` checkpoints each follow the
+   same number of changed keys (a new value and a new timer each); beside
+   it, the same states without timers. A checkpoint must cost the keys
+   changed, not the state (each entry records its key group's earliest
+   timers, and the chain planner sizes each changed key group).
 
 Targets (issue): sessions at least 1.0x ``spark_tws`` and 0.5x
 ``spark_native``; with a time to live, bytes and batch time at the last batch
 at most 1.2x those at batch 10 (medians of five batches around each, since
-compaction makes single batches jump); timers at most 1.3x.
+compaction makes single batches jump); timers at most 1.3x; the checkpoint
+of a state with timers at the largest size at most 1.2x the smallest's
+(median checkpoint of the same number of changed keys).
 """
 
 from __future__ import annotations
@@ -60,12 +71,15 @@ class Config:
     ttl_keys: int
     timer_keys: int
     timer_batches: int
+    timer_state_sizes: tuple[int, ...]  # timer_checkpoint: smallest first
+    timer_changes: int  # keys changed before each measured checkpoint
+    timer_rounds: int
     parallelism: int = 2
 
 
-QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6)
-FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8)
-SMOKE = Config("smoke", 3, 1_000, 100, 8, 100, 2_000, 3)
+QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6, (10_000, 1_000_000), 1_000, 8)
+FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8, (10_000, 1_000_000, 3_000_000), 1_000, 10)
+SMOKE = Config("smoke", 3, 1_000, 100, 8, 100, 2_000, 3, (1_000, 20_000), 100, 3)
 
 
 # 1. Sessions ----------------------------------------------------------------------------------------
@@ -336,11 +350,68 @@ def timers(spark, config: Config, rng) -> dict:
             "ratio": round(runs["timers"]["median_steady_seconds"] / runs["no_timers"]["median_steady_seconds"], 3)}
 
 
+# 4. Checkpoint cost with timers against state size -------------------------------------------------
+
+
+def _checkpoint_seconds(size: int, changes: int, rounds: int, with_timers: bool, rng) -> list[float]:
+    """Seconds of each of ``rounds`` checkpoints after ``changes`` changed keys, over ``size`` keys of state."""
+    import time
+
+    from spark_state.blobstore import BlobStore
+    from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
+    from spark_state.resident import ResidentState
+    from spark_state.schema import KeyedSchema, StateVariable
+    from spark_state.storage.memory import MemoryStorage
+    from spark_state.timers import TIMERS
+
+    value = StateVariable("value", (pa.field("t", pa.int64()),))
+    schema = KeyedSchema((pa.field("key", pa.string()),), (value, TIMERS) if with_timers else (value,))
+    state = ResidentState(schema, key_group_range(0, 1, DEFAULT_MAX_PARALLELISM))
+    blobs = BlobStore(MemoryStorage())
+    keys = [(f"k{n:08d}",) for n in range(size)]
+    groups = [key_group_for(key[0], DEFAULT_MAX_PARALLELISM) for key in keys]
+
+    def write(index: int, step: int) -> None:
+        state.table.put(groups[index], keys[index], (BASE_MS + step,), 0)
+        if with_timers:
+            state.table.put(groups[index], keys[index], ([BASE_MS + 100_000 + step + index % 1000], [], None), 1)
+
+    for index in range(size):
+        write(index, 0)
+    state.checkpoint(blobs, "c", 0, 0)
+    seconds = []
+    for step in range(1, rounds + 1):
+        for index in rng.choice(size, size=changes, replace=False):
+            write(int(index), step)
+        started = time.perf_counter()
+        state.checkpoint(blobs, "c", step, 0)
+        seconds.append(round(time.perf_counter() - started, 4))
+    return seconds
+
+
+def timer_checkpoint(config: Config, rng) -> dict:
+    runs = {}
+    for size in config.timer_state_sizes:
+        for label, with_timers in (("timers", True), ("no_timers", False)):
+            seconds = _checkpoint_seconds(size, config.timer_changes, config.timer_rounds, with_timers, rng)
+            runs.setdefault(str(size), {})[label] = {"checkpoint_seconds": seconds,
+                                                     "median_seconds": statistics.median(seconds)}
+    smallest, largest = str(config.timer_state_sizes[0]), str(config.timer_state_sizes[-1])
+
+    def ratio(label: str) -> float:
+        return round(runs[largest][label]["median_seconds"] / runs[smallest][label]["median_seconds"], 3)
+
+    return {"runs": runs, "changed_keys": config.timer_changes, "largest_vs_smallest": ratio("timers"),
+            "largest_vs_smallest_without_timers": ratio("no_timers"),
+            "timers_vs_none_at_largest": round(runs[largest]["timers"]["median_seconds"]
+                                               / runs[largest]["no_timers"]["median_seconds"], 3)}
+
+
 # Report ---------------------------------------------------------------------------------------------
 
 
 def targets(result: dict) -> list[dict]:
-    s, t, m = result["sessions"], result["ttl"], result["timers"]
+    s, t, m, k = result["sessions"], result["ttl"], result["timers"], result["timer_checkpoint"]
     return [
         {"target": "sessions rows/s >= 1.0x transformWithStateInPandas", "value": s["ours_vs_spark_tws"],
          "met": s["ours_vs_spark_tws"] >= 1.0},
@@ -353,6 +424,8 @@ def targets(result: dict) -> list[dict]:
          "met": t["seconds_last_vs_batch_10"] <= 1.2},
         {"target": "1% of the timers firing per batch: <= 1.3x the batch without timers", "value": m["ratio"],
          "met": m["ratio"] <= 1.3},
+        {"target": "checkpoint with timers, largest state: <= 1.2x the smallest's", "value": k["largest_vs_smallest"],
+         "met": k["largest_vs_smallest"] <= 1.2},
     ]
 
 
@@ -362,7 +435,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.4))
     systems = result["sessions"]["systems"]
     axes[0].bar(list(systems), [v["rows_per_s"] for v in systems.values()], color="tab:blue")
     axes[0].set_title("session windows: rows/s", fontsize=10)
@@ -373,13 +446,23 @@ def plot(result: dict, path: Path) -> None:
     runs = result["timers"]["runs"]
     axes[2].bar(list(runs), [r["median_steady_seconds"] for r in runs.values()], color="tab:orange")
     axes[2].set_title(f"steady batch s, {result['timers']['timer_keys']:,} keys (1% of timers fire)", fontsize=10)
+    checkpoint = result["timer_checkpoint"]
+    sizes = list(checkpoint["runs"])
+    for label, color in (("timers", "tab:orange"), ("no_timers", "tab:gray")):
+        axes[3].plot([int(s) for s in sizes], [checkpoint["runs"][s][label]["median_seconds"] * 1000 for s in sizes],
+                     marker="o", color=color, label=label.replace("_", " "))
+    axes[3].set_xscale("log")
+    axes[3].set_ylim(bottom=0)
+    axes[3].set_xlabel("keys of state")
+    axes[3].set_title(f"checkpoint ms after {checkpoint['changed_keys']:,} changed keys (in-process)", fontsize=10)
+    axes[3].legend(fontsize=8)
     common.save_figure(fig, path, "Event time", result)
 
 
 def run(spark, config: Config) -> dict:
     rng = np.random.default_rng(20261123)
     result = {"config": config.__dict__, "sessions": sessions(spark, config, rng), "ttl": ttl(spark, config, rng),
-              "timers": timers(spark, config, rng)}
+              "timers": timers(spark, config, rng), "timer_checkpoint": timer_checkpoint(config, rng)}
     result["targets"] = targets(result)
     return result
 

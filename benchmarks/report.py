@@ -331,9 +331,22 @@ def time_section(data: dict, file: str) -> list[str]:
             f"time {t['seconds_last_vs_batch_10']:.2f}. Timers: {m['timer_keys']:,} registered, "
             f"{m['fired_per_batch_target']:,} firing per batch: the median steady batch takes "
             f"{_x(m['ratio'])} the same batch with no timers registered.", "",
+            *_timer_checkpoint_lines(data.get("timer_checkpoint")),
             _targets(data["targets"]), "",
             f"![time](benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
+
+
+def _timer_checkpoint_lines(k: dict | None) -> list[str]:
+    """bench_time's ``timer_checkpoint``: a checkpoint with timers against state size (none in older results)."""
+    if k is None:
+        return []
+    sizes = list(k["runs"])
+    cells = ", ".join(f"{int(s):,} keys {k['runs'][s]['timers']['median_seconds'] * 1000:.0f} ms" for s in sizes)
+    return [f"Checkpoint after {k['changed_keys']:,} changed keys of a state with timers (in-process, memory "
+            f"storage, median): {cells}; the largest state takes {_x(k['largest_vs_smallest'])} the smallest's "
+            f"({_x(k['largest_vs_smallest_without_timers'])} without timers; with timers "
+            f"{_x(k['timers_vs_none_at_largest'])} the same state without at the largest size).", ""]
 
 
 def manifest_section(data: dict, file: str) -> list[str]:

@@ -112,6 +112,9 @@ def test_time_smoke(time_result):
     fired = time_result["timers"]["runs"]["timers"]["timers_fired"]
     assert fired[0] == 0 and all(n == 20 for n in fired[2:]), fired  # 1% of 2,000 keys per steady batch
     assert sum(time_result["timers"]["runs"]["no_timers"]["timers_fired"]) == 0
+    checkpoint = time_result["timer_checkpoint"]["runs"]
+    assert list(checkpoint) == ["1000", "20000"]
+    assert all(len(run[label]["checkpoint_seconds"]) == 3 for run in checkpoint.values() for label in run)
 
 
 @pytest.fixture(scope="module")
