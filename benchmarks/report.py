@@ -344,9 +344,10 @@ def _timer_checkpoint_lines(k: dict | None) -> list[str]:
     sizes = list(k["runs"])
     cells = ", ".join(f"{int(s):,} keys {k['runs'][s]['timers']['median_seconds'] * 1000:.0f} ms" for s in sizes)
     return [f"Checkpoint after {k['changed_keys']:,} changed keys of a state with timers (in-process, memory "
-            f"storage, median): {cells}; the largest state takes {_x(k['largest_vs_smallest'])} the smallest's "
-            f"({_x(k['largest_vs_smallest_without_timers'])} without timers; with timers "
-            f"{_x(k['timers_vs_none_at_largest'])} the same state without at the largest size).", ""]
+            f"storage, median): {cells}; the largest state takes {_x(k['largest_vs_smallest'])} the smallest's, "
+            f"without timers {_x(k['largest_vs_smallest_without_timers'])} (growth with / without timers "
+            f"{_x(k['growth_vs_without_timers'])}); at the largest size the checkpoint with timers takes "
+            f"{_x(k['timers_vs_none_at_largest'])} the one without.", ""]
 
 
 def manifest_section(data: dict, file: str) -> list[str]:
