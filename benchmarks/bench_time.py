@@ -79,8 +79,8 @@ class Config:
     parallelism: int = 2
 
 
-QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6, (10_000, 1_000_000), 1_000, 8)
-FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8, (10_000, 1_000_000, 3_000_000), 1_000, 10)
+QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6, (10_000, 1_000_000), 1_000, 12)
+FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8, (10_000, 1_000_000, 3_000_000), 1_000, 16)
 SMOKE = Config("smoke", 3, 1_000, 100, 8, 100, 2_000, 3, (1_000, 20_000), 100, 3)
 
 
@@ -355,62 +355,72 @@ def timers(spark, config: Config, rng) -> dict:
 # 4. Checkpoint cost with timers against state size -------------------------------------------------
 
 
-def _checkpoint_seconds(size: int, changes: int, rounds: int, with_timers: bool, rng) -> list[float]:
-    """Seconds of each of ``rounds`` checkpoints after ``changes`` changed keys, over ``size`` keys of state.
+class _TimedState:
+    """One state of ``timer_checkpoint``: ``size`` keys with a value (and an event-time timer), checkpointed."""
 
-    Garbage is handled as an instance host handles it (``hosts.collect_garbage``): what a round leaves is
-    collected and frozen between rounds, so no checkpoint walks the whole state for cyclic garbage.
-    """
-    import gc
-    import time
+    def __init__(self, size: int, with_timers: bool):
+        from spark_state.blobstore import BlobStore
+        from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
+        from spark_state.resident import ResidentState
+        from spark_state.schema import KeyedSchema, StateVariable
+        from spark_state.storage.memory import MemoryStorage
+        from spark_state.timers import TIMERS
 
-    from spark_state.hosts import collect_garbage
+        value = StateVariable("value", (pa.field("t", pa.int64()),))
+        schema = KeyedSchema((pa.field("key", pa.string()),), (value, TIMERS) if with_timers else (value,))
+        self.size, self.with_timers = size, with_timers
+        self.state = ResidentState(schema, key_group_range(0, 1, DEFAULT_MAX_PARALLELISM))
+        self.blobs = BlobStore(MemoryStorage())
+        self.keys = [(f"k{n:08d}",) for n in range(size)]
+        self.groups = [key_group_for(key[0], DEFAULT_MAX_PARALLELISM) for key in self.keys]
+        for index in range(size):
+            self.write(index, 0)
+        self.state.checkpoint(self.blobs, "c", 0, 0)
 
-    from spark_state.blobstore import BlobStore
-    from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
-    from spark_state.resident import ResidentState
-    from spark_state.schema import KeyedSchema, StateVariable
-    from spark_state.storage.memory import MemoryStorage
-    from spark_state.timers import TIMERS
+    def write(self, index: int, step: int) -> None:
+        table, group, key = self.state.table, self.groups[index], self.keys[index]
+        table.put(group, key, (BASE_MS + step,), 0)
+        if self.with_timers:
+            table.put(group, key, ([BASE_MS + 100_000 + step + index % 1000], [], None), 1)
 
-    value = StateVariable("value", (pa.field("t", pa.int64()),))
-    schema = KeyedSchema((pa.field("key", pa.string()),), (value, TIMERS) if with_timers else (value,))
-    state = ResidentState(schema, key_group_range(0, 1, DEFAULT_MAX_PARALLELISM))
-    blobs = BlobStore(MemoryStorage())
-    keys = [(f"k{n:08d}",) for n in range(size)]
-    groups = [key_group_for(key[0], DEFAULT_MAX_PARALLELISM) for key in keys]
+    def round(self, step: int, changes: int, rng) -> float:
+        """Change ``changes`` keys, then checkpoint; the checkpoint's seconds."""
+        import time
 
-    def write(index: int, step: int) -> None:
-        state.table.put(groups[index], keys[index], (BASE_MS + step,), 0)
-        if with_timers:
-            state.table.put(groups[index], keys[index], ([BASE_MS + 100_000 + step + index % 1000], [], None), 1)
-
-    for index in range(size):
-        write(index, 0)
-    state.checkpoint(blobs, "c", 0, 0)
-    seconds = []
-    try:
-        gc.collect()
-        gc.freeze()
-        for step in range(1, rounds + 1):
-            for index in rng.choice(size, size=changes, replace=False):
-                write(int(index), step)
-            started = time.perf_counter()
-            state.checkpoint(blobs, "c", step, 0)
-            seconds.append(round(time.perf_counter() - started, 4))
-            collect_garbage(0)
-    finally:
-        gc.unfreeze()  # this process is no host: its later objects are walked as usual
-    return seconds
+        for index in rng.choice(self.size, size=changes, replace=False):
+            self.write(int(index), step)
+        started = time.perf_counter()
+        self.state.checkpoint(self.blobs, "c", step, 0)
+        return round(time.perf_counter() - started, 4)
 
 
 def timer_checkpoint(config: Config, rng) -> dict:
-    runs = {}
-    for size in config.timer_state_sizes:
-        for label, with_timers in (("timers", True), ("no_timers", False)):
-            seconds = _checkpoint_seconds(size, config.timer_changes, config.timer_rounds, with_timers, rng)
-            runs.setdefault(str(size), {})[label] = {"checkpoint_seconds": seconds,
-                                                     "median_seconds": statistics.median(seconds)}
+    """Every state built first, then each round checkpoints each of them, in an order rotated every round.
+
+    Garbage is handled as an instance host handles it (``hosts.collect_garbage``): what a round leaves is
+    collected and frozen, so no checkpoint walks the states for cyclic garbage.
+    """
+    import gc
+
+    from spark_state.hosts import collect_garbage
+
+    states = {(str(size), label): _TimedState(size, label == "timers")
+              for size in config.timer_state_sizes for label in ("timers", "no_timers")}
+    order, seconds = list(states), {name: [] for name in states}
+    try:
+        gc.collect()
+        gc.freeze()
+        for step in range(1, config.timer_rounds + 1):
+            shift = step % len(order)
+            for name in order[shift:] + order[:shift]:
+                seconds[name].append(states[name].round(step, config.timer_changes, rng))
+                collect_garbage(0)
+    finally:
+        gc.unfreeze()  # this process is no host: its later objects are walked as usual
+    states.clear()
+    runs: dict = {}
+    for (size, label), values in seconds.items():
+        runs.setdefault(size, {})[label] = {"checkpoint_seconds": values, "median_seconds": statistics.median(values)}
     smallest, largest = str(config.timer_state_sizes[0]), str(config.timer_state_sizes[-1])
 
     def ratio(label: str) -> float:
