@@ -383,7 +383,7 @@ class _TimedState:
         if self.with_timers:
             table.put(group, key, ([BASE_MS + 100_000 + step + index % 1000], [], None), 1)
 
-    def round(self, step: int, changes: int, rng) -> float:
+    def checkpoint_after_changes(self, step: int, changes: int, rng) -> float:
         """Change ``changes`` keys, then checkpoint; the checkpoint's seconds."""
         import time
 
@@ -413,7 +413,7 @@ def timer_checkpoint(config: Config, rng) -> dict:
         for step in range(1, config.timer_rounds + 1):
             shift = step % len(order)
             for name in order[shift:] + order[:shift]:
-                seconds[name].append(states[name].round(step, config.timer_changes, rng))
+                seconds[name].append(states[name].checkpoint_after_changes(step, config.timer_changes, rng))
                 collect_garbage(0)
     finally:
         gc.unfreeze()  # this process is no host: its later objects are walked as usual

@@ -150,8 +150,8 @@ class ChainTracker:
 
         ``size(g)`` is the number of keys key group ``g`` holds now, or an
         estimate below it (0 exactly when it is empty): it only chooses between
-        entry kinds. A key group never stored and empty again needs nothing. Planned key groups
-        stay unknown until ``record``.
+        entry kinds. A key group never stored and empty again needs nothing.
+        Planned key groups stay unknown until ``record``.
         """
         if max_chain_length < 1:
             raise ConfigError(f"max chain length must be >= 1, got {max_chain_length}")

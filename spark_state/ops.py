@@ -28,7 +28,7 @@ from spark_state.manifest import ComponentManifest, Manifest
 from spark_state.manifestlog import ManifestReader
 from spark_state.restore import InstanceRestorePlan, chain_links, plan_restore
 from spark_state.savepoints import Savepoints
-from spark_state.timers import TIMER_KINDS, TIMERS
+from spark_state.timers import TIMER_KINDS, TIMERS, earlier
 
 Progress = Callable[[int, int], None]
 
@@ -80,7 +80,7 @@ def describe_component(component: ComponentManifest) -> dict:
     """Schema, key-group ranges per instance, chains, entries per key group, watermark and timers."""
     schema = component.keyed_schema
     per_group = []
-    earliest: dict[str, int | None] = {kind: None for kind in TIMER_KINDS}
+    earliest: tuple[int | None, ...] = (None,) * len(TIMER_KINDS)
     groups_with_timers = 0
     for key_group in sorted(component.chains):
         links = chain_links(component, key_group)
@@ -89,9 +89,7 @@ def describe_component(component: ComponentManifest) -> dict:
                           "bytes": sum(e.length for _, e in links), "kinds": [e.kind for _, e in links]})
         if last.earliest is not None and any(t is not None for t in last.earliest):
             groups_with_timers += 1
-            for kind, value in zip(TIMER_KINDS, last.earliest):
-                if value is not None and (earliest[kind] is None or value < earliest[kind]):
-                    earliest[kind] = value
+            earliest = earlier(earliest, last.earliest)
     instances = []
     for instance in range(component.parallelism):
         owned = key_group_range(instance, component.parallelism, component.max_parallelism)
@@ -125,7 +123,7 @@ def describe_component(component: ComponentManifest) -> dict:
         "timers": {
             "variable": schema.has_variable(TIMERS.name),
             "key_groups_with_timers": groups_with_timers,
-            "earliest_ms": earliest,
+            "earliest_ms": dict(zip(TIMER_KINDS, earliest)),
         },
         "instances": instances,
         "key_groups": per_group,

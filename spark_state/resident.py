@@ -50,7 +50,7 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -65,7 +65,7 @@ from spark_state.keyed_table import ChangedRows, FetchedChain, KeyGroupTable
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
 from spark_state.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
 from spark_state.schema import KeyedSchema
-from spark_state.timers import TIMERS, TimerIndex, minima
+from spark_state.timers import TIMERS, TimerIndex, earlier, minima
 
 CATCH_UP_MAX_GAP_BYTES = 8192
 """Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
@@ -93,8 +93,7 @@ class ResidentState:
         self.timers = TimerIndex() if self.timers_variable is not None else None
         # Per key group with timers: a lower bound of its earliest timer of each kind, and how many keys changed
         # since the bound was last exact (``timer_bound``).
-        self._timer_bounds: dict[int, tuple[int | None, int | None, int | None]] = {}
-        self._changed_since_exact: dict[int, int] = {}
+        self._timer_bounds: dict[int, tuple[tuple[int | None, int | None, int | None], int]] = {}
         self.bounded = bounded and self.timers is None
         self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded)
         if self.bounded:
@@ -145,7 +144,6 @@ class ResidentState:
             if self.timers is not None:
                 self.timers.set_earliest(key_group, None)
                 self._timer_bounds.pop(key_group, None)
-                self._changed_since_exact.pop(key_group, None)
         for key_group, batches in entries.items():
             if key_group in plan.appends:
                 self.table.apply(key_group, batches)
@@ -157,8 +155,7 @@ class ResidentState:
                 earliest = component.blobs[chain[-1]].index.entry_for(key_group).earliest
                 self.timers.set_earliest(key_group, earliest)
                 if earliest is not None:  # what the entry's writer recorded: a lower bound (``timer_bound``)
-                    self._timer_bounds[key_group] = tuple(earliest)
-                    self._changed_since_exact[key_group] = 0
+                    self._timer_bounds[key_group] = (tuple(earliest), 0)
                 else:
                     self._timer_bounds.pop(key_group, None)
         self._component = component
@@ -341,7 +338,7 @@ class ResidentState:
             self.compaction = stored.last
         return entries
 
-    def timer_bound(self, key_group: int, changed: Iterable) -> tuple[int | None, int | None, int | None]:
+    def timer_bound(self, key_group: int, changed: Collection) -> tuple[int | None, int | None, int | None]:
         """The earliest timer of each kind in ``key_group`` at most: exact, or a lower bound; after ``changed``.
 
         Costs the changed keys, not the key group: the bound is the last one
@@ -356,18 +353,14 @@ class ResidentState:
         timers = self.table.values(key_group, self.timers_variable)
         if not timers:
             self._timer_bounds.pop(key_group, None)
-            self._changed_since_exact.pop(key_group, None)
             return (None, None, None)
-        changed = changed if isinstance(changed, (set, frozenset, list, tuple)) else list(changed)
-        since = self._changed_since_exact.get(key_group, 0) + len(changed)
-        bound = self._timer_bounds.get(key_group)
+        bound, since = self._timer_bounds.get(key_group, (None, 0))
+        since += len(changed)
         if bound is None or since * EXACT_TIMERS_EVERY >= len(timers):
             bound, since = minima(timers.values()), 0
         else:
-            lowered = minima([timers[key] for key in changed if key in timers])
-            bound = tuple(b if n is None else n if b is None else min(b, n) for b, n in zip(bound, lowered))
-        self._timer_bounds[key_group] = bound
-        self._changed_since_exact[key_group] = since
+            bound = earlier(bound, minima([timers[key] for key in changed if key in timers]))
+        self._timer_bounds[key_group] = (bound, since)
         return bound
 
     def _changed_batch(self, changed: ChangedRows, changes: dict[int, set]) -> tuple[pa.RecordBatch, dict] | None:

@@ -67,6 +67,11 @@ def minima(values: Iterable[KeyTimers]) -> tuple[int | None, int | None, int | N
             min(expires) if expires else None)
 
 
+def earlier(a: tuple[int | None, ...], b: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """Per kind, the earlier of two ``minima`` results (None where neither has a time)."""
+    return tuple(y if x is None else x if y is None else min(x, y) for x, y in zip(a, b))
+
+
 def with_timer(timers: KeyTimers | None, kind: str, time_ms: int, *, remove: bool = False) -> KeyTimers | None:
     """A key's timers with one event or processing timer added (or removed); None when none are left."""
     event, processing, expires = timers if timers is not None else ((), (), None)

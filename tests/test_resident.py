@@ -417,7 +417,8 @@ def test_a_two_variable_checkpoint_marks_deleted_only_the_keys_gone_from_every_v
 
 def _commit_two(store, checkpoint_id, state, schema, entries=None):
     entries = state.snapshot(max_chain_length=8) if entries is None else entries
-    blob = store.blobs.write_blob("c", checkpoint_id, 0, state.key_group_range, schema.blob_schema, entries)
+    blob = store.blobs.write_blob("c", checkpoint_id, 0, state.key_group_range, schema.blob_schema, entries,
+                                  earliest=state.earliest or None)  # as ``checkpoint`` records them
     state.chains.record(blob.path)
     return store.commit(checkpoint_id, {"c": (ComponentSpec("c", M, 1, schema), [blob])}, {}).components["c"]
 
@@ -483,6 +484,7 @@ def test_earliest_timers_restored_from_the_store_stay_a_lower_bound_through_rand
         if checkpoint_id == 6:  # a restore: bounds come from the entries' records
             state = ResidentState(TIMED, key_group_range(0, 1, M))
             state.catch_up(store.blobs, component, 0, 1)
+            assert state._timer_bounds and all(since == 0 for _, since in state._timer_bounds.values())
         for key in rng.sample(keys, 15):
             _set_timer(state, key, None if rng.random() < 0.3 else rng.randrange(10_000))
         entries = state.snapshot(max_chain_length=8)
