@@ -57,7 +57,7 @@ def rescale(spark, results, tmp_path_factory):
     bench_rescale.WORK = tmp_path_factory.mktemp("rescale-work")
     raw = bench_rescale.run(spark, bench_rescale.SMOKE)
     raw["headline"] = bench_rescale.headline(raw)
-    raw["targets"] = bench_rescale.live_targets(raw)
+    raw["targets"] = bench_rescale.restart_targets(raw) + bench_rescale.live_targets(raw)
     return _finish(spark, bench_rescale, raw, "rescale", results)
 
 
@@ -149,6 +149,22 @@ def test_rescale_smoke(rescale):
     assert [b["parallelism"] for b in live["batches"]] == [2, 2, 2, 2, 3, 3, 3]
     (change,) = live["changes"]
     assert change["pair"] == "2->3" and change["bytes_read"] > 0 and live["final_state_exact"] is True
+    assert [t["kind"] for t in rescale["targets"]] == ["restart", "restart", "live"]
+
+
+def test_restart_targets_take_the_median_over_pairs_of_ours_over_theirs_at_every_size():
+    def size(keys, seconds):  # (ours, spark_pinned, naive) per pair
+        return {"keys": keys, "summary": [{"restart_seconds": dict(zip(
+            ("keyed_count", "spark_pinned", "naive_hash_mod"), s))} for s in seconds]}
+
+    result = {"sizes": [size(1_000, [(1.0, 1.0, 2.0), (3.0, 2.0, 2.0), (1.3, 1.0, 1.0)]),
+                        size(9_000, [(2.0, 1.0, 4.0)])]}
+    targets = bench_rescale.restart_targets(result)
+    assert [(t["value"], t["met"]) for t in targets] == [(1.3, False), (1.3, False), (2.0, False), (0.5, True)]
+    assert targets[0]["target"].startswith("restart at 1,000 keys: ours / Spark's restart without rescaling")
+    assert bench_rescale.headline({"sizes": [{**result["sizes"][1], "summary": [{
+        **result["sizes"][1]["summary"][0], "ours_vs_spark_pinned": 0.5, "ours_vs_naive": 2.0,
+        "read_amplification": {"keyed_count": 1.0, "naive_hash_mod": 3.0}}]}]})["9000"]["ours_over_spark_pinned"] == 2.0
 
 
 @pytest.mark.spark
