@@ -36,7 +36,7 @@ import traceback
 import urllib.request
 from pathlib import Path
 
-from tests.jvm import JVM_OPTIONS
+from tests.jvm import JVM_OPTIONS, driver_jvm_options
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -217,7 +217,7 @@ class StandaloneCluster:
             "spark.executor.cores": "1",
             "spark.cores.max": str(self.workers),
             "spark.executor.memory": "512m",
-            "spark.driver.extraJavaOptions": JVM_OPTIONS,
+            "spark.driver.extraJavaOptions": driver_jvm_options(),
             "spark.executor.extraJavaOptions": JVM_OPTIONS,
             # Start no job before every executor is up, so tasks really spread over the workers.
             "spark.scheduler.minRegisteredResourcesRatio": "1.0",

@@ -47,6 +47,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def pytest_runtest_setup(item):
+    """Before a worker's first test that starts Spark: the drivers' class archive (``tests/jvm.py``), made once."""
+    if item.get_closest_marker("spark") or item.get_closest_marker("cluster"):
+        from tests.jvm import ensure_class_archive
+
+        ensure_class_archive()
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(AWS_DIR, ignore_errors=True)
 
@@ -59,7 +67,7 @@ def spark():
     from pyspark.sql import SparkSession
 
     from spark_state.streaming import UNIX_SOCKETS
-    from tests.jvm import JVM_OPTIONS
+    from tests.jvm import driver_jvm_options
 
     session = (
         SparkSession.builder.master("local[2]")
@@ -69,7 +77,7 @@ def spark():
         .config("spark.ui.enabled", "false")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.driver.memory", "2g")
-        .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+        .config("spark.driver.extraJavaOptions", driver_jvm_options())
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .getOrCreate()
     )

@@ -25,7 +25,7 @@ def driver_session(work: Path, parallelism: int):
     """The test drivers' Spark session: ``local[2]``, UI and AQE off, state in WORK/state at ``parallelism``."""
     from pyspark.sql import SparkSession
 
-    from tests.jvm import JVM_OPTIONS
+    from tests.jvm import driver_jvm_options
 
     spark = (
         SparkSession.builder.master("local[2]")
@@ -33,7 +33,7 @@ def driver_session(work: Path, parallelism: int):
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+        .config("spark.driver.extraJavaOptions", driver_jvm_options())
         .config("spark.state.parallelism", str(parallelism))
         .config("spark.state.store", str(work / "state"))
         .getOrCreate()

@@ -25,7 +25,7 @@ from spark_state.storage import LocalStorage
 from tests.campaign.events import EventLog
 from tests.campaign.model import CountModel
 from tests.campaign.supervisor import REPO, SITE, read_offsets, sink_rows
-from tests.jvm import JVM_OPTIONS
+from tests.jvm import driver_jvm_options
 
 pytestmark = pytest.mark.spark
 
@@ -41,7 +41,7 @@ def _spec(root: Path, name: str, events: str, store: Path) -> Path:
         "conf": {
             "spark.master": "local[1]", "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
             "spark.sql.shuffle.partitions": "2", "spark.sql.adaptive.enabled": "false",
-            "spark.driver.extraJavaOptions": JVM_OPTIONS,
+            "spark.driver.extraJavaOptions": driver_jvm_options(),
             "spark.state.parallelism": "2", "spark.state.store": str(store), "spark.state.checkpointsRetained": "50",
         },
     }

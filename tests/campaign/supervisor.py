@@ -92,7 +92,7 @@ from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
 from tests.campaign.events import NUM_SPLITS, EventLog
 from tests.campaign.model import MODELS, SHAPES, Model
-from tests.jvm import JVM_OPTIONS
+from tests.jvm import driver_jvm_options
 from tests.kills import wait_for_created
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,7 +321,7 @@ class Campaign:
             "spark.ui.showConsoleProgress": "false",
             "spark.sql.shuffle.partitions": "2",
             "spark.sql.adaptive.enabled": "false",
-            "spark.driver.extraJavaOptions": JVM_OPTIONS,
+            "spark.driver.extraJavaOptions": driver_jvm_options(),
             "spark.sql.streaming.stopTimeout": "30s",
             # Every batch's offsets stay until the supervisor has checked it: Spark keeps its last 100 by
             # default, and one long run (a final drain of a large backlog) could purge unchecked ones.
