@@ -21,6 +21,7 @@ cluster have another class path and do without.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -32,7 +33,7 @@ JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 ARCHIVE_DIR = Path(__file__).resolve().parent.parent / "work-dirs" / "jvm"
 
 _DUMP = """
-import os, sys
+import sys
 from pyspark.sql import SparkSession
 spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
          .config("spark.sql.shuffle.partitions", "2")
@@ -47,8 +48,10 @@ process.wait(timeout=120)
 """
 
 
+@functools.cache
 def class_archive() -> Path:
-    """Where the driver class archive of this checkout, Java and pyspark lives (it may not exist)."""
+    """Where the driver class archive of this checkout, Java and pyspark lives (it may not exist); asked before
+    every Spark test, so found once per process."""
     import pyspark
 
     java = os.path.realpath(shutil.which("java") or "java")
