@@ -18,13 +18,18 @@ Lazier still, for a component with one state variable and one key column
 *bare*: its dicts' keys are the key column's values, not 1-tuples, so no
 access hashes or compares a tuple, and a key costs no tuple's memory): ``get_many``
 and ``put_many`` (the built-ins' access) look the keys they are given up in
-the fetched chains with one Arrow ``index_in`` over the key groups they
-touch, and keep only those keys in the group's dict, an *overlay* over its
-chain; a key group is folded whole only when something needs all of it (a
-full entry, ``values``, ``items``) or a single-key access touches it. So a
-batch after a restart, a rescale or a task on a worker that did not hold the
-instance converts to Python objects the keys it touches, not the key groups
-they are in.
+the fetched chains and keep only those keys in the group's dict, an
+*overlay* over its chain; a key group is folded whole only when something
+needs all of it (a full entry, ``values``, ``items``) or a single-key access
+touches it. So a batch after a restart, a rescale or a task on a worker that
+did not hold the instance converts to Python objects the keys it touches,
+not the key groups they are in. Under an integer key column, whose entries
+are written sorted (``KeyedSchema.sorted_key``), a lookup is a binary search
+per entry, so it costs the keys asked, not the key groups' size, and a chain
+stays under its overlay for as long as only those accesses touch it; other
+chains are hashed by one Arrow ``is_in`` over the key groups touched, and a
+key group hashed once is folded at its next lookup (a stream bringing new
+keys every batch would hash the same chains every batch).
 
 Memory (``nbytes``, ``evict``, ``release``, ``settle``): a key group is
 *loaded* (dicts, or a fetched chain with its overlay) or *cold* (evicted: its
@@ -65,6 +70,44 @@ SAMPLED_KEYS = 32
 """Keys whose objects are measured to estimate the bytes per key of a table's dicts."""
 
 
+LEXSORT_ROWS = 1 << 16
+"""Up to this many rows, ``key_order`` sorts in one call; above, run by run (a global sort of millions of rows
+misses the cache at every step: ten times slower than sorting each key group's rows on its own)."""
+
+
+def key_order(keys: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+    """Positions putting ``keys`` in ascending order within each consecutive run of the given sizes (each run
+    keeps its place)."""
+    if len(keys) <= LEXSORT_ROWS:
+        return np.lexsort((keys, np.repeat(np.arange(len(sizes)), sizes)))
+    order, start = np.arange(len(keys)), 0
+    for n in sizes:
+        if n > 1:
+            order[start:start + n] = start + np.argsort(keys[start:start + n], kind="stable")
+        start += n
+    return order
+
+
+def sort_rows(batch: pa.RecordBatch | pa.Table, key: str, sizes: Sequence[int] | None = None):
+    """``batch`` with its rows in ascending order of ``key`` within each consecutive run of ``sizes`` rows (all
+    rows when None); unchanged when the key column has nulls."""
+    column = batch.column(key)
+    if column.null_count or batch.num_rows < 2:
+        return batch
+    keys = column.to_numpy()
+    order = np.argsort(keys, kind="stable") if sizes is None else key_order(keys, sizes)
+    return batch.take(pa.array(order))
+
+
+def _search_keys(batch: pa.RecordBatch, key: str) -> np.ndarray | None:
+    """An entry's keys as a numpy array when they are integers in strictly ascending order without nulls."""
+    column = batch.column(key)
+    if column.null_count or not pa.types.is_integer(column.type):
+        return None
+    keys = column.to_numpy()
+    return keys if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()) else None
+
+
 class FetchedChain:
     """A key group's chain as fetched (oldest entry first, starting with a full one), not yet folded."""
 
@@ -75,12 +118,30 @@ class FetchedChain:
         self._live: int | None = None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
+        self._search: list[tuple[pa.RecordBatch, np.ndarray]] | None | bool = False  # False: not checked yet
         self.released = False
 
     def release(self) -> None:
         """Drop the chain's Arrow data, keeping its count of live keys (its overlay stands in for it)."""
         self.live_keys()
         self.batches, self._folded, self._nbytes, self.released = [], None, 0, True
+        self._search = None
+
+    def searchable(self) -> list[tuple[pa.RecordBatch, np.ndarray]] | None:
+        """The chain's entries, newest first, each with its keys as a numpy array, when every entry's rows are
+        in strictly ascending order of one integer key column (``KeyedSchema.sorted_key``): then a binary search
+        per entry finds a key, without hashing the key group. None otherwise. Checked once, in one pass."""
+        if self._search is False:
+            key = self.schema.sorted_key
+            found = [] if key is not None and not self.released else None
+            for _, batch in reversed(self.batches):
+                keys = _search_keys(batch, key) if found is not None else None
+                if keys is None:
+                    found = None
+                    break
+                found.append((batch, keys))
+            self._search = found
+        return self._search
 
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
         """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it.
@@ -98,6 +159,7 @@ class FetchedChain:
         template = self.batches[0][1].schema
         batch = batch.cast(template) if batch.schema != template else batch
         previous, self._folded, self._live, self._nbytes = self._folded, None, None, None
+        self._search = False
         if len(self.schema.key_columns) != 1 or (kind != "full" and previous is None):
             self.batches = [(kind, batch)] if kind == "full" else self.batches + [(kind, batch)]
             return
@@ -109,6 +171,8 @@ class FetchedChain:
             kept = previous.filter(pc.invert(pc.is_in(previous.column(key), value_set=batch.column(key),
                                                       skip_nulls=False)))
             live = pa.concat_tables([kept, live])
+            if self.schema.sorted_key is not None:  # two sorted runs: a stable sort merges them in one pass
+                live = sort_rows(live.combine_chunks(), key)
         live = live.combine_chunks()
         columns = [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in live.columns]
         whole = pa.RecordBatch.from_arrays(columns + [pa.array(np.zeros(live.num_rows, bool))], schema=template)
@@ -175,7 +239,8 @@ class KeyGroupTable:
         self._unloaded: dict[int, FetchedChain] = {}
         self._dirty: dict[int, set[Key] | Sequence[Key]] = {}  # a sequence: one ``put_many``'s keys, each once
         self._changed_rows: list[ChangedRows] | None = []  # see ``changed_rows``; None: other changes too
-        self._absent: dict[int, set[Key]] = {}  # per unloaded key group: overlay keys its chain does not hold
+        self._absent: dict[int, set[Key]] = {}  # per unloaded key group: keys looked up its chain does not hold
+        self._added: dict[int, int] = {}  # per unloaded key group: keys of ``_absent`` since written (``put_many``)
         self._looked_up: set[int] = set()  # unloaded key groups whose chain a lookup pass already hashed
         # One key column and one variable: the dicts' keys are the key column's values (``held_key``), and
         # lookups keep overlays over fetched chains (``_look_up``).
@@ -229,6 +294,7 @@ class KeyGroupTable:
             group = self._groups[key_group] = [{} for _ in range(self._width)]
             apply_entries(group, fetched.batches, self.schema, whole_chain=True, bare=self.bare)
             self._absent.pop(key_group, None)
+            self._added.pop(key_group, None)
             self._looked_up.discard(key_group)
             if overlay is not None:
                 for values, written in zip(group, overlay):
@@ -250,13 +316,15 @@ class KeyGroupTable:
         self._look_up(key_groups, keys)
 
     def _look_up(self, key_groups: Sequence[int], keys: Sequence[Key]) -> None:
-        """Copy the chain values of the given keys of unloaded key groups into their overlays (one Arrow pass).
+        """Copy the chain values of the given keys of unloaded key groups into their overlays.
 
         A key the overlay already holds is not looked up (the overlay wins);
-        one the chain does not hold is remembered in ``_absent`` (for
-        ``key_count``) once it is written. A key group whose chain a pass
-        already hashed is folded instead: a stream bringing new keys every
-        batch would otherwise hash the same chains every batch.
+        one the chain does not hold is remembered in ``_absent`` (counted in
+        ``_added`` once written, for ``key_count``). Sorted chains are
+        searched (``_search``), others hashed in one Arrow pass; a key group
+        whose chain a hashing pass already visited is folded instead: a
+        stream bringing new keys every batch would otherwise hash the same
+        chains every batch.
         """
         unloaded, groups, absent = self._unloaded, self._groups, self._absent
         wanted: dict[int, list[Key]] = {}
@@ -265,6 +333,13 @@ class KeyGroupTable:
                 overlay = groups.get(g)
                 if (overlay is None or k not in overlay[0]) and k not in absent.get(g, ()):
                     wanted.setdefault(g, []).append(k)
+        sorted_chains = {}
+        for g, asked in wanted.items():
+            entries = unloaded[g].searchable()
+            if entries is not None and None not in asked:
+                sorted_chains[g] = entries
+        if sorted_chains:
+            self._search({g: wanted.pop(g) for g in sorted_chains}, sorted_chains)
         for g in [g for g in wanted if g in self._looked_up and not self.keep_arrow]:
             self._group(g)
             del wanted[g]
@@ -280,24 +355,57 @@ class KeyGroupTable:
         # the chains' keys only probe. A key lives in one key group, and a folded chain holds it once.
         rows = rows.filter(pc.is_in(rows.column(key_column), value_set=asked_keys, skip_nulls=False))
         position = pc.index_in(asked_keys, value_set=rows.column(key_column).combine_chunks(), skip_nulls=False)
-        found = position.is_valid()
-        values = struct_values(rows.column(1).take(pc.drop_null(position)), len(self.schema.variables[0].fields))
-        found_values = iter(values)
-        found_flags = iter(found.to_pylist())
-        for g, asked_keys in wanted.items():
-            overlay = groups.get(g)
-            if overlay is None:
-                overlay = groups[g] = [{}]
-            absent = self._absent.setdefault(g, set())
-            for k in asked_keys:
-                if next(found_flags):
-                    value = next(found_values)
-                    if value is not None:
-                        overlay[0][k] = value
-                    else:
-                        absent.add(k)
-                else:
-                    absent.add(k)
+        values = struct_values(rows.column(1).take(position), len(self.schema.variables[0].fields))
+        self._remember([(g, k) for g in wanted for k in wanted[g]], values)
+
+    def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, np.ndarray]]]
+                ) -> None:
+        """``_look_up`` of key groups whose entries are sorted (``FetchedChain.searchable``).
+
+        Per key group, a binary search of its asked keys in each entry, newest
+        first; a key's newest row wins (a tombstone: the chain does not hold
+        it). Costs the keys asked times the log of the entries' sizes.
+        """
+        columns, positions, found, missing, offset = [], [], [], [], 0
+        for g, asked in wanted.items():
+            chain = entries[g]
+            need = np.array(asked, dtype=chain[0][1].dtype)
+            left = np.ones(len(need), bool)
+            for batch, keys in chain:
+                if not len(keys):
+                    continue
+                at = np.searchsorted(keys, need)
+                np.minimum(at, len(keys) - 1, out=at)
+                rows = np.flatnonzero(left & (keys[at] == need))
+                if len(rows):
+                    columns.append(batch.column(1))
+                    positions.append(at[rows] + offset)
+                    offset += len(keys)
+                    found.extend((g, asked[i]) for i in rows.tolist())
+                    left[rows] = False
+                    if not left.any():
+                        break
+            missing.extend((g, asked[i]) for i in np.flatnonzero(left).tolist())
+        values: list = []
+        if columns:  # one take over the entries that hold keys asked (a take per entry costs 10x more)
+            taken = pa.chunked_array(columns).take(pa.array(np.concatenate(positions)))
+            values = struct_values(taken, len(self.schema.variables[0].fields))  # a tombstone's value is None
+        self._remember(found + missing, values + [None] * len(missing))
+
+    def _remember(self, asked: list[tuple[int, Key]], values: Sequence[Value | None]) -> None:
+        """Record what a lookup found: ``values[i]`` for ``asked[i]``, None where the chain does not hold it."""
+        groups, absent = self._groups, self._absent
+        for (g, k), value in zip(asked, values):
+            if value is not None:
+                overlay = groups.get(g)
+                if overlay is None:
+                    overlay = groups[g] = [{}]
+                overlay[0][k] = value
+            else:
+                missing = absent.get(g)
+                if missing is None:
+                    missing = absent[g] = set()
+                missing.add(k)
 
     # Access -----------------------------------------------------------------------------
 
@@ -376,12 +484,16 @@ class KeyGroupTable:
             self._changed_rows = None
         else:
             self._changed_rows.append(ChangedRows(np.asarray(key_groups), tuple(key_columns), tuple(value_columns)))
-        groups, dirty, width = self._groups, self._dirty, self._width
+        groups, dirty, width, absent = self._groups, self._dirty, self._width, self._absent
         for g, start, end in _runs(key_groups):
             group = groups.get(g)
             if group is None:
                 group = groups[g] = [{} for _ in range(width)]
             group[0].update(zip(keys[start:end], values[start:end]))
+            if absent.get(g):  # keys the chain does not hold, now in the overlay
+                added = absent[g].intersection(keys[start:end])
+                absent[g] -= added
+                self._added[g] = self._added.get(g, 0) + len(added)
             if once and g not in dirty:
                 dirty[g] = keys[start:end]  # each key once: the list is the set of changed keys
             else:
@@ -419,9 +531,7 @@ class KeyGroupTable:
 
     def _unloaded_count(self, key_group: int) -> int:
         """Keys of an unloaded key group: its chain's live keys, and the overlay's keys the chain lacks."""
-        absent = self._absent.get(key_group)
-        written = len(absent & self._groups[key_group][0].keys()) if absent and key_group in self._groups else 0
-        return self._unloaded[key_group].live_keys() + written
+        return self._unloaded[key_group].live_keys() + self._added.get(key_group, 0)
 
     # Checkpointing ----------------------------------------------------------------------
 
@@ -474,6 +584,7 @@ class KeyGroupTable:
         if group is not None and not any(group):
             del self._groups[key_group]
             self._absent.pop(key_group, None)
+            self._added.pop(key_group, None)
 
     # Restoring --------------------------------------------------------------------------
 
@@ -486,6 +597,7 @@ class KeyGroupTable:
         if self._dirty.pop(key_group, None) is not None:
             self._changed_rows = None
         self._absent.pop(key_group, None)
+        self._added.pop(key_group, None)
         self._looked_up.discard(key_group)
         self._unloaded[key_group] = fetched
 
@@ -503,6 +615,7 @@ class KeyGroupTable:
         if self._dirty.pop(key_group, None) is not None:
             self._changed_rows = None
         self._absent.pop(key_group, None)
+        self._added.pop(key_group, None)
         self._looked_up.discard(key_group)
 
     # Memory -----------------------------------------------------------------------------
@@ -566,6 +679,7 @@ class KeyGroupTable:
             fetched.append(kind, written)
             self._groups.pop(key_group, None)
             self._absent.pop(key_group, None)
+            self._added.pop(key_group, None)
             self._looked_up.discard(key_group)
         else:
             self.install(key_group, FetchedChain(key_group, [("full", written)], self.schema))

@@ -61,7 +61,7 @@ from spark_state.chains import DEFAULT_MAX_CHAIN_LENGTH, ChainTracker, PlannedEn
 from spark_state.errors import KeyGroupOwnershipError
 from spark_state.instance_items import InstanceItems, redistribute_items
 from spark_state.keygroups import KeyGroupRange, key_group_range
-from spark_state.keyed_table import ChangedRows, FetchedChain, KeyGroupTable
+from spark_state.keyed_table import ChangedRows, FetchedChain, KeyGroupTable, key_order, sort_rows
 from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
 from spark_state.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
 from spark_state.schema import KeyedSchema
@@ -266,7 +266,9 @@ class ResidentState:
         would take more bytes in the blob); the cost is per row, not per key
         group. When one ``put_many`` made every change (the built-in
         aggregates), its Arrow rows are the delta entries, sorted by key
-        group, instead of rows read back from the dicts.
+        group, instead of rows read back from the dicts. Under an integer
+        key column (``KeyedSchema.sorted_key``) each entry's rows are in
+        ascending key order, compacted ones included.
         With timers, ``earliest`` then holds each written key group's earliest
         timers (a lower bound: ``timer_bound``), for its index entry. With
         ``stored``, a key group compacted
@@ -330,6 +332,8 @@ class ResidentState:
             table = self.schema.rows_to_columns(keys, values, deleted, bare=self.table.bare)
             batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns],
                                                schema=table.schema)
+            if self.schema.sorted_key is not None:  # each entry's rows by key, entries in place
+                batch = sort_rows(batch, self.schema.sorted_key, [n for _, from_fast, _, n in bounds if not from_fast])
         entries = [(entry.key_group, entry.kind, pa.concat_batches([(fast[0] if from_fast else batch).slice(start, n)]))
                    for entry, from_fast, start, n in bounds]
         self.compaction = {}
@@ -375,6 +379,8 @@ class ResidentState:
         present, firsts, counts = np.unique(groups, return_index=True, return_counts=True)
         if len(present) != len(changes):
             return None
+        if self.schema.sorted_key is not None and not changed.keys[0].null_count:  # then by key in each group
+            order = order[key_order(changed.keys[0].to_numpy()[order], counts)]
         take = pa.array(order)
         batch = self.schema.fields_to_batch([column.take(take) for column in changed.keys],
                                             [column.take(take) for column in changed.fields])
@@ -450,6 +456,8 @@ class StoredChains:
             chain = list(fetched[g])
             chain.append(("delta", deltas[g].cast(chain[0][1].schema)))
             live = fold_chain(chain, key_columns)
+            if self.schema.sorted_key is not None:
+                live = sort_rows(live, self.schema.sorted_key)
             kept = pa.array(np.zeros(live.num_rows, bool))
             folded[g] = pa.RecordBatch.from_arrays([c.combine_chunks() for c in live.columns] + [kept],
                                                    schema=blob_schema)

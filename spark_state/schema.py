@@ -115,6 +115,20 @@ class KeyedSchema:
     def value(self) -> StateVariable:
         return self.variables[0]
 
+    @property
+    def sorted_key(self) -> str | None:
+        """The key column each entry's rows are in ascending order of, if any: the one key column, when an integer.
+
+        A checkpoint writes the rows of every entry of such a component in
+        that order (``keyed_table.sort_rows``), so a lookup finds a key by
+        binary search instead of hashing its key group
+        (``keyed_table.FetchedChain.searchable``). Readers check the order,
+        never assume it: a store written before it was kept reads as well.
+        """
+        if len(self.keys) == 1 and pa.types.is_integer(self.keys[0].type):
+            return self.keys[0].name
+        return None
+
     def has_variable(self, name: str) -> bool:
         return any(variable.name == name for variable in self.variables)
 

@@ -9,6 +9,9 @@ checkpoint must restore to exactly the model committed with it. Half the
 runs bound the instances' memory: after a checkpoint, key groups are evicted
 under a drawn bound and loaded back (``ResidentState.load``) when touched,
 as a task does; the invariants read the evicted key groups from copies.
+
+The machine runs with string keys and with integer keys, whose entries are
+written sorted by key and searched, not hashed (``KeyedSchema.sorted_key``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ parallelisms = st.integers(min_value=1, max_value=MAX_PARALLELISM)
 
 
 class StoreMachine(RuleBasedStateMachine):
+    schema = SCHEMA
+    key_type = pa.string()
+
+    @staticmethod
+    def key(drawn: str) -> str | int:
+        """The key a drawn string stands for."""
+        return drawn
+
+    @staticmethod
+    def numbered(n: int) -> str | int:
+        """The ``n``-th key of the dense rules."""
+        return f"k{n}"
+
     def __init__(self) -> None:
         super().__init__()
         self.store = Store(MemoryStorage(), retained=RETAINED)
@@ -56,7 +72,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _empty(self, parallelism: int) -> list[ResidentState]:
         return [
-            ResidentState(SCHEMA, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded)
+            ResidentState(self.schema, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded)
             for i in range(parallelism)
         ]
 
@@ -90,7 +106,7 @@ class StoreMachine(RuleBasedStateMachine):
         manifest = self.store.latest() if checkpoint_id is None else self.store.load(checkpoint_id)
         component = manifest.components.get(COMPONENT) if manifest else None
         return [
-            restore_instance(self.store.blobs, component, SCHEMA, i, parallelism, MAX_PARALLELISM,
+            restore_instance(self.store.blobs, component, self.schema, i, parallelism, MAX_PARALLELISM,
                              bounded=bounded)[0]
             for i in range(parallelism)
         ]
@@ -101,6 +117,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(key=keys, value=st.integers(min_value=-(2**63), max_value=2**63 - 1))
     def put(self, key: str, value: int) -> None:
+        self._put(self.key(key), value)
+
+    def _put(self, key: str | int, value: int) -> None:
         group, state = self._route(key)
         state.table.put(group, (key,), (value,))
         self.live[key] = value
@@ -110,7 +129,7 @@ class StoreMachine(RuleBasedStateMachine):
     def put_many(self, first: int, count: int, value: int) -> None:
         """Fill key groups densely, so that later single changes become delta entries."""
         for n in range(first, first + count):
-            self.put(f"k{n}", value)
+            self._put(self.numbered(n), value)
 
     @rule(first=st.integers(0, 60), count=st.integers(1, 40), step=st.integers(-3, 3), columns=st.booleans())
     def add_many(self, first: int, count: int, step: int, columns: bool) -> None:
@@ -125,7 +144,7 @@ class StoreMachine(RuleBasedStateMachine):
         """
         by_instance: dict[int, list[tuple[int, str]]] = {}
         for n in range(first, first + count):
-            key = f"k{n}"
+            key = self.numbered(n)
             group, state = self._route(key)
             by_instance.setdefault(id(state), []).append((group, key))
         for state in self.instances:
@@ -136,7 +155,7 @@ class StoreMachine(RuleBasedStateMachine):
             news = [((old[0] if old else 0) + step,) for old in olds]
             arrow = {}
             if columns:
-                arrow = {"key_columns": [pa.array([k for _, k in routed], pa.string())],
+                arrow = {"key_columns": [pa.array([k for _, k in routed], self.key_type)],
                          "value_columns": [pa.array([v for (v,) in news], pa.int64())]}
             state.table.put_many(groups, keys, news, **arrow)
             self.live.update((k, v[0]) for (_, k), v in zip(routed, news))
@@ -144,6 +163,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def delete(self, key: str) -> None:
+        key = self.key(key)
         group, state = self._route(key)
         state.table.delete(group, (key,))
         self.live.pop(key, None)
@@ -153,7 +173,7 @@ class StoreMachine(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         checkpoint_id = self.next_id
         self.next_id += 1
-        spec = ComponentSpec(COMPONENT, MAX_PARALLELISM, self.parallelism, SCHEMA)
+        spec = ComponentSpec(COMPONENT, MAX_PARALLELISM, self.parallelism, self.schema)
         manifest = self.store.commit(
             checkpoint_id, {COMPONENT: (spec, self._write_blobs(checkpoint_id))}, {"log": {"0": checkpoint_id}}
         )
@@ -271,5 +291,21 @@ class StoreMachine(RuleBasedStateMachine):
                 assert instance_for_key_group(group, self.parallelism, MAX_PARALLELISM) == index
 
 
+class IntegerKeyStoreMachine(StoreMachine):
+    schema = KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])
+    key_type = pa.int64()
+
+    @staticmethod
+    def key(drawn: str) -> int:
+        """Distinct drawn strings stand for distinct integers around 0 (the empty string for -1)."""
+        return int("".join(str("abcd".index(c) + 1) for c in drawn) or "0", 5) * (-1 if len(drawn) % 2 else 1) - 1
+
+    @staticmethod
+    def numbered(n: int) -> int:
+        return 1000 + 7 * n
+
+
 StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
+IntegerKeyStoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
+TestIntegerKeyStoreMachine = IntegerKeyStoreMachine.TestCase
