@@ -23,13 +23,13 @@ the fetched chains and keep only those keys in the group's dict, an
 needs all of it (a full entry, ``values``, ``items``) or a single-key access
 touches it. So a batch after a restart, a rescale or a task on a worker that
 did not hold the instance converts to Python objects the keys it touches,
-not the key groups they are in. Under an integer key column, whose entries
-are written sorted (``KeyedSchema.sorted_key``), a lookup is a binary search
-per entry, so it costs the keys asked, not the key groups' size, and a chain
-stays under its overlay for as long as only those accesses touch it; other
-chains are hashed by one Arrow ``is_in`` over the key groups touched, and a
-key group hashed once is folded at its next lookup (a stream bringing new
-keys every batch would hash the same chains every batch).
+not the key groups they are in. Under one integer, string or binary key
+column, whose entries are written sorted (``KeyedSchema.sorted_key``), a
+lookup is a binary search per entry, costing the keys asked, not the key
+groups' size; other chains (a store written before entries were sorted) are
+hashed by one Arrow ``is_in`` over the key groups touched. Key groups looked
+up again in later batches are folded a share per batch (``FOLD_SPREAD``), so
+that no batch folds every key group it touches.
 
 Memory (``nbytes``, ``evict``, ``release``, ``settle``): a key group is
 *loaded* (dicts, or a fetched chain with its overlay) or *cold* (evicted: its
@@ -70,20 +70,35 @@ SAMPLED_KEYS = 32
 """Keys whose objects are measured to estimate the bytes per key of a table's dicts."""
 
 
+FOLD_SPREAD = 8
+"""A batch folds into dicts at most 1 / ``FOLD_SPREAD`` of the restored key groups still in Arrow (at least one)
+among those it looks up a second time; the others are searched or hashed again."""
+SEARCH_RATIO = 32
+"""Sorted chains are searched when they hold more than this many rows per key asked, else hashed: a search costs
+about twenty Arrow steps per key asked, hashing a probe per row."""
 LEXSORT_ROWS = 1 << 16
 """Up to this many rows, ``key_order`` sorts in one call; above, run by run (a global sort of millions of rows
 misses the cache at every step: ten times slower than sorting each key group's rows on its own)."""
 
 
-def key_order(keys: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-    """Positions putting ``keys`` in ascending order within each consecutive run of the given sizes (each run
-    keeps its place)."""
-    if len(keys) <= LEXSORT_ROWS:
-        return np.lexsort((keys, np.repeat(np.arange(len(sizes)), sizes)))
+def key_order(keys: pa.Array | pa.ChunkedArray, sizes: Sequence[int]) -> np.ndarray:
+    """Positions putting ``keys`` (no nulls) in ascending order within each consecutive run of the given sizes
+    (each run keeps its place). Integers are sorted by value, strings and binaries by their bytes."""
+    runs = len(sizes)
+    if pa.types.is_integer(keys.type):
+        values = keys.to_numpy()
+        if len(values) <= LEXSORT_ROWS:
+            return np.lexsort((values, np.repeat(np.arange(runs), sizes)))
+        sort = lambda start, n: np.argsort(values[start:start + n], kind="stable")  # noqa: E731
+    else:
+        if len(keys) <= LEXSORT_ROWS:
+            table = pa.table({"run": np.repeat(np.arange(runs), sizes), "key": keys})
+            return pc.sort_indices(table, [("run", "ascending"), ("key", "ascending")]).to_numpy()
+        sort = lambda start, n: pc.sort_indices(keys.slice(start, n)).to_numpy()  # noqa: E731
     order, start = np.arange(len(keys)), 0
     for n in sizes:
         if n > 1:
-            order[start:start + n] = start + np.argsort(keys[start:start + n], kind="stable")
+            order[start:start + n] = start + sort(start, n)
         start += n
     return order
 
@@ -94,18 +109,16 @@ def sort_rows(batch: pa.RecordBatch | pa.Table, key: str, sizes: Sequence[int] |
     column = batch.column(key)
     if column.null_count or batch.num_rows < 2:
         return batch
-    keys = column.to_numpy()
-    order = np.argsort(keys, kind="stable") if sizes is None else key_order(keys, sizes)
-    return batch.take(pa.array(order))
+    return batch.take(pa.array(key_order(column, [batch.num_rows] if sizes is None else sizes)))
 
 
-def _search_keys(batch: pa.RecordBatch, key: str) -> np.ndarray | None:
-    """An entry's keys as a numpy array when they are integers in strictly ascending order without nulls."""
+def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
+    """An entry's key column when its keys are in strictly ascending order without nulls (checked in one pass)."""
     column = batch.column(key)
-    if column.null_count or not pa.types.is_integer(column.type):
+    if column.null_count:
         return None
-    keys = column.to_numpy()
-    return keys if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()) else None
+    n = len(column)
+    return column if n < 2 or pc.all(pc.less(column.slice(0, n - 1), column.slice(1))).as_py() else None
 
 
 class FetchedChain:
@@ -118,7 +131,7 @@ class FetchedChain:
         self._live: int | None = None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
-        self._search: list[tuple[pa.RecordBatch, np.ndarray]] | None | bool = False  # False: not checked yet
+        self._search: list[tuple[pa.RecordBatch, pa.Array]] | None | bool = False  # False: not checked yet
         self.released = False
 
     def release(self) -> None:
@@ -127,10 +140,10 @@ class FetchedChain:
         self.batches, self._folded, self._nbytes, self.released = [], None, 0, True
         self._search = None
 
-    def searchable(self) -> list[tuple[pa.RecordBatch, np.ndarray]] | None:
-        """The chain's entries, newest first, each with its keys as a numpy array, when every entry's rows are
-        in strictly ascending order of one integer key column (``KeyedSchema.sorted_key``): then a binary search
-        per entry finds a key, without hashing the key group. None otherwise. Checked once, in one pass."""
+    def searchable(self) -> list[tuple[pa.RecordBatch, pa.Array]] | None:
+        """The chain's entries, newest first, each with its key column, when every entry's rows are in strictly
+        ascending order of the key (``KeyedSchema.sorted_key``): then a binary search per entry finds a key,
+        without hashing the key group. None otherwise. Checked once, in one pass."""
         if self._search is False:
             key = self.schema.sorted_key
             found = [] if key is not None and not self.released else None
@@ -321,10 +334,14 @@ class KeyGroupTable:
         A key the overlay already holds is not looked up (the overlay wins);
         one the chain does not hold is remembered in ``_absent`` (counted in
         ``_added`` once written, for ``key_count``). Sorted chains are
-        searched (``_search``), others hashed in one Arrow pass; a key group
-        whose chain a hashing pass already visited is folded instead: a
-        stream bringing new keys every batch would otherwise hash the same
-        chains every batch.
+        searched (``_search``) when the keys asked are few for their size
+        (``SEARCH_RATIO``), others hashed in one Arrow pass. Key groups
+        looked up before are folded instead, at most ``FOLD_SPREAD``-th of
+        the unloaded ones per call (a dict lookup is a hundred times cheaper
+        than a search, and hashing costs the key group every batch; folding
+        every key group a batch touches at once made the batch after a
+        rescale several times slower than the others). Under a memory bound
+        nothing is folded.
         """
         unloaded, groups, absent = self._unloaded, self._groups, self._absent
         wanted: dict[int, list[Key]] = {}
@@ -333,17 +350,21 @@ class KeyGroupTable:
                 overlay = groups.get(g)
                 if (overlay is None or k not in overlay[0]) and k not in absent.get(g, ()):
                     wanted.setdefault(g, []).append(k)
+        again = [g for g in wanted if g in self._looked_up]
+        if again and not self.keep_arrow:  # folded a share per batch: dicts are faster, a fold of all is a spike
+            for g in again[:max(1, -(-len(unloaded) // FOLD_SPREAD))]:
+                self._group(g)
+                del wanted[g]
+        self._looked_up.update(wanted)
         sorted_chains = {}
-        for g, asked in wanted.items():
+        asked_count = sum(map(len, wanted.values()))
+        rows = sum(batch.num_rows for g in wanted for _, batch in unloaded[g].batches)
+        for g, asked in wanted.items() if asked_count * SEARCH_RATIO < rows else ():
             entries = unloaded[g].searchable()
             if entries is not None and None not in asked:
                 sorted_chains[g] = entries
         if sorted_chains:
             self._search({g: wanted.pop(g) for g in sorted_chains}, sorted_chains)
-        for g in [g for g in wanted if g in self._looked_up and not self.keep_arrow]:
-            self._group(g)
-            del wanted[g]
-        self._looked_up.update(wanted)
         if not wanted:
             return
         chains = [unloaded[g].folded() for g in wanted]
@@ -358,39 +379,56 @@ class KeyGroupTable:
         values = struct_values(rows.column(1).take(position), len(self.schema.variables[0].fields))
         self._remember([(g, k) for g in wanted for k in wanted[g]], values)
 
-    def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, np.ndarray]]]
+    def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, pa.Array]]]
                 ) -> None:
         """``_look_up`` of key groups whose entries are sorted (``FetchedChain.searchable``).
 
-        Per key group, a binary search of its asked keys in each entry, newest
-        first; a key's newest row wins (a tombstone: the chain does not hold
-        it). Costs the keys asked times the log of the entries' sizes.
+        Entry by entry, newest first, every asked key not found yet is
+        searched in its key group's entry at that level: one binary search
+        for all of them at once, each step one Arrow ``take`` and ``less``
+        over the asked keys. A key's newest row wins (a tombstone: the chain
+        does not hold it). Costs the keys asked times the log of the
+        entries' sizes, not the entries' size.
         """
-        columns, positions, found, missing, offset = [], [], [], [], 0
-        for g, asked in wanted.items():
-            chain = entries[g]
-            need = np.array(asked, dtype=chain[0][1].dtype)
-            left = np.ones(len(need), bool)
-            for batch, keys in chain:
-                if not len(keys):
-                    continue
-                at = np.searchsorted(keys, need)
-                np.minimum(at, len(keys) - 1, out=at)
-                rows = np.flatnonzero(left & (keys[at] == need))
-                if len(rows):
-                    columns.append(batch.column(1))
-                    positions.append(at[rows] + offset)
-                    offset += len(keys)
-                    found.extend((g, asked[i]) for i in rows.tolist())
-                    left[rows] = False
-                    if not left.any():
-                        break
-            missing.extend((g, asked[i]) for i in np.flatnonzero(left).tolist())
-        values: list = []
-        if columns:  # one take over the entries that hold keys asked (a take per entry costs 10x more)
-            taken = pa.chunked_array(columns).take(pa.array(np.concatenate(positions)))
-            values = struct_values(taken, len(self.schema.variables[0].fields))  # a tombstone's value is None
-        self._remember(found + missing, values + [None] * len(missing))
+        key_type = self.schema.keys[0].type
+        asked = [k for keys in wanted.values() for k in keys]
+        owner = np.repeat(np.fromiter(wanted, np.int64, len(wanted)), [len(keys) for keys in wanted.values()])
+        asked_keys = pa.array(asked, key_type)
+        depth = {g: len(chain) for g, chain in entries.items()}
+        pending = np.arange(len(asked))
+        found, values = [], []
+        level = 0
+        while len(pending):
+            groups = [g for g in np.unique(owner[pending]).tolist() if depth[g] > level]
+            if not groups:
+                break
+            sizes = [len(entries[g][level][1]) for g in groups]
+            here = pending[np.isin(owner[pending], groups)]  # the keys whose chain has an entry at this level
+            if not sum(sizes) or not len(here):
+                level += 1
+                continue
+            keys = pa.concat_arrays([entries[g][level][1] for g in groups])  # one array: fast takes
+            starts = np.cumsum([0] + sizes)
+            at = np.searchsorted(np.asarray(groups), owner[here])
+            low, high = starts[at], starts[at + 1]
+            end, last, key = high, len(keys) - 1, asked_keys.take(pa.array(here))
+            while (low < high).any():
+                middle = (low + high) // 2
+                less = pc.less(keys.take(pa.array(np.minimum(middle, last))), key).to_numpy(zero_copy_only=False)
+                active = low < high
+                low, high = np.where(active & less, middle + 1, low), np.where(active & ~less, middle, high)
+            hit = (low < end) & pc.equal(keys.take(pa.array(np.minimum(low, last))), key).to_numpy(
+                zero_copy_only=False)
+            if hit.any():
+                column = pa.chunked_array([entries[g][level][0].column(1) for g in groups])
+                values.extend(struct_values(column.take(pa.array(low[hit])), len(self.schema.variables[0].fields)))
+                found.append(here[hit])  # a tombstone's value is None
+            pending = np.setdiff1d(pending, here[hit], assume_unique=True)
+            level += 1
+        found_at = np.concatenate(found) if found else np.zeros(0, np.int64)
+        order = np.concatenate([found_at, pending]).tolist()
+        owners = owner.tolist()
+        self._remember([(owners[i], asked[i]) for i in order], values + [None] * len(pending))
 
     def _remember(self, asked: list[tuple[int, Key]], values: Sequence[Value | None]) -> None:
         """Record what a lookup found: ``values[i]`` for ``asked[i]``, None where the chain does not hold it."""

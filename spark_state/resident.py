@@ -266,9 +266,9 @@ class ResidentState:
         would take more bytes in the blob); the cost is per row, not per key
         group. When one ``put_many`` made every change (the built-in
         aggregates), its Arrow rows are the delta entries, sorted by key
-        group, instead of rows read back from the dicts. Under an integer
-        key column (``KeyedSchema.sorted_key``) each entry's rows are in
-        ascending key order, compacted ones included.
+        group, instead of rows read back from the dicts. Under one integer,
+        string or binary key column (``KeyedSchema.sorted_key``) each
+        entry's rows are in ascending key order, compacted ones included.
         With timers, ``earliest`` then holds each written key group's earliest
         timers (a lower bound: ``timer_bound``), for its index entry. With
         ``stored``, a key group compacted
@@ -380,7 +380,7 @@ class ResidentState:
         if len(present) != len(changes):
             return None
         if self.schema.sorted_key is not None and not changed.keys[0].null_count:  # then by key in each group
-            order = order[key_order(changed.keys[0].to_numpy()[order], counts)]
+            order = order[key_order(changed.keys[0].take(pa.array(order)), counts)]
         take = pa.array(order)
         batch = self.schema.fields_to_batch([column.take(take) for column in changed.keys],
                                             [column.take(take) for column in changed.fields])

@@ -117,7 +117,8 @@ class KeyedSchema:
 
     @property
     def sorted_key(self) -> str | None:
-        """The key column each entry's rows are in ascending order of, if any: the one key column, when an integer.
+        """The key column each entry's rows are in ascending order of, if any: the one key column, when an integer
+        (by value), a string or a binary (by bytes).
 
         A checkpoint writes the rows of every entry of such a component in
         that order (``keyed_table.sort_rows``), so a lookup finds a key by
@@ -125,7 +126,9 @@ class KeyedSchema:
         (``keyed_table.FetchedChain.searchable``). Readers check the order,
         never assume it: a store written before it was kept reads as well.
         """
-        if len(self.keys) == 1 and pa.types.is_integer(self.keys[0].type):
+        kind = self.keys[0].type
+        if len(self.keys) == 1 and (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_binary(kind)
+                                    or pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)):
             return self.keys[0].name
         return None
 

@@ -11,18 +11,23 @@ under a drawn bound and loaded back (``ResidentState.load``) when touched,
 as a task does; the invariants read the evicted key groups from copies.
 
 The machine runs with string keys and with integer keys, whose entries are
-written sorted by key and searched, not hashed (``KeyedSchema.sorted_key``).
+written sorted by key and searched, not hashed (``KeyedSchema.sorted_key``);
+half the runs write entries unsorted, as a store written before that, whose
+key groups are hashed and folded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import pyarrow as pa
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from spark_state import keyed_table
 from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
 from spark_state.resident import ResidentState, restore_instance
@@ -56,18 +61,27 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self._search_ratio = keyed_table.SEARCH_RATIO
+        keyed_table.SEARCH_RATIO = 0  # search sorted chains however few rows they hold (unsorted ones are hashed)
         self.store = Store(MemoryStorage(), retained=RETAINED)
         self.parallelism = 3
         self.bounded = False
+        self.unsorted = False
         self.instances = self._empty(self.parallelism)
         self.live: dict[str, int] = {}
         self.committed: dict[int, dict[str, int]] = {}
         self.next_id = 1
         self.clean = True  # nothing changed since the last checkpoint or restore
 
-    @initialize(bounded=st.booleans())
-    def choose_bound(self, bounded: bool) -> None:
+    def teardown(self) -> None:
+        keyed_table.SEARCH_RATIO = self._search_ratio
+
+    @initialize(bounded=st.booleans(), unsorted=st.booleans())
+    def choose_bound(self, bounded: bool, unsorted: bool) -> None:
+        """``unsorted``: checkpoints write entries in no key order, as before they were sorted, so restored key
+        groups are hashed and folded instead of searched."""
         self.bounded = bounded
+        self.unsorted = unsorted
         self.instances = self._empty(self.parallelism)
 
     def _empty(self, parallelism: int) -> list[ResidentState]:
@@ -95,10 +109,13 @@ class StoreMachine(RuleBasedStateMachine):
         return loaded
 
     def _write_blobs(self, checkpoint_id: int):
-        refs = [
-            state.checkpoint(self.store.blobs, COMPONENT, checkpoint_id, i, max_chain_length=MAX_CHAIN_LENGTH)[0]
-            for i, state in enumerate(self.instances)
-        ]
+        writer = mock.patch.object(KeyedSchema, "sorted_key", property(lambda _: None)) if self.unsorted else (
+            contextlib.nullcontext())
+        with writer:
+            refs = [
+                state.checkpoint(self.store.blobs, COMPONENT, checkpoint_id, i, max_chain_length=MAX_CHAIN_LENGTH)[0]
+                for i, state in enumerate(self.instances)
+            ]
         return [ref for ref in refs if ref is not None]
 
     def _restore(self, parallelism: int, checkpoint_id: int | None = None, *,
