@@ -199,6 +199,43 @@ def _log(address: Path) -> str:
     return "the host's log: " + (log.read_text(errors="replace")[-3000:] if log.exists() else "(none)")
 
 
+_FIRST_TASK = """
+import sys, tempfile
+from spark_state import hosts
+store = tempfile.mkdtemp()
+hosts._load_host_modules(store)
+before = set(sys.modules)
+import numpy as np
+import pyarrow as pa
+from spark_state.blobstore import BlobStore
+from spark_state.functions import KEY_GROUP_COLUMN, Aggregate
+from spark_state.keygroups import key_group_range, key_groups_for_columns
+from spark_state.resident import ResidentState
+from spark_state.schema import KeyedSchema
+from spark_state.storage import open_storage
+aggregate = Aggregate("sum", "x", "total", pa.int64())
+schema = KeyedSchema.of_values([pa.field("key", pa.string())], aggregate.state_fields())
+keys = pa.array(["a", "b", "a"])
+rows = pa.table({KEY_GROUP_COLUMN: pa.array(key_groups_for_columns([keys], 8).astype(np.int32)), "key": keys,
+                 "x": pa.array([1, 2, 3])})
+state = ResidentState(schema, key_group_range(0, 1, 8))
+aggregate.apply(state.table, rows, ("key",))
+state.checkpoint(BlobStore(open_storage(store)), "c", 0, 0)
+print(sorted(set(sys.modules) - before))
+"""
+
+
+def test_a_new_host_s_first_aggregate_of_raw_rows_and_its_checkpoint_import_nothing_the_worker_did_not_load():
+    """``_load_host_modules`` runs in the worker before it forks a host: every module a host's first task
+    imports instead is paid again by each new host (Acero, for the partials of rows that are not Spark's)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _FIRST_TASK], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
     """``_connect`` forks the host as this process's child; once it exits, the next connection reaps it (no zombie)."""
     with _forked_host() as (address, host):
