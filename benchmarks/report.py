@@ -619,16 +619,24 @@ def campaign_savepoints_lines(data: dict, file: str) -> list[str]:
 
 def campaign_hosts_lines(data: dict, file: str) -> list[str]:
     """A run on instance hosts (the committed 200-cycle run predates them)."""
+    killed = data["faults"].get("kill_host", 0)
     return campaign_run_lines(data, file, "On instance hosts", f"{data['queries']} queries with their state in "
-                              "instance hosts (a killed worker is a courier, a killed executor ends its hosts)")
+                              "instance hosts (a killed worker is a courier, a killed executor ends its hosts"
+                              + (f"; {killed} host{'s' if killed > 1 else ''} killed, each restored from the store "
+                                 "by its next task" if killed else "") + ")")
 
 
 def campaign_memory_lines(data: dict, file: str) -> list[str]:
-    """A run with every query under a memory bound far below its state (evictions in every batch)."""
-    return campaign_run_lines(data, file, "Under a memory bound", f"{data['queries']} queries with "
+    """A run with every query under a memory bound far below its state (evictions in every batch), with
+    ``--s3`` and ``--savepoints`` when they were given."""
+    on_s3, forked = data.get("queries_on_s3", 0), data.get("queries_forked", 0)
+    label = "Under a memory bound" + (", on S3" if on_s3 else "") + (", with savepoints" if forked else "")
+    return campaign_run_lines(data, file, label, f"{data['queries']} queries with "
                               f"`spark.state.residentMemory={data['memory_bound']}`, far below their state "
                               f"({data.get('key_groups_evicted', 0):,} key groups evicted and "
-                              f"{data.get('key_groups_loaded_back', 0):,} read back)")
+                              f"{data.get('key_groups_loaded_back', 0):,} read back)"
+                              + (f", {on_s3} with their state store on SeaweedFS" if on_s3 else "")
+                              + (f", {forked} forked from a savepoint" if forked else ""))
 
 
 def campaign_key_space_lines(data: dict, file: str) -> list[str]:
@@ -672,8 +680,9 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_savepoints_lines(*load("campaign_savepoints", results))
     if (results / "campaign_hosts.json").exists():
         lines += campaign_hosts_lines(*load("campaign_hosts", results))
-    if (results / "campaign_memory.json").exists():
-        lines += campaign_memory_lines(*load("campaign_memory", results))
+    for name in ("campaign_memory", "campaign_memory_s3"):
+        if (results / f"{name}.json").exists():
+            lines += campaign_memory_lines(*load(name, results))
     if (results / "campaign_key_space.json").exists():
         lines += campaign_key_space_lines(*load("campaign_key_space", results))
     lines += parts_section(keygroups, source, restore)
