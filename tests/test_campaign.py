@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from tests.campaign.supervisor import PROBLEM_COUNTS, Campaign
+from tests.campaign.supervisor import PROBLEM_COUNTS, Campaign, python_roles
 
 # A driver kill, a savepoint taken while the query runs, and a query forked from it (with this seed, its first
 # driver is killed while it starts, then started again); a drain: the final cycle of every query drains it. Each
@@ -28,6 +28,14 @@ def test_a_short_seeded_campaign_finds_every_batch_and_the_final_state_exact(tmp
     assert summary["queries_forked"] == 1 and summary["faults"]["savepoint"] == summary["faults"]["fork"] == 1
     assert summary["cycles"] == len(KINDS) + 2 and summary["states_checked"] == 2
     assert summary["batches_checked"] >= len(KINDS) and summary["faults"] == dict.fromkeys(KINDS, 1)
+
+
+def test_kill_worker_and_kill_host_tell_spark_s_python_processes_apart():
+    # The JVM (10) runs the daemon (20), which forked workers 21 and 22; 21 forked hosts 31 and 32; the worker
+    # of host 33 died, so init (1, outside the session) adopted it.
+    parents = {20: 10, 21: 20, 22: 20, 31: 21, 32: 21, 33: 1}
+    roles = python_roles(parents, members={10, 20, 21, 22, 31, 32, 33})
+    assert roles == {"daemon": [20], "worker": [21, 22], "host": [31, 32, 33]}
 
 
 def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record(tmp_path):

@@ -100,7 +100,7 @@ SITE = Path(__file__).resolve().parent / "site"
 MAX_PARALLELISM = 128
 FIRST_OFFSETS_TEMP = r"\.0\.[0-9a-f-]{36}\.tmp"
 KILLS = ("kill_random", "kill_after_blob", "kill_after_manifest", "kill_after_offsets", "kill_after_commit",
-         "kill_first_offsets", "kill_after_sink_commit", "kill_worker")
+         "kill_first_offsets", "kill_after_sink_commit", "kill_worker", "kill_host")
 STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
 FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + ("delete_newest_record",
                                                                            "second_checkpoint")
@@ -218,6 +218,23 @@ def store_files(storage, path: str = "") -> list[str]:
 def committed_batches(checkpoint: Path) -> set[int]:
     directory = checkpoint / "commits"
     return {int(n) for n in os.listdir(directory) if n.isdigit()} if directory.is_dir() else set()
+
+
+def _process_state(pid: int) -> str | None:
+    """The scheduler state of ``pid`` (``R`` running, ``S`` sleeping, ...), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def python_roles(parents: dict[int, int], members: set[int]) -> dict[str, list[int]]:
+    """Spark's Python processes of a session by role (``Campaign.python_process``): ``parents`` maps each
+    process forked from the daemon's command line to its parent, ``members`` are the session's processes."""
+    daemons = {pid for pid, parent in parents.items() if parent not in parents and parent in members}
+    return {"daemon": sorted(daemons),
+            "worker": sorted(pid for pid, parent in parents.items() if parent in daemons),
+            "host": sorted(pid for pid, parent in parents.items() if pid not in daemons and parent not in daemons)}
 
 
 class Campaign:
@@ -638,7 +655,7 @@ class Campaign:
         deadline = started + (bound or self.cycle_timeout)
         early = self.rng.random() < 0.2  # a timed fault during start-up, else while batches run
         fault_delay = self.rng.uniform(1.0, 8.0) if early else self.rng.uniform(0.0, run_for + 2.0)
-        timed = ("kill_random", "kill_worker", "kill_executor", "clean_stop", "savepoint")
+        timed = ("kill_random", "kill_worker", "kill_host", "kill_executor", "clean_stop", "savepoint")
         query_started = None
         finished = False
         while process.poll() is None and _now() < deadline:
@@ -654,10 +671,20 @@ class Campaign:
                 made = self.make_savepoint(query, cycle_dir)
                 injected.append(made or "no savepoint")
             elif kind == "kill_worker" and due:
-                worker = self.python_worker(process.pid)
+                worker = self.python_process(process.pid, "worker")
                 if worker is not None:
                     os.kill(worker, signal.SIGKILL)
                     injected.append(f"worker {worker}")
+            elif kind == "kill_host" and due:  # one running a task if any does within 3 s, else an idle one
+                host = self.busy_host(process.pid)
+                if host is not None:
+                    injected.append(f"busy host {host}")
+                elif now >= base + fault_delay + 3.0:
+                    host = self.python_process(process.pid, "host")
+                    if host is not None:
+                        injected.append(f"idle host {host}")
+                if host is not None:
+                    os.kill(host, signal.SIGKILL)
             elif kind == "kill_executor" and due:
                 executor = self.executor(cluster)
                 if executor is not None:
@@ -737,20 +764,43 @@ class Campaign:
             self.problems.append(f"{cycle_dir.name}: fault {fired} did not surface as a typed error naming "
                                  f"{relative!r} (driver exit {code})")
 
-    def python_worker(self, session: int) -> int | None:
-        """A forked Python worker of the driver's session (a child of Spark's Python daemon), if one runs now."""
-        daemons, parents = set(), {}
-        for pid in session_members(session):
+    def python_process(self, session: int, role: str) -> int | None:
+        """A random Python ``worker`` or instance ``host`` of the driver's session running now, if any.
+
+        All are forks of Spark's Python daemon (their command line is its):
+        a daemon is one whose parent is another process of the session (the
+        JVM), a worker is a daemon's child, and a host is any other (a
+        worker's child, or an orphan, its parent outside the session, once
+        its worker died).
+        """
+        chosen = self._python_processes(session)[role]
+        return self.rng.choice(chosen) if chosen else None
+
+    def busy_host(self, session: int, watch_s: float = 0.5) -> int | None:
+        """An instance host of the driver's session seen running (in a task) within ``watch_s``, if any: an
+        idle host sleeps in ``accept``, a task's restore, apply and checkpoint run."""
+        hosts = self._python_processes(session)["host"]
+        deadline = time.monotonic() + watch_s
+        while hosts and time.monotonic() < deadline:
+            running = [pid for pid in hosts if _process_state(pid) == "R"]
+            if running:
+                return self.rng.choice(running)
+            time.sleep(0.002)
+        return None
+
+    @staticmethod
+    def _python_processes(session: int) -> dict[str, list[int]]:
+        """``python_roles`` of the session's processes now."""
+        parents, members = {}, set(session_members(session))
+        for pid in members:
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
                 parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
             if b"pyspark.daemon" in command:
-                daemons.add(pid)
                 parents[pid] = parent
-        workers = [pid for pid, parent in parents.items() if parent in daemons]
-        return self.rng.choice(workers) if workers else None
+        return python_roles(parents, members)
 
     def ensure_s3(self):
         """The campaign's S3 server (started on first use, and again after a resume, on the same ports and data)."""
