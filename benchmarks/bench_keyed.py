@@ -1,6 +1,6 @@
 """The keyed count against Spark's own stateful operators, and its batch time as state grows.
 
-Run: ``./run bench bench_keyed [--full]``. Prints one JSON object, writes it
+Run: ``./run bench bench_keyed [--full] [--keys long]``. Prints one JSON object, writes it
 to ``benchmarks/results/keyed.json`` and plots ``benchmarks/results/keyed.png``
 (``keyed_full.*`` with ``--full``). Quick mode (default) takes a few
 minutes on the shared 2-core machine; ``--full`` adds parallelism 4, five
@@ -11,7 +11,10 @@ system ratios 40% apart), 100k and 10M keys of state and ten steady batches
 
 Input: Parquet files generated once from a seeded RNG, read by a file stream
 with ``maxFilesPerTrigger=1`` (file i has mtime BASE + i), so batch i has the
-same rows in every run and for every system. Keys are strings ``k0000000``...
+same rows in every run and for every system. Keys are strings ``k0000000``...,
+or with ``--keys long`` the longs 0, 1, ... (``keyed_long.json``): the key
+type users most often group by, whose entries our store writes sorted by
+value and searches after a restore.
 
 1. ``throughput``: rows/s of a running count per key, every system over the
    same files at the same parallelism (``spark.state.parallelism`` for ours,
@@ -68,7 +71,7 @@ import os
 import shutil
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -81,7 +84,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 WORK = common.WORK_DIR / "keyed"
-SCHEMA_DDL = "key string"
+KEY_TYPES = ("string", "long")
+"""The key column's type: ``--keys`` (the default first)."""
 TARGETS = {
     "throughput_vs_groupby_hdfs": 1.0,  # ours / Spark groupBy().count() on its default HDFS-backed store, at least
     "throughput_vs_groupby_rocksdb": 1.5,  # ours / Spark groupBy().count() on RocksDB, at least
@@ -114,6 +118,15 @@ class Config:
     state_sizes: tuple[int, ...]  # smallest first; the targets compare 1M with 10k
     steady_keys: int
     steady_batches: int
+    key_type: str = "string"  # of KEY_TYPES
+
+    @property
+    def schema_ddl(self) -> str:
+        return f"key {self.key_type}"
+
+    def key_space(self, n: int) -> pa.Array:
+        """Key i at index i, ``n`` of them."""
+        return common.key_space(n) if self.key_type == "string" else pa.array(np.arange(n, dtype=np.int64))
 
 
 BATCH_LIMITS = {  # measured batches of the systems too slow to run them all (per key ~1-2 ms: minutes per batch)
@@ -233,14 +246,19 @@ def _transform_with_state_in_pandas(df):
         def close(self):
             pass
 
-    return df.groupBy("key").transformWithStateInPandas(Count(), "key string, count long", "Update", "None")
+    return df.groupBy("key").transformWithStateInPandas(Count(), _output_ddl(df), "Update", "None")
+
+
+def _output_ddl(df) -> str:
+    """The pandas APIs' output: the key as the input has it, and its count."""
+    return f"key {df.schema['key'].dataType.simpleString()}, count long"
 
 
 def _apply_in_pandas(df):
     from pyspark.sql.streaming.state import GroupStateTimeout
 
     return df.groupBy("key").applyInPandasWithState(
-        _count_rows, "key string, count long", "count long", "update", GroupStateTimeout.NoTimeout
+        _count_rows, _output_ddl(df), "count long", "update", GroupStateTimeout.NoTimeout
     )
 
 
@@ -276,7 +294,7 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
         keys, config.throughput_keys, config.rows_per_batch, config.throughput_batches - 1, rng
     )
     tables = warmup + probe + rest
-    files = common.write_input(WORK / "throughput-input", tables, SCHEMA_DDL)
+    files = common.write_input(WORK / "throughput-input", tables, config.schema_ddl)
     rows = dict(enumerate(files.rows))
     # Warm the JVM (and its Python workers) with every system before measuring, so that the system that runs
     # first in round 0 (always the first of ``config.systems``) does not pay for the JIT alone: a run over all
@@ -414,7 +432,7 @@ def rocksdb_memory(spark, config: Config, keys: pa.Array, rng: np.random.Generat
     """Spark's RocksDB state store holding the largest state size: its memory and SST bytes per key."""
     n = max(config.state_sizes)
     files = common.write_input(WORK / "rocksdb-memory-input", [common.batch_over(keys, rng.permutation(n))],
-                               SCHEMA_DDL)
+                               config.schema_ddl)
     run, _ = SYSTEMS["groupby_count_rocksdb"]
     query = run(spark, files, parallelism, WORK / "rocksdb-memory")
     operator = [p for p in query.recentProgress if p["numInputRows"] > 0][-1]["stateOperators"][0]
@@ -439,7 +457,7 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
     steady = common.uniform_batches(keys, config.steady_keys, config.rows_per_batch, config.steady_batches, rng)
     inputs = {
         str(n): common.write_input(WORK / f"state-{n}-files", [common.batch_over(keys, rng.permutation(n)), *steady],
-                                   SCHEMA_DDL)
+                                   config.schema_ddl)
         for n in config.state_sizes
     }
     schedules = {label: list(range(1 + len(steady))) for label in inputs}
@@ -618,7 +636,7 @@ def run(spark, config: Config) -> dict:
     """Both sections on ``spark``; the inputs and state live under ``WORK`` and are removed afterwards."""
     common.fresh_dir(WORK)
     rng = np.random.default_rng(20240601)
-    keys = common.key_space(max(max(config.state_sizes), config.throughput_keys))
+    keys = config.key_space(max(max(config.state_sizes), config.throughput_keys))
     try:
         result = {"throughput": throughput(spark, config, keys, rng), "state_size": state_size(spark, config, keys, rng)}
         result["rocksdb_memory"] = rocksdb_memory(spark, config, keys, rng)
@@ -628,17 +646,26 @@ def run(spark, config: Config) -> dict:
     return result
 
 
+def _arguments(parser) -> None:
+    parser.add_argument("--keys", choices=KEY_TYPES, default=KEY_TYPES[0],
+                        help="the key column's type (long: results in keyed_long*.json)")
+
+
 def main(argv=None) -> dict:
     args, config = common.parse_mode(__doc__, "parallelism 2 and 4, HDFS provider, 10M keys, more batches",
-                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
+                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv, _arguments)
+    config = replace(config, key_type=args.keys)
+    variant = "" if args.keys == KEY_TYPES[0] else f"_{args.keys}"
     conf = {
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.shuffle.partitions": "= parallelism under test",
         "spark.state.maxParallelism": "unset (a new store: 1024 at parallelism 2 and 4)",
         "spark.state.maxChainLength": "8 (default)",
     }
-    return common.run_and_save("keyed", config.mode, common.command_line("bench_keyed", args),
-                               lambda spark: {"spark_conf": conf, **run(spark, config)}, plot)
+    command = common.command_line("bench_keyed", args) + (f" --keys {args.keys}" if variant else "")
+    return common.run_and_save("keyed", config.mode, command,
+                               lambda spark: {"spark_conf": conf, "key_type": config.key_type, **run(spark, config)},
+                               plot, variant=variant)
 
 
 if __name__ == "__main__":

@@ -422,8 +422,9 @@ def result_header(spark, name: str, mode: str, command: str) -> dict:
             "environment": environment(spark)}
 
 
-def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], dict], plot: Callable) -> dict:
-    """Run one Spark benchmark in a fresh session; save ``results/<name>[_<mode>].json`` and its plot.
+def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], dict], plot: Callable,
+                 variant: str = "") -> dict:
+    """Run one Spark benchmark in a fresh session; save ``results/<name><variant>[_<mode>].json`` and its plot.
 
     ``measure(spark)`` returns the benchmark's own fields; the machine,
     versions, load average and wall time are added around them.
@@ -436,7 +437,7 @@ def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], di
         spark.stop()
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    file = name if mode == "quick" else f"{name}_{mode}"
+    file = f"{name}{variant}" if mode == "quick" else f"{name}{variant}_{mode}"
     plot(result, RESULTS_DIR / f"{file}.png")
     save_report(file, result)
     return result

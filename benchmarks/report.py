@@ -189,6 +189,20 @@ def commit_section(data: dict, file: str) -> list[str]:
     return out
 
 
+def long_keys_lines(data: dict, file: str) -> list[str]:
+    """``bench_keyed --keys long``: the same throughput and state-size ratios with long keys, one paragraph."""
+    t, s = data["throughput"], data["state_size"]
+    ratios = "; ".join(
+        f"at parallelism {p}: " + ", ".join(f"{_x_exact(v['ratio'])} {system}" for system, v in n["keyed_count_vs"].items())
+        for p, n in t["by_parallelism"].items())
+    largest = max(s["versus_smallest"], key=int)
+    load = data["environment"]["load_average_1m"]
+    return [f"With long keys (`benchmarks/results/{file}`, `{data['command']}`, load average {load:.1f} at start): "
+            f"ours / theirs {ratios}. A steady batch over "
+            f"{int(largest):,} keys of state takes {_x(s['versus_smallest'][largest]['batch_time_ratio'])} the time "
+            f"of one over {min(map(int, s['versus_smallest'])):,}.", ""]
+
+
 def throughput_section(data: dict, file: str) -> list[str]:
     t = data["throughput"]
     systems = list(next(iter(t["by_parallelism"].values()))["rows_per_s"])
@@ -667,6 +681,8 @@ def render(results: Path = RESULTS) -> str:
     lines += rescale_s3_section(*rescale_s3)
     lines += commit_section(*commit)
     lines += throughput_section(*keyed)
+    if (results / "keyed_long.json").exists() or (results / "keyed_long_full.json").exists():
+        lines += long_keys_lines(*load("keyed_long", results))
     lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
     lines += manifest_section(*load("manifest", results))
