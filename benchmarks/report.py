@@ -200,7 +200,12 @@ def long_keys_lines(data: dict, file: str) -> list[str]:
     return [f"With long keys (`benchmarks/results/{file}`, `{data['command']}`, load average {load:.1f} at start): "
             f"ours / theirs {ratios}. A steady batch over "
             f"{int(largest):,} keys of state takes {_x(s['versus_smallest'][largest]['batch_time_ratio'])} the time "
-            f"of one over {min(map(int, s['versus_smallest'])):,}.", ""]
+            f"of one over {min(map(int, s['versus_smallest'])):,}"
+            + (f"; the instance hosts hold {memory[largest]['resident_bytes_per_key']:,.0f} B per key of state and "
+               f"store {memory[largest]['stored_bytes_per_key']:,.1f} (Spark's RocksDB store: "
+               f"{rocks['memory_bytes_per_key']:,.1f} B per key in memory, {rocks['sst_bytes_per_key']:,.1f} in SST "
+               "files)" if (memory := s.get("memory")) and (rocks := data.get("rocksdb_memory"))
+               and memory[largest]["resident_bytes_per_key"] else "") + ".", ""]
 
 
 def throughput_section(data: dict, file: str) -> list[str]:
@@ -445,7 +450,8 @@ def parts_section(keygroups: tuple[dict, str], source: tuple[dict, str], restore
 
 
 def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, reader: dict | None = None,
-                   rescale_s3: dict | None = None, commit: dict | None = None, time: dict | None = None) -> list[str]:
+                   rescale_s3: dict | None = None, commit: dict | None = None, time: dict | None = None,
+                   keyed_long: dict | None = None) -> list[str]:
     """Every place the numbers show us behind what a user would use instead, with by how much."""
     out = ["### Where we are behind", ""]
     for target in rescale.get("targets", []):
@@ -484,6 +490,10 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
         if not target["met"] and target["target"].startswith("throughput"):
             out.append(f"- Throughput target missed at parallelism {target['parallelism']}: {target['target']} "
                        f"{_x_exact(target['measured'])} (at least {_x(target['at_least'])}).")
+    for target in (keyed_long or {}).get("targets", []):
+        if not target["met"] and target["target"].startswith("throughput"):
+            out.append(f"- With long keys, throughput target missed at parallelism {target['parallelism']}: "
+                       f"{target['target']} {_x_exact(target['measured'])} (at least {_x(target['at_least'])}).")
     for size in rescale["sizes"]:
         rows = size["summary"]
         slower_pinned = [r for r in rows if r["ours_vs_spark_pinned"] < 1]
@@ -681,7 +691,7 @@ def render(results: Path = RESULTS) -> str:
     lines += rescale_s3_section(*rescale_s3)
     lines += commit_section(*commit)
     lines += throughput_section(*keyed)
-    if (results / "keyed_long.json").exists() or (results / "keyed_long_full.json").exists():
+    if any((results / f).exists() for f in ("keyed_long.json", "keyed_long_full.json")):
         lines += long_keys_lines(*load("keyed_long", results))
     lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
@@ -702,8 +712,10 @@ def render(results: Path = RESULTS) -> str:
     if (results / "campaign_key_space.json").exists():
         lines += campaign_key_space_lines(*load("campaign_key_space", results))
     lines += parts_section(keygroups, source, restore)
+    keyed_long = load("keyed_long", results)[0] if any(
+        (results / f).exists() for f in ("keyed_long.json", "keyed_long_full.json")) else None
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
-                            time[0])
+                            time[0], keyed_long)
     lines.append(END)
     return "\n".join(lines)
 
