@@ -10,12 +10,13 @@ loads (``driver_jvm_options``): a session's start and first query took 14.8 s
 without it and 7.4-8.1 s with it, on a machine where the suite starts about
 twenty drivers. ``ensure_class_archive`` makes it once per checkout, Java and
 pyspark (in ``work-dirs/jvm``, under a lock, before the first Spark test of
-each test worker): a JVM run with ``-XX:ArchiveClassesAtExit`` writes it as it
-exits, under a temporary name renamed only once that JVM has exited, since a
-truncated archive crashes the JVM that maps it. A JVM whose class path no
-longer matches the archive prints "Unable to use shared archive" and starts
-without it; making one failed, the tests run without it. Executors of the
-cluster have another class path and do without.
+the first test worker to get there; the other does not wait): a JVM run with
+``-XX:ArchiveClassesAtExit`` writes it as it exits, under a temporary name
+renamed only once that JVM has exited, since a truncated archive crashes the
+JVM that maps it. A JVM whose class path no longer matches the archive
+prints "Unable to use shared archive" and starts without it; making one
+failed, the tests run without it. Executors of the cluster have another
+class path and do without.
 """
 
 from __future__ import annotations
@@ -60,13 +61,21 @@ def class_archive() -> Path:
 
 
 def ensure_class_archive() -> None:
-    """Make the driver class archive unless it exists (about 25 s, once); on failure the tests do without."""
+    """Make the driver class archive unless it exists (25-40 s, once); on failure the tests do without.
+
+    A process that finds another making it does not wait for it: its JVMs
+    start without the archive until it exists (a fresh checkout's second
+    test worker lost 40 s waiting for the first's).
+    """
     archive = class_archive()
     if archive.exists():
         return
     ARCHIVE_DIR.mkdir(parents=True, exist_ok=True)
     with open(ARCHIVE_DIR / "archive.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
         if archive.exists():
             return
         partial = archive.with_name(f"{archive.name}.{os.getpid()}.partial")
