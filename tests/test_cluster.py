@@ -1,4 +1,4 @@
-"""On a real cluster: a Spark standalone master and two workers on loopback, rescaled 2 -> 3 -> 1.
+"""On a real cluster: a Spark standalone master and two workers on loopback, rescaled 2 -> 3.
 
 Each run is a new application (a new SparkSession in the driver process, so
 new executors with no resident state) that appends events to a
@@ -12,7 +12,9 @@ must be exact (every key's count grows by exactly the rows each batch
 consumed, and ends at the model's), the instances must have run in both
 executors (two JVMs, each with its own Python workers), and the first batch
 after a restart must have read exactly the restore plan of each instance:
-only its own key groups.
+only its own key groups. (Scaling down, to one instance reading the whole
+state, is ``test_remote_storage_spark``'s 2 -> 3 -> 1 on S3 in local mode: a
+third application here cost the suite 35-40 s of its ten minutes.)
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def first_batch_reads(result: dict) -> dict[int, int]:
     return {m["instance"]: m["restore"]["bytes_read"] for m in result["batches"][0]["instances"]}
 
 
-def test_rescale_2_3_1_across_executors_on_s3_gives_exact_output(cluster, driver, tmp_path, s3_server, s3_bucket):
+def test_rescale_2_3_across_executors_on_s3_gives_exact_output(cluster, driver, tmp_path, s3_server, s3_bucket):
     job = ClusterJob(driver, tmp_path, s3_server, s3_bucket)
 
     first = job.run(2, 600, keys=90, salt=0, try_local_store=str(tmp_path / "local-state"))
@@ -136,12 +138,4 @@ def test_rescale_2_3_1_across_executors_on_s3_gives_exact_output(cluster, driver
     assert first_batch_reads(second) == planned
     job.check_exact()
     assert len(executors_of(cluster, second)) == 2
-
-    # Scale down to 1: the only instance reads the whole state.
-    whole = job.restore_bytes(1)[0]
-    third = job.run(1, 200, keys=150, salt=4)
-    assert [b["parallelism"] for b in third["batches"]] == [1]
-    assert first_batch_reads(third) == {0: whole} and whole > 0
-    job.check_exact()
-    assert len(executors_of(cluster, third)) == 1
-    assert len({first["app_id"], second["app_id"], third["app_id"]}) == 3
+    assert first["app_id"] != second["app_id"]
