@@ -694,8 +694,10 @@ def render(results: Path = RESULTS) -> str:
     lines += rescale_s3_section(*rescale_s3)
     lines += commit_section(*commit)
     lines += throughput_section(*keyed)
-    if any((results / f).exists() for f in ("keyed_long.json", "keyed_long_full.json")):
-        lines += long_keys_lines(*load("keyed_long", results))
+    keyed_long = load("keyed_long", results) if any(
+        (results / f).exists() for f in ("keyed_long.json", "keyed_long_full.json")) else None
+    if keyed_long is not None:
+        lines += long_keys_lines(*keyed_long)
     lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
     lines += manifest_section(*load("manifest", results))
@@ -715,10 +717,8 @@ def render(results: Path = RESULTS) -> str:
     if (results / "campaign_key_space.json").exists():
         lines += campaign_key_space_lines(*load("campaign_key_space", results))
     lines += parts_section(keygroups, source, restore)
-    keyed_long = load("keyed_long", results)[0] if any(
-        (results / f).exists() for f in ("keyed_long.json", "keyed_long_full.json")) else None
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
-                            time[0], keyed_long)
+                            time[0], keyed_long[0] if keyed_long is not None else None)
     lines.append(END)
     return "\n".join(lines)
 
