@@ -42,8 +42,9 @@ local disk.
 
 With ``--savepoints``, two more kinds join (``SAVEPOINT_KINDS``):
 ``savepoint`` runs ``spark-state savepoint create`` on a query's store at a
-random moment while the query runs (retrying when the command says the
-checkpoint fell out of retention meanwhile); ``fork`` starts a new query from
+random moment while the query runs, counted from its first commit in a
+query's first cycle (retrying when the command says the checkpoint fell out
+of retention meanwhile); ``fork`` starts a new query from
 one of those savepoints into a new, empty store (``spark.state.fromSavepoint``,
 the source at ``startingOffsets=checkpoint``), half the time killed while it
 starts (during the copy or just after) and started again. A fork is a query
@@ -663,6 +664,8 @@ class Campaign:
             if query_started is None and (control / "started").exists():
                 query_started = now
             base = started if early else query_started
+            if kind == "savepoint" and not before:  # a query's first cycle: its moment counts from its first commit
+                base = started + first_commit[0] if first_commit else None
             due = base is not None and now >= base + fault_delay and not injected
             if kind == "kill_random" and due:
                 kill_session(process.pid)
@@ -693,8 +696,8 @@ class Campaign:
             elif kind == "clean_stop" and due and query_started is not None:
                 (control / "stop").write_text("")
                 injected.append("stop")
-            if not finished and query_started is not None and now >= query_started + run_for and (
-                    kind not in timed or injected or now >= query_started + run_for + fault_delay + 3.0):
+            if not finished and query_started is not None and base is not None and now >= query_started + run_for and (
+                    kind not in timed or injected or now >= max(query_started, base) + run_for + fault_delay + 3):
                 done.set()
                 threads[0].join()
                 if kind == "drain":
