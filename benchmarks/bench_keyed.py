@@ -84,8 +84,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 WORK = common.WORK_DIR / "keyed"
-KEY_TYPES = ("string", "long")
-"""The key column's type: ``--keys`` (the default first)."""
 TARGETS = {
     "throughput_vs_groupby_hdfs": 1.0,  # ours / Spark groupBy().count() on its default HDFS-backed store, at least
     "throughput_vs_groupby_rocksdb": 1.5,  # ours / Spark groupBy().count() on RocksDB, at least
@@ -118,7 +116,7 @@ class Config:
     state_sizes: tuple[int, ...]  # smallest first; the targets compare 1M with 10k
     steady_keys: int
     steady_batches: int
-    key_type: str = "string"  # of KEY_TYPES
+    key_type: str = "string"  # of common.KEY_TYPES
 
     @property
     def schema_ddl(self) -> str:
@@ -126,7 +124,7 @@ class Config:
 
     def key_space(self, n: int) -> pa.Array:
         """Key i at index i, ``n`` of them."""
-        return common.key_space(n) if self.key_type == "string" else pa.array(np.arange(n, dtype=np.int64))
+        return common.keys_of(self.key_type, n)
 
 
 BATCH_LIMITS = {  # measured batches of the systems too slow to run them all (per key ~1-2 ms: minutes per batch)
@@ -647,7 +645,7 @@ def run(spark, config: Config) -> dict:
 
 
 def _arguments(parser) -> None:
-    parser.add_argument("--keys", choices=KEY_TYPES, default=KEY_TYPES[0],
+    parser.add_argument("--keys", choices=common.KEY_TYPES, default=common.KEY_TYPES[0],
                         help="the key column's type (long: results in keyed_long*.json)")
 
 
@@ -655,7 +653,7 @@ def main(argv=None) -> dict:
     args, config = common.parse_mode(__doc__, "parallelism 2 and 4, HDFS provider, 10M keys, more batches",
                                      {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv, _arguments)
     config = replace(config, key_type=args.keys)
-    variant = "" if args.keys == KEY_TYPES[0] else f"_{args.keys}"
+    variant = "" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}"
     conf = {
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.shuffle.partitions": "= parallelism under test",

@@ -18,7 +18,8 @@ task's restore sent and received (``Storage.counters``). Each restart is
 run ``repeats`` times (``--full`` and S3: 3; Spark's repartition once),
 systems in rotating order, and its median kept.
 
-For every state size S, S distinct string keys (``k0000000``...) are counted
+For every state size S, S distinct string keys (``k0000000``...; ``--keys
+long``: the longs 0..S-1, results in ``rescale_long*.json``) are counted
 in one batch (file 0) at the old parallelism, and the query is stopped. Then,
 per (old -> new) pair, a copy of that checkpoint is restarted at the new
 parallelism with one more batch of ``update_rows`` rows over the existing
@@ -103,7 +104,6 @@ from tests.s3_server import SeaweedS3  # noqa: E402
 
 WORK = common.WORK_DIR / "rescale"
 COMPONENT = "rescale_counts"
-SCHEMA_DDL = "key string"
 PAIRS = ((4, 8), (8, 4), (2, 3), (3, 2), (1, 8), (8, 1))
 SYSTEMS = ("keyed_count", "naive_hash_mod", "spark_repartition", "spark_pinned")
 
@@ -124,6 +124,11 @@ class Config:
     live_chain: tuple[int, ...] = (4, 8, 4, 2, 3, 2, 1, 8, 1)
     live_rows: int = 100_000
     live_steady: int = 3  # batches at each parallelism: the first is the rescale batch
+    key_type: str = "string"  # of common.KEY_TYPES (``--keys``)
+
+    @property
+    def schema_ddl(self) -> str:
+        return f"key {self.key_type}"
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -376,17 +381,17 @@ def _instance_reads(system: str, instances: list[dict], base_store: str, old: in
 def run(spark, config: Config, stores: Stores | None = None) -> dict:
     stores = stores or Stores()
     rng = np.random.default_rng(20261121)
-    keys = common.key_space(max(config.sizes))
+    keys = common.keys_of(config.key_type, max(config.sizes))
     sizes = []
     for size in config.sizes:
         work = common.fresh_dir(WORK / f"keys-{size}")
         update = rng.integers(0, size, config.update_rows)
         tables = [pa.table({"key": keys.take(pa.array(rng.permutation(size)))}),
                   pa.table({"key": keys.take(pa.array(update))})]
-        files = common.write_input(work / "files", tables, SCHEMA_DDL)
+        files = common.write_input(work / "files", tables, config.schema_ddl)
         live = common.fresh_dir(work / "input")
         common.release_file(files, 0, live)
-        stream_files = common.InputFiles(live, SCHEMA_DDL, files.rows)
+        stream_files = common.InputFiles(live, config.schema_ddl, files.rows)
         distinct = len(np.unique(update))
         expected = (distinct, distinct + config.update_rows)
         olds = sorted({old for old, _ in config.pairs})
@@ -444,12 +449,12 @@ def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.rando
     draws = [rng.integers(0, size, config.live_rows) for _ in schedule[1:]]
     tables = [pa.table({"key": keys.take(pa.array(rng.permutation(size)))})]
     tables += [pa.table({"key": keys.take(pa.array(d))}) for d in draws]
-    files = common.write_input(work / "files", tables, SCHEMA_DDL)
+    files = common.write_input(work / "files", tables, config.schema_ddl)
     live = common.fresh_dir(work / "input")
     store = work / "state"
     spark.conf.set("spark.state.store", str(store))
     spark.conf.set("spark.state.parallelism", str(schedule[0]))
-    stream = spark.readStream.schema(SCHEMA_DDL).option("maxFilesPerTrigger", 1).parquet(str(live))
+    stream = spark.readStream.schema(config.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(live))
     query = (keyed(stream, "key", name=COMPONENT).count().writeStream.foreachBatch(common.noop_sink)
              .option("checkpointLocation", str(work / "chk")).trigger(processingTime="100 milliseconds").start())
     try:
@@ -479,7 +484,7 @@ def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.rando
     state = read_state(str(store), COMPONENT)
     expected = np.bincount(np.concatenate([np.arange(size), *draws]), minlength=size)
     got = np.zeros(size, np.int64)
-    got[np.array([int(k[1:]) for k in state.column("key").to_pylist()])] = state.column("count").to_numpy()
+    got[common.key_indexes(state.column("key"))] = state.column("count").to_numpy()
     shutil.rmtree(work, ignore_errors=True)
     ratios = [c["ratio"] for c in changes]
     return {"keys": size, "rows_per_batch": config.live_rows, "chain": list(config.live_chain),
@@ -648,6 +653,8 @@ def _arguments(parser) -> None:
     parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's")
     parser.add_argument("--store", choices=("local", "s3"), default="local",
                         help="where both stores keep state: local disk, or S3 (SeaweedFS started for the run)")
+    parser.add_argument("--keys", choices=common.KEY_TYPES, default=common.KEY_TYPES[0],
+                        help="the key column's type (long: keys 0..n-1, results in rescale_long*.json)")
 
 
 def main(argv=None) -> dict:
@@ -657,12 +664,14 @@ def main(argv=None) -> dict:
         config = S3_SMOKE if args.smoke else S3
     if args.sizes:
         config = replace(config, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    config = replace(config, key_type=args.keys)
+    variant = "" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}"
     command = common.command_line("bench_rescale", args) + (" --store s3" if args.store == "s3" else "") + (
-        f" --sizes {args.sizes}" if args.sizes else "")
+        f" --sizes {args.sizes}" if args.sizes else "") + (f" --keys {args.keys}" if variant else "")
     with s3_store(config, common.WORK_DIR / "rescale-s3") as stores:
 
         def measure(spark) -> dict:
-            result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER,
+            result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER, "key_type": config.key_type,
                       "pairs": [f"{a}->{b}" for a, b in config.pairs], **run(spark, config, stores)}
             if config.store == "local":
                 result["targets"] = restart_targets(result) + live_targets(result)
@@ -672,7 +681,7 @@ def main(argv=None) -> dict:
                 result["targets"] = s3_targets(result)
             return result
 
-        return common.run_and_save("rescale", config.mode, command, measure, plot)
+        return common.run_and_save("rescale", config.mode, command, measure, plot, variant=variant)
 
 
 @contextlib.contextmanager

@@ -192,6 +192,30 @@ def save_report(name: str, report: dict) -> Path:
 KEYED_COMPONENT = "bench_counts"
 
 
+KEY_TYPES = ("string", "long")
+"""The key column types the keyed benchmarks run with (``--keys``): strings by default, or longs."""
+
+
+def keys_of(key_type: str, n: int):
+    """Key i at index i, ``n`` of them, of ``key_type`` (``KEY_TYPES``): ``key_space`` or ``0..n-1``."""
+    import numpy as np
+    import pyarrow as pa
+
+    if key_type not in KEY_TYPES:
+        raise ValueError(f"key type {key_type!r} is not one of {KEY_TYPES}")
+    return key_space(n) if key_type == "string" else pa.array(np.arange(n, dtype=np.int64))
+
+
+def key_indexes(keys):
+    """The index ``i`` of each key of ``keys_of`` (an Arrow column of its strings or longs) as a NumPy array."""
+    import numpy as np
+    import pyarrow as pa
+
+    if pa.types.is_integer(keys.type):
+        return keys.to_numpy()
+    return np.array([int(k[1:]) for k in keys.to_pylist()], dtype=np.int64)
+
+
 def key_space(n: int):
     """The strings ``k0000000``, ``k0000001``, ... (``n`` of them, 8 bytes each up to 10M), key i at index i."""
     import numpy as np

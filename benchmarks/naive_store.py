@@ -16,8 +16,9 @@ the Python worker, so only the first batch of a query (a restart) reads the
 store. Reads go through ``CountingStorage``: each task reports the bytes and
 requests it made.
 
-Only as much as the benchmark needs: full snapshots every checkpoint, no
-retention, no replay detection beyond refusing to go backwards.
+Only as much as the benchmark needs: a ``key`` column of strings or longs
+(``bench_rescale --keys``), full snapshots every checkpoint, no retention,
+no replay detection beyond refusing to go backwards.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ from spark_state.storage.base import CountingStorage
 
 PARALLELISM_CONF = "bench.naive.parallelism"
 META = "_meta"
-SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64())])
+
+
+def state_schema(key_type: pa.DataType) -> pa.Schema:
+    """The state's (and the output's) columns: the key, of the stream's key type, and its count."""
+    return pa.schema([("key", key_type), ("count", pa.int64())])
+
 _RESIDENT: dict[tuple[str, int, int], tuple[int, pa.Table]] = {}  # (root, parallelism, instance) -> (checkpoint, state)
 _LOCK = threading.Lock()
 _STORAGES: dict[str, object] = {}  # root -> Storage: one client per process, as the keyed operator keeps
@@ -79,33 +85,36 @@ def _owned_rows(table: pa.Table, parallelism: int, instance: int) -> pa.Table:
     return table.filter(pa.array(key_groups_for_columns([table.column("key")], parallelism) == instance))
 
 
-def _read_state(storage: CountingStorage, base: Manifest | None, parallelism: int, instance: int) -> pa.Table:
+def _read_state(storage: CountingStorage, base: Manifest | None, parallelism: int, instance: int,
+                schema: pa.Schema) -> pa.Table:
     if base is None:
-        return SCHEMA.empty_table()
+        return schema.empty_table()
     if base.parallelism == parallelism:  # same partitioning: the instance's own blob is its whole state
         return pa.ipc.open_file(pa.py_buffer(storage.read(base.blobs[instance]))).read_all()
     parts = [
         _owned_rows(pa.ipc.open_file(pa.py_buffer(storage.read(path))).read_all(), parallelism, instance)
         for path in base.blobs  # hash mod p: this instance's keys may be in every old blob
     ]
-    return pa.concat_tables(parts) if parts else SCHEMA.empty_table()
+    return pa.concat_tables(parts) if parts else schema.empty_table()
 
 
-def _update(state: pa.Table, rows: pa.Table) -> tuple[pa.Table, pa.Table]:
+def _update(state: pa.Table, rows: pa.Table, schema: pa.Schema) -> tuple[pa.Table, pa.Table]:
     """(new state, updated rows): counts of ``rows`` per key added to ``state``."""
     if rows.num_rows == 0:
-        return state, SCHEMA.empty_table()
+        return state, schema.empty_table()
     added = rows.group_by("key").aggregate([("key", "count")]).rename_columns(["key", "added"])
     joined = added.join(state, "key", join_type="left outer")
     previous = joined.column("count").fill_null(0)
-    updated = pa.table({"key": joined.column("key"), "count": pc.add(previous, joined.column("added"))}, schema=SCHEMA)
+    updated = pa.table({"key": joined.column("key"), "count": pc.add(previous, joined.column("added"))}, schema=schema)
     untouched = state.join(added.select(["key"]), "key", join_type="left anti")
-    return pa.concat_tables([untouched.select(SCHEMA.names).cast(SCHEMA), updated]), updated
+    return pa.concat_tables([untouched.select(schema.names).cast(schema), updated]), updated
 
 
 def run_instance(
-    root: str, base: Manifest | None, checkpoint_id: int, parallelism: int, instance: int, batches
+    root: str, base: Manifest | None, checkpoint_id: int, parallelism: int, instance: int, batches,
+    key_type: pa.DataType = pa.string(),
 ) -> Iterator[pa.RecordBatch]:
+    schema = state_schema(key_type)
     started = time.perf_counter()
     storage = CountingStorage(_storage(root))
     wire_before = storage.counters()
@@ -116,13 +125,13 @@ def run_instance(
     if resident is not None and resident[0] == base_id:
         state = resident[1]
     else:
-        state = _read_state(storage, base, parallelism, instance)
+        state = _read_state(storage, base, parallelism, instance, schema)
     restore_seconds = time.perf_counter() - started
     wire_after = storage.counters()
     rows = pa.Table.from_batches(list(batches))
-    state, updated = _update(state, rows.select(["key"]) if rows.num_rows else SCHEMA.empty_table())
+    state, updated = _update(state, rows.select(["key"]) if rows.num_rows else schema.empty_table(), schema)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, SCHEMA) as writer:
+    with pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(state)
     path = f"blobs/{checkpoint_id}-{instance}.arrow"
     data = sink.getvalue().to_pybytes()
@@ -141,7 +150,7 @@ def run_instance(
         "pid": os.getpid(),
         "seconds": round(time.perf_counter() - started, 4),
     }
-    out = SCHEMA.append(pa.field(META, pa.string()))
+    out = schema.append(pa.field(META, pa.string()))
     for batch in updated.combine_chunks().to_batches():
         yield pa.RecordBatch.from_arrays(list(batch.columns) + [pa.nulls(batch.num_rows, pa.string())], schema=out)
     yield pa.RecordBatch.from_arrays([pa.nulls(1, pa.string()), pa.nulls(1, pa.int64()), pa.array([json.dumps(meta)])],
@@ -174,11 +183,14 @@ class NaiveCount:
         base = latest_manifest(self.root)
         checkpoint_id = 0 if base is None else base.checkpoint_id + 1
         root = self.root
+        key_ddl = batch_df.schema["key"].dataType.simpleString()  # string, or bigint for long keys
+        key_type = {"string": pa.string(), "bigint": pa.int64()}[key_ddl]
 
         def process(batches):
             from pyspark import TaskContext
 
-            yield from run_instance(root, base, checkpoint_id, parallelism, TaskContext.get().partitionId(), batches)
+            yield from run_instance(root, base, checkpoint_id, parallelism, TaskContext.get().partitionId(), batches,
+                                    key_type)
 
         from spark_state.routing import key_group_column
 
@@ -186,7 +198,7 @@ class NaiveCount:
         routed = batch_df.select("key").withColumn("_instance", key_group_column(batch_df, ["key"], parallelism))
         result = (
             routed.repartitionById(parallelism, F.col("_instance")).drop("_instance")
-            .mapInArrow(process, "key string, count long, _meta string")
+            .mapInArrow(process, f"key {key_ddl}, count long, _meta string")
             .persist(StorageLevel.MEMORY_AND_DISK)
         )
         try:

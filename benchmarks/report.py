@@ -35,6 +35,13 @@ def load(name: str, results: Path = RESULTS, command: str | None = None) -> tupl
                          f"{command or f'./run bench bench_{name}'} first")
 
 
+def _optional(name: str, results: Path) -> tuple[dict, str] | None:
+    """``load(name)`` when the benchmark was run (its full or quick results exist), else None."""
+    if any((results / f).exists() for f in (f"{name}.json", f"{name}_full.json")):
+        return load(name, results)
+    return None
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -118,6 +125,23 @@ def rescale_section(data: dict, file: str) -> list[str]:
     if data.get("live"):
         out += live_rescale_lines(data)
     return out
+
+
+def rescale_long_lines(data: dict, file: str) -> list[str]:
+    """``bench_rescale --keys long``: the same restarts and live rescales with long keys, one paragraph."""
+    head = data["headline"]
+    load = data["environment"]["load_average_1m"]
+    per_size = "; ".join(
+        f"at {int(k):,} keys Spark's repartition + restart takes {_x(h['ours_vs_spark_repartition'])} our time, our "
+        f"rescaling restart {_x(h['ours_over_spark_pinned'])} the time of Spark's restart without rescaling, and the "
+        f"naive store's {_x(h['ours_vs_naive'])} ours (read amplification ours {h['max_read_amplification_ours']:.2f}, "
+        f"naive {h['max_read_amplification_naive']:.2f})" for k, h in head.items())
+    live = ", ".join(f"{_x(live['median_ratio'])} at {live['keys']:,} keys"
+                     + (", final state exact" if live["final_state_exact"] else ", final state **not** exact")
+                     for live in data.get("live", []))
+    return [f"With long keys (`benchmarks/results/{file}`, `{data['command']}`, load average {load:.1f} at start): "
+            f"{per_size}. Live rescale, the first batch at the new parallelism / the steady batches after it "
+            f"(median over changes): {live}. " + _targets(data.get("targets", [])), ""]
 
 
 def live_rescale_lines(data: dict) -> list[str]:
@@ -451,12 +475,15 @@ def parts_section(keygroups: tuple[dict, str], source: tuple[dict, str], restore
 
 def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, reader: dict | None = None,
                    rescale_s3: dict | None = None, commit: dict | None = None, time: dict | None = None,
-                   keyed_long: dict | None = None) -> list[str]:
+                   keyed_long: dict | None = None, rescale_long: dict | None = None) -> list[str]:
     """Every place the numbers show us behind what a user would use instead, with by how much."""
     out = ["### Where we are behind", ""]
     for target in rescale.get("targets", []):
         if not target["met"]:
             out.append(f"- Rescale, target missed: {target['target']}: {target['value']}.")
+    for target in (rescale_long or {}).get("targets", []):
+        if not target["met"]:
+            out.append(f"- Rescale with long keys, target missed: {target['target']}: {target['value']}.")
     for target in (time or {}).get("targets", []):
         if not target["met"]:
             out.append(f"- Time, target missed: {target['target']}: {target['value']}.")
@@ -689,13 +716,15 @@ def render(results: Path = RESULTS) -> str:
              + ". Every ratio is "
              "measured side by side in one run; absolute seconds on this machine are noisy.", ""]
     lines += rescale_section(*rescale)
+    rescale_long = _optional("rescale_long", results)
+    if rescale_long is not None:
+        lines += rescale_long_lines(*rescale_long)
     rescale_s3 = load("rescale_s3", results, "./run bench bench_rescale --store s3")
     commit = load("commit", results)
     lines += rescale_s3_section(*rescale_s3)
     lines += commit_section(*commit)
     lines += throughput_section(*keyed)
-    keyed_long = load("keyed_long", results) if any(
-        (results / f).exists() for f in ("keyed_long.json", "keyed_long_full.json")) else None
+    keyed_long = _optional("keyed_long", results)
     if keyed_long is not None:
         lines += long_keys_lines(*keyed_long)
     lines += memory_section(*load("memory", results))
@@ -718,7 +747,8 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_key_space_lines(*load("campaign_key_space", results))
     lines += parts_section(keygroups, source, restore)
     lines += behind_section(rescale[0], keyed[0], checkpoint[0], source[0], reader[0], rescale_s3[0], commit[0],
-                            time[0], keyed_long[0] if keyed_long is not None else None)
+                            time[0], keyed_long[0] if keyed_long is not None else None,
+                            rescale_long[0] if rescale_long is not None else None)
     lines.append(END)
     return "\n".join(lines)
 
