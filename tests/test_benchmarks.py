@@ -298,6 +298,21 @@ def test_commit_smoke(commit):
     assert s3["stats"]["checkpoint_seconds"]["p95"] >= s3["stats"]["checkpoint_seconds"]["median"] > 0
 
 
+def test_rescale_with_long_keys_renders_its_restarts_live_rescales_and_missed_targets():
+    data, file = report.load("rescale_long")
+    (line, _) = report.rescale_long_lines(data, file)
+    assert line.startswith(f"With long keys (`benchmarks/results/{file}`") and "final state exact" in line
+    size = data["sizes"][0]["keys"]
+    broken = {**data, "live": [{**data["live"][0], "final_state_exact": False}],
+              "targets": [{**t, "met": False} for t in data["targets"]]}
+    (line, _) = report.rescale_long_lines(broken, file)
+    assert "final state **not** exact" in line and "(met)" not in line
+    keyed, rescale = report.load("keyed")[0], report.load("rescale")[0]
+    behind = report.behind_section(rescale, keyed, *(report.load(n)[0] for n in ("checkpoint", "source")),
+                                   rescale_long=broken)
+    assert sum(f"Rescale with long keys, target missed: restart at {size:,} keys" in b for b in behind) == 2
+
+
 def test_readme_results_match_the_results_files():
     assert report.main(["--check"]) == 0, "README.md is out of date with benchmarks/results: ./run bench report"
 
