@@ -409,10 +409,9 @@ class _TaskPlan:
 
     @classmethod
     def build(cls, stream, task: TaskSpec) -> "_TaskPlan":
-        from pyspark.sql import functions as F
-
         from spark_state.routing import routing_columns
 
+        jf = _JvmColumns(stream.keyed.df.sparkSession.sparkContext)
         key_columns = list(task.schema.key_columns)
         # The key types from the stream (its schema is resolved once), not from analysing every batch.
         key_group, instance = routing_columns(stream.keyed.df, key_columns, task.parallelism, task.max_parallelism)
@@ -422,16 +421,53 @@ class _TaskPlan:
         partials = None
         function = task.function
         if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():
-            partials = _spark_partials(function)
+            partials = _spark_partials(function, jf)
         # Columns, not names: a name becomes a Column (a JVM round trip) every time a batch's plan names it.
         return cls(
-            routed=(*map(F.col, needed), key_group.alias(KEY_GROUP_COLUMN), instance.alias(INSTANCE_COLUMN)),
-            by=F.col(INSTANCE_COLUMN),
+            routed=(*map(jf.col, needed), jf.alias(key_group, KEY_GROUP_COLUMN), jf.alias(instance, INSTANCE_COLUMN)),
+            by=jf.col(INSTANCE_COLUMN),
             output_schema=to_spark_schema(task_output_schema(task.output_schema)),
-            partials_keys=tuple(map(F.col, (INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns)))
+            partials_keys=tuple(map(jf.col, (INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns)))
             if partials is not None else None,
             partials=partials,
         )
+
+
+class _JvmColumns:
+    """Columns made by single calls to the JVM's ``org.apache.spark.sql.functions`` and ``Column``.
+
+    PySpark's own ``functions.col``, ``count``, ``lit`` and ``Column.alias``
+    first record the caller's stack for error messages (a stack walk, an
+    import attempt and four more JVM round trips: 3-5 ms a call, against
+    0.5-1 ms here). The plan of a parallelism makes about twenty of them on
+    the critical path of its first batch: the first batch of every restart
+    and of every live rescale.
+    """
+
+    def __init__(self, context):
+        self.functions = context._jvm.org.apache.spark.sql.functions
+
+    def col(self, name: str):
+        from pyspark.sql.classic.column import Column
+
+        return Column(self.functions.col(name))
+
+    def call(self, name: str, *columns):
+        """``functions.<name>(*columns)`` of Spark's aggregates and the like, on Columns."""
+        from pyspark.sql.classic.column import Column
+
+        return Column(getattr(self.functions, name)(*(c._jc for c in columns)))
+
+    def lit(self, value):
+        from pyspark.sql.classic.column import Column
+
+        return Column(self.functions.lit(value))
+
+    @staticmethod
+    def alias(column, name: str):
+        from pyspark.sql.classic.column import Column
+
+        return Column(column._jc.alias(name))
 
 
 class _JavaPlan:
@@ -478,7 +514,6 @@ class _JavaPlan:
 
     def tasks(self, batch_df, parallelism: int, process: Callable):
         """``batch_df`` routed to ``parallelism`` instances, each running ``process`` (``MicroBatch._run_tasks``)."""
-        from pyspark.sql import functions as F
         from pyspark.sql.classic.column import _to_java_column, _to_seq
         from pyspark.sql.classic.dataframe import DataFrame
         from pyspark.sql.pandas.functions import pandas_udf
@@ -503,7 +538,8 @@ class _JavaPlan:
             routed = routed.groupBy(self.keys).agg(self.first, self.rest)
         if self.inputs is None:
             names = DataFrame(routed, session).columns
-            quoted = [F.col(quoted_identifier(name)) for name in names]
+            jf = _JvmColumns(self.context)
+            quoted = [jf.col(quoted_identifier(name)) for name in names]
             self.inputs = _to_seq(self.context, quoted, _to_java_column)
         udf = pandas_udf(process, returnType=self.plan.output_schema,
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
@@ -666,18 +702,16 @@ def _replaced(parts: list, index: int, value) -> list:
     return [value if i == index else part for i, part in enumerate(parts)]
 
 
-def _spark_partials(function: Aggregate) -> tuple:
+def _spark_partials(function: Aggregate, jf: _JvmColumns) -> tuple:
     """Spark's aggregates of ``function``'s partials (see ``_TaskPlan``), and the row count."""
-    from pyspark.sql import functions as F
-
-    column = F.col(function.column) if function.column is not None else None
+    column = jf.col(function.column) if function.column is not None else None
     spark_partials = {  # the values Arrow's group_by computes for the same names
-        "count_all": lambda: F.count(F.lit(1)),
-        "count": lambda: F.count(column),
-        "sum": lambda: F.sum(column),
-        "min": lambda: F.min(column),
-        "max": lambda: F.max(column),
+        "count_all": lambda: jf.call("count", jf.lit(1)),
+        "count": lambda: jf.call("count", column),
+        "sum": lambda: jf.call("sum", column),
+        "min": lambda: jf.call("min", column),
+        "max": lambda: jf.call("max", column),
     }
-    partials = [spark_partials[op]().alias(f"{PARTIAL_PREFIX}{i}")
+    partials = [jf.alias(spark_partials[op](), f"{PARTIAL_PREFIX}{i}")
                 for i, op in enumerate(function.definition.partials)]
-    return (*partials, F.count(F.lit(1)).alias(ROWS_COLUMN))
+    return (*partials, jf.alias(jf.call("count", jf.lit(1)), ROWS_COLUMN))
