@@ -57,7 +57,7 @@ import pyarrow.compute as pc
 from spark_state.blob import EntryKind
 from spark_state.errors import KeyGroupNotLoadedError, KeyGroupOwnershipError
 from spark_state.keygroups import KeyGroupRange
-from spark_state.restore import apply_entries, check_chain, fold_chain
+from spark_state.restore import apply_entries, check_chain, fold_chain, fold_chains
 from spark_state.schema import DELETED_COLUMN, Key, KeyedSchema, Value, struct_values
 
 Entries = Sequence[tuple[EntryKind, pa.RecordBatch]]
@@ -211,6 +211,21 @@ class FetchedChain:
             if len(self.batches) > 1:
                 self._nbytes = None  # a new table beside the chain (one full entry's fold shares its buffers)
         return self._folded
+
+    @staticmethod
+    def live_rows(chains: Sequence["FetchedChain"], key_columns: Sequence[str]) -> pa.Table:
+        """The live rows of ``chains`` (key groups' chains of one schema), concatenated.
+
+        A chain folded before gives its fold; the others are folded together
+        (one ``restore.fold_chains``, not a few Arrow calls per key group: a
+        batch after a rescale touches every key group of its instance, with a
+        few keys each). Their folds are not kept: a key group looked up again
+        is folded into dicts instead (``KeyGroupTable._look_up``).
+        """
+        done = [chain.folded() for chain in chains if chain._folded is not None or chain.released]
+        rest = [chain.batches for chain in chains if chain._folded is None and not chain.released]
+        parts = done + ([fold_chains(rest, key_columns)] if rest else [])
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
     def live_keys(self) -> int:
         """Keys the chain holds once folded (computed once, with Arrow kernels on the key columns)."""
@@ -367,8 +382,7 @@ class KeyGroupTable:
             self._search({g: wanted.pop(g) for g in sorted_chains}, sorted_chains)
         if not wanted:
             return
-        chains = [unloaded[g].folded() for g in wanted]
-        rows = pa.concat_tables(chains) if len(chains) > 1 else chains[0]
+        rows = FetchedChain.live_rows([unloaded[g] for g in wanted], self.schema.key_columns)
         key_column = self.schema.key_columns[0]
         asked = [k for g in wanted for k in wanted[g]]
         asked_keys = pa.array(asked, rows.schema.field(key_column).type)  # an overlay's table is bare

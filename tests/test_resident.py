@@ -10,7 +10,7 @@ import pytest
 
 from spark_state import keyed_table
 from spark_state.blobstore import BlobStore
-from spark_state.errors import CorruptBlobError, KeyGroupOwnershipError
+from spark_state.errors import CorruptBlobError, KeyGroupNotLoadedError, KeyGroupOwnershipError
 from spark_state.keyed_table import SET_ENTRY_BYTES, FetchedChain, KeyGroupTable
 from spark_state.keygroups import key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
@@ -236,6 +236,40 @@ def test_a_restored_unsorted_key_group_is_hashed_for_lookups_once_then_folded(st
     assert restored.table.get_many([key_group_for(k, M) for k in again], list(again)) == [(7,), None]
     assert len(looked - set(restored.table._unloaded)) == 1  # hashed once already: folded, a share per call
     assert len(restored) == 200
+
+
+def _entry(keys: list[str], values: list[int | None], deleted: list[bool]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [pa.array(keys), pa.array([None if v is None else {"value": v} for v in values],
+                                  SCHEMA.blob_schema.field(1).type), pa.array(deleted)], schema=SCHEMA.blob_schema)
+
+
+def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
+    """Chains of one full entry, of several with an overwrite and a tombstone, one folded before: the rows of
+    the fold of all at once (one kernel call for the unfolded ones) are the union of each chain's fold."""
+    def chains():
+        return [
+            FetchedChain(0, [("full", _entry(["a", "b"], [1, 2], [False, False]))], SCHEMA),
+            FetchedChain(1, [("full", _entry(["c", "d", "e"], [3, 4, 5], [False, False, False])),
+                             ("delta", _entry(["d", "c"], [40, None], [False, True]))], SCHEMA),
+            FetchedChain(2, [("full", _entry(["f"], [6], [False])),
+                             ("delta", _entry(["g", "f"], [7, 60], [False, False]))], SCHEMA),
+        ]
+
+    def rows(table: pa.Table) -> list[tuple]:
+        return sorted(zip(table.column("key").to_pylist(), table.column(1).to_pylist()))
+
+    each = chains()
+    expected = rows(pa.concat_tables([chain.folded() for chain in each]))
+    assert expected == [("a", {"value": 1}), ("b", {"value": 2}), ("d", {"value": 40}), ("e", {"value": 5}),
+                        ("f", {"value": 60}), ("g", {"value": 7})]
+    together = chains()
+    together[2].folded()  # folded before: its fold is used as it is
+    assert rows(FetchedChain.live_rows(together, SCHEMA.key_columns)) == expected
+    assert together[0]._folded is None and together[1]._folded is None  # the others' folds are not kept
+    together[0].release()
+    with pytest.raises(KeyGroupNotLoadedError):
+        FetchedChain.live_rows(together, SCHEMA.key_columns)
 
 
 real_search = KeyGroupTable._search
