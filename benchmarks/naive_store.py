@@ -183,8 +183,10 @@ class NaiveCount:
         base = latest_manifest(self.root)
         checkpoint_id = 0 if base is None else base.checkpoint_id + 1
         root = self.root
-        key_ddl = batch_df.schema["key"].dataType.simpleString()  # string, or bigint for long keys
-        key_type = {"string": pa.string(), "bigint": pa.int64()}[key_ddl]
+        from pyspark.sql.pandas.types import to_arrow_type
+
+        key_spark_type = batch_df.schema["key"].dataType
+        key_ddl, key_type = key_spark_type.simpleString(), to_arrow_type(key_spark_type)
 
         def process(batches):
             from pyspark import TaskContext
