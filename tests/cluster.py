@@ -11,12 +11,13 @@ process they left behind (executors, Python workers).
 
 Only one SparkContext may live in a process and the test session may already
 have a ``local[2]`` one, so the driver is a subprocess (``Driver``): each
-``Driver.run`` is one application, a new SparkSession that appends to a
-``replayable`` log, runs ``keyed(events, "user", name=...).count()`` over it
-with ``trigger(availableNow=True)`` and stops again. Every daemon, executor
+``Driver.run`` is one application, a new SparkSession whose runs each append
+to a ``replayable`` log and run ``keyed(events, "user", name=...).count()``
+over it with ``trigger(availableNow=True)`` at a parallelism of their own
+(a restart in the same application); then the session stops. Every daemon, executor
 and driver has its own scratch directory: the processes of the cluster share
 no local directory, so state and input must live on shared storage (S3).
-Its result holds the output of every batch, the per-batch
+Its result holds, per run, the output of every batch, the per-batch
 reports of ``StatefulQuery.batches`` and, for every pid that reported, the
 working directory of that process, which Spark sets to the executor's own
 directory ``<worker work dir>/<app id>/<executor id>``.
@@ -308,16 +309,19 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def run_application(spec: dict) -> dict:
-    """Append to a ``replayable`` log, then count per key everything in it, in a new application; stop it.
+    """One application: for each of its runs, append to a ``replayable`` log, then count per key everything in it.
 
-    ``spec``: ``conf`` (Spark settings, master included), ``parallelism``,
-    ``log`` (the log's URI), ``append`` (users to append to the log first,
-    written by the executors), ``component``, ``store``
-    (``spark.state.store``), ``checkpoint`` (``checkpointLocation``, used by
-    the driver only) and optionally ``try_local_store`` (a local path: try to
-    start the query with it as the store first, and report the refusal).
-    Returns the output rows per batch id, the query's batch reports, the
-    working directory of each reporting pid and the refusal's message.
+    ``spec``: ``conf`` (Spark settings, master included), ``log`` (the log's
+    URI), ``component``, ``store`` (``spark.state.store``), ``checkpoint``
+    (``checkpointLocation``, used by the driver only) and ``runs``, each
+    with a ``parallelism``, ``append`` (users to append to the log first,
+    written by the executors) and optionally ``try_local_store`` (a local
+    path: try to start the query with it as the store first, and report the
+    refusal). Each run starts the query at its parallelism (a restart, in
+    the same application: the same executors) and stops it once it has
+    processed everything. Returns the application id and, per run, the
+    output rows per batch id, the query's batch reports, the working
+    directory of each reporting pid and the refusal's message.
     """
     from pyspark.sql import SparkSession
 
@@ -325,54 +329,57 @@ def run_application(spec: dict) -> dict:
     from spark_state import keyed
     from spark_state.errors import ConfigError
 
-    builder = SparkSession.builder.appName(f"spark-state-cluster-p{spec['parallelism']}")
+    builder = SparkSession.builder.appName("spark-state-cluster")
     for key, value in spec["conf"].items():
         builder = builder.config(key, value)
-    session = builder.config("spark.state.parallelism", str(spec["parallelism"])).getOrCreate()
+    session = builder.getOrCreate()
     try:
         session.sparkContext.setLogLevel("WARN")
         datasources.register(session)  # the source's tasks in the instances' worker pool on every executor
-        if spec["append"]:
-            (session.createDataFrame([(user,) for user in spec["append"]], "user string")
-             .write.format("replayable").mode("append").option("numSplits", 2).option("keyColumn", "user")
-             .save(spec["log"]))
-        outputs: dict[int, dict[str, int]] = {}
+        runs = []
+        for run in spec["runs"]:
+            session.conf.set("spark.state.parallelism", str(run["parallelism"]))
+            if run["append"]:
+                (session.createDataFrame([(user,) for user in run["append"]], "user string")
+                 .write.format("replayable").mode("append").option("numSplits", 2).option("keyColumn", "user")
+                 .save(spec["log"]))
+            outputs: dict[int, dict[str, int]] = {}
 
-        def sink(out, batch_id: int) -> None:
-            outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
+            def sink(out, batch_id: int, outputs=outputs) -> None:
+                outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
 
-        def start():
-            events = session.readStream.format("replayable").option("maxRecordsPerBatch", 300).load(spec["log"])
-            return (
-                keyed(events, "user", name=spec["component"])
-                .count()
-                .writeStream.foreachBatch(sink)
-                .option("checkpointLocation", spec["checkpoint"])
-                .trigger(availableNow=True)
-                .start()
-            )
+            def start(sink=sink):
+                events = session.readStream.format("replayable").option("maxRecordsPerBatch", 300).load(spec["log"])
+                return (
+                    keyed(events, "user", name=spec["component"])
+                    .count()
+                    .writeStream.foreachBatch(sink)
+                    .option("checkpointLocation", spec["checkpoint"])
+                    .trigger(availableNow=True)
+                    .start()
+                )
 
-        refused = None
-        if spec.get("try_local_store"):
-            session.conf.set("spark.state.store", spec["try_local_store"])
+            refused = None
+            if run.get("try_local_store"):
+                session.conf.set("spark.state.store", run["try_local_store"])
+                try:
+                    start().stop()
+                except ConfigError as err:
+                    refused = str(err)
+            session.conf.set("spark.state.store", spec["store"])
+            query = start()
             try:
-                start().stop()
-            except ConfigError as err:
-                refused = str(err)
-        session.conf.set("spark.state.store", spec["store"])
-        query = start()
-        try:
-            query.awaitTermination()
-        finally:
-            query.stop()
-        pids = {m["pid"] for b in query.batches for m in b["instances"]}
-        return {
-            "app_id": session.sparkContext.applicationId,
-            "outputs": outputs,
-            "batches": query.batches,
-            "process_dirs": {str(pid): _process_dir(pid) for pid in sorted(pids)},
-            "local_store_refused": refused,
-        }
+                query.awaitTermination()
+            finally:
+                query.stop()
+            pids = {m["pid"] for b in query.batches for m in b["instances"]}
+            runs.append({
+                "outputs": outputs,
+                "batches": query.batches,
+                "process_dirs": {str(pid): _process_dir(pid) for pid in sorted(pids)},
+                "local_store_refused": refused,
+            })
+        return {"app_id": session.sparkContext.applicationId, "runs": runs}
     finally:
         session.stop()
 
