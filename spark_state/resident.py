@@ -286,7 +286,10 @@ class ResidentState:
                       if stored is not None and e.kind == "full" and not e.empty
                       and (e.compacted or self.table.is_released(e.key_group))
                       and stored.holds(e.key_group, e.previous)}
-        fast = self._changed_batch(changed, changes) if changed is not None else None
+        # Only delta entries are written from the Arrow rows: a batch that writes every key group in full (most
+        # of their keys changed) does not sort and copy them for nothing.
+        wants_fast = changed is not None and any(entry.kind == "delta" for entry in planned)
+        fast = self._changed_batch(changed, changes) if wants_fast else None
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []  # with several variables; with one, computed from its values at the end

@@ -5,13 +5,16 @@ from __future__ import annotations
 import copy
 import random
 
+import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spark_state import keyed_table
 from spark_state.blobstore import BlobStore
 from spark_state.errors import CorruptBlobError, KeyGroupNotLoadedError, KeyGroupOwnershipError
-from spark_state.keyed_table import SET_ENTRY_BYTES, FetchedChain, KeyGroupTable
+from spark_state.keyed_table import SET_ENTRY_BYTES, FetchedChain, KeyGroupTable, key_order
 from spark_state.keygroups import key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
 from spark_state.resident import EXACT_TIMERS_EVERY, ResidentState, keep, resident_instances, take
@@ -295,6 +298,25 @@ def _stored_entries(store: Store, component) -> list[tuple[int, str, list[int]]]
     return [(g, kind, batch.column("key").to_pylist())
             for g, chain in store.blobs.fetch(component, plan_instance_restore(component, 0, 1), INT_SCHEMA)[0].items()
             for kind, batch in chain]
+
+
+_INTEGER_TYPES = [(pa.int8(), -2**7, 2**7 - 1), (pa.int32(), -2**31, 2**31 - 1), (pa.int64(), -2**63, 2**63 - 1),
+                  (pa.uint64(), 0, 2**64 - 1)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_key_order_sorts_each_run_of_integers_by_value_in_place(data):
+    """Whatever the span of the values (one sort of (run, key) as one integer, or a lexsort when that overflows)."""
+    kind, low, high = data.draw(st.sampled_from(_INTEGER_TYPES))
+    narrow = data.draw(st.booleans())
+    values = st.integers(low, high) if not narrow else st.integers(max(low, -50), min(high, 50))
+    sizes = data.draw(st.lists(st.integers(0, 6), max_size=8))
+    keys = data.draw(st.lists(values, min_size=sum(sizes), max_size=sum(sizes)))
+    order = key_order(pa.array(keys, kind), sizes)
+    runs = np.repeat(np.arange(len(sizes)), sizes)
+    assert [keys[i] for i in order] == [k for _, k in sorted(zip(runs.tolist(), keys))]  # each run in its place
+    assert order.tolist() == sorted(range(len(keys)), key=lambda i: (runs[i], keys[i]))  # ties keep their order
 
 
 def test_integer_keys_are_written_in_ascending_order_in_every_entry(store):
