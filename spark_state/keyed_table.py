@@ -236,6 +236,9 @@ class FetchedChain:
         """Keys the chain holds once folded (computed once, with Arrow kernels on the key columns)."""
         if self._live is None and self._folded is not None:
             self._live = self._folded.num_rows
+        if self._live is None and len(self.batches) == 1:  # an entry holds each key once: its rows, less tombstones
+            batch = self.batches[0][1]
+            self._live = batch.num_rows - batch.column(DELETED_COLUMN).true_count
         if self._live is None:
             columns = list(self.schema.key_columns) + [DELETED_COLUMN]
             self._live = fold_chain([(k, b.select(columns)) for k, b in self.batches], self.schema.key_columns).num_rows

@@ -323,7 +323,8 @@ def _chains_json(chains: Mapping[int, tuple[str, ...]], key_groups: Sequence[int
 
 def _chains_from_json(obj: dict) -> dict[int, tuple[str, ...]]:
     paths = obj["paths"]
-    return {g: tuple(paths[i] for i in refs) for g, refs in zip(obj["key_group"], obj["blobs"], strict=True)}
+    path = paths.__getitem__
+    return {g: tuple(map(path, refs)) for g, refs in zip(obj["key_group"], obj["blobs"], strict=True)}
 
 
 @dataclass(frozen=True)

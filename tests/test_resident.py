@@ -275,6 +275,16 @@ def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
         FetchedChain.live_rows(together, SCHEMA.key_columns)
 
 
+def test_a_chain_counts_the_keys_its_fold_holds_without_folding_a_lone_entry():
+    """One entry: its rows less its tombstones (no fold); several: the fold's rows (overwrites count once)."""
+    lone = FetchedChain(0, [("full", _entry(["a", "b", "c"], [1, None, 3], [False, True, False]))], SCHEMA)
+    chain = FetchedChain(1, [("full", _entry(["c", "d", "e"], [3, 4, 5], [False, False, False])),
+                             ("delta", _entry(["d", "c", "f"], [40, None, 6], [False, True, False]))], SCHEMA)
+    assert lone.live_keys() == 2 and lone._folded is None
+    assert chain.live_keys() == 3
+    assert [FetchedChain(g, c.batches, SCHEMA).folded().num_rows for g, c in ((0, lone), (1, chain))] == [2, 3]
+
+
 real_search = KeyGroupTable._search
 INT_SCHEMA = KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])
 
