@@ -90,7 +90,8 @@ def key_order(keys: pa.Array | pa.ChunkedArray, sizes: Sequence[int]) -> np.ndar
         if len(values) <= LEXSORT_ROWS:
             run_ids = np.repeat(np.arange(runs, dtype=np.int64), sizes)
             if len(values) and values.dtype != np.uint64:
-                low, span = int(values.min()), int(values.max()) - int(values.min()) + 1
+                low = int(values.min())
+                span = int(values.max()) - low + 1
                 if span * runs < 1 << 62:  # one sort of (run, key) as one integer: four times a lexsort's speed
                     return np.argsort(run_ids * span + (values.astype(np.int64) - low), kind="stable")
             return np.lexsort((values, run_ids))
