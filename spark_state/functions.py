@@ -7,7 +7,9 @@ state variable and return the output rows.
 **Built-in aggregates are data**: each is one ``AggregateDef`` in
 ``AGGREGATES`` (its state columns, the Arrow partial aggregates a batch
 computes per key, how a partial merges into the state, and how the state
-becomes the output value). Adding one is adding an entry.
+becomes the output value). Adding one is adding an entry. On a native state
+(``KeyGroupTable.native``) a batch's partials merge into the state with Arrow
+kernels, no Python object per key; elsewhere per key, in Python.
 
 **User functions** (``PythonFunction``) are called once per key with that
 key's new rows and a ``KeyState``, like Spark's ``applyInPandasWithState``;
@@ -184,6 +186,16 @@ class Aggregate:
         """Whether Spark may compute this aggregate's partials per key (``AggregateDef.in_jvm``)."""
         return self.definition.in_jvm(self.input_type)
 
+    def vectorized(self) -> bool:
+        """Whether Arrow kernels merge this aggregate exactly as ``_merge`` does (``_apply_arrow``): a min or max
+        only of integers or strings (Python's and Arrow's orders of NaN differ; Arrow has no element-wise
+        min or max of dates and timestamps)."""
+        kind = self.input_type
+        if self.definition.finish is not _first and self.kind != "mean":
+            return False
+        return self.kind not in ("min", "max") or kind is not None and (
+            pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind))
+
     def partials(self, rows: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table, list[str]]:
         """The batch's partials per key: a table with the key group, the key columns and the partials' names.
 
@@ -200,10 +212,61 @@ class Aggregate:
         return totals, totals.column_names[-len(definition.partials):]
 
     def apply(self, table: KeyGroupTable, rows: pa.Table, key_columns: tuple[str, ...]) -> pa.Table:
-        """Merge the batch's partial aggregates per key into the state; one output row per key seen."""
-        definition = self.definition
+        """Merge the batch's partial aggregates per key into the state; one output row per key seen.
+
+        On a ``native`` table, the keys of the key groups it holds as Arrow
+        are merged with Arrow kernels (``_apply_arrow``), the others per key
+        in Python (``_apply_python``).
+        """
         totals, names = self.partials(rows, key_columns)
         totals = totals.sort_by(KEY_GROUP_COLUMN)  # the table takes each key group's keys at once
+        if not (table.native and self.vectorized()) or totals.column(key_columns[0]).null_count:
+            return self._apply_python(table, totals, names, key_columns)
+        key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
+        groups, starts = np.unique(key_groups, return_index=True)
+        native = table.native_groups(groups)
+        if native.all():
+            return self._apply_arrow(table, totals, names, key_columns)
+        rows_native = np.repeat(native, np.diff(np.append(starts, len(key_groups))))
+        parts = [self._apply_arrow(table, totals.filter(pa.array(rows_native)), names, key_columns)
+                 ] if native.any() else []
+        parts.append(self._apply_python(table, totals.filter(pa.array(~rows_native)), names, key_columns))
+        return pa.concat_tables(parts)
+
+    def _apply_arrow(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
+                     key_columns: tuple[str, ...]) -> pa.Table:
+        """``apply`` with Arrow kernels: look the keys' states up, merge, put them back, without Python objects.
+
+        A null state field (no value yet, or only nulls) is the identity, as
+        in ``_merge``: a sum is the coalesce of the checked sum and the two
+        sides, a min or max skips nulls. An integer sum that overflows
+        raises, as the state column's conversion does in Python.
+        """
+        definition = self.definition
+        key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
+        keys = totals.column(key_columns[0]).combine_chunks()
+        olds = table.look_up(key_groups, keys)
+        columns = []
+        for i, (op, name, kind) in enumerate(zip(definition.merges, names, definition.state(self.input_type))):
+            old, part = pc.struct_field(olds, [i]), totals.column(name).cast(kind).combine_chunks()
+            if op == "sum":
+                merged = pc.coalesce(pc.add_checked(old, part), old, part)
+            else:
+                merged = (pc.min_element_wise if op == "min" else pc.max_element_wise)(old, part, skip_nulls=True)
+            columns.append(merged)
+        table.put_arrow(key_groups, keys, columns, olds.is_null().to_numpy(zero_copy_only=False))
+        if definition.finish is _first:
+            result = columns[0]
+        else:  # mean: the sum over the count, null without a count
+            total, count = columns
+            result = pc.if_else(pc.fill_null(pc.equal(count, 0), True), pa.scalar(None, pa.float64()),
+                                pc.divide(total, pc.cast(count, pa.float64())))
+        return pa.table({**{c: totals.column(c) for c in key_columns}, self.output_name: result.cast(self.output_type())})
+
+    def _apply_python(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
+                      key_columns: tuple[str, ...]) -> pa.Table:
+        """``apply`` through ``get_many``/``put_many``, one Python object per key."""
+        definition = self.definition
         state_types = definition.state(self.input_type)
         partials = [totals.column(n).cast(t).to_pylist() for n, t in zip(names, state_types)]
         key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()

@@ -39,7 +39,17 @@ nothing of, loads it again). Every access to a cold key group raises
 memory bound), a fetched chain is never folded on a second lookup, and
 ``settle`` folds the entry a checkpoint wrote into it and drops its overlay:
 the key group stays one Arrow table of its live rows, a tenth of its bytes
-as dicts. No I/O.
+as dicts.
+
+A *native* table (``native``: the built-in aggregates, bare, under a sorted
+key) is served in Arrow, without a Python object per key: ``look_up`` finds
+a batch's keys in the Arrow chains, ``put_arrow`` adds each key group's new
+rows as a *pending* entry of its chain (a new chain for an empty key group),
+``arrow_rows`` and ``arrow_key_rows`` give a checkpoint its entries, and
+``settle`` replaces the pending entries with the entry written. Its key
+groups stay Arrow chains from batch to batch; a key group something folds
+into dicts (a single-key access) is served by the dicts until the checkpoint
+writes it in full. No I/O.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from __future__ import annotations
 import itertools
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -139,6 +149,7 @@ class FetchedChain:
         self._nbytes: int | None = None
         self._search: list[tuple[pa.RecordBatch, pa.Array]] | None | bool = False  # False: not checked yet
         self.released = False
+        self.pending = 0  # the last entries, added by ``add_pending``: changes no checkpoint has written yet
 
     def release(self) -> None:
         """Drop the chain's Arrow data, keeping its count of live keys (its overlay stands in for it)."""
@@ -199,6 +210,55 @@ class FetchedChain:
         self._folded = pa.Table.from_batches([whole]).drop_columns([DELETED_COLUMN])
         self._nbytes = whole.get_total_buffer_size()
 
+    def add_pending(self, batch: pa.RecordBatch, new_keys: int) -> None:
+        """Add a batch's changed rows of the key group as its newest entry, not written yet.
+
+        ``batch``: the blob schema, each key once, no tombstone, in strictly
+        ascending key order under a sorted key (``KeyedSchema.sorted_key``);
+        ``new_keys`` of its keys are not in the chain. The checkpoint's
+        entry for the key group replaces the pending entries
+        (``write_pending``).
+        """
+        template = self.batches[0][1].schema
+        batch = batch.cast(template) if batch.schema != template else batch
+        live = self.live_keys()  # counted before the entry: then counting after costs nothing
+        self.batches.append(("delta", batch))
+        self.pending += 1
+        self._folded, self._nbytes, self._live = None, None, live + new_keys
+        if self._search:  # every entry known sorted, and so is this one
+            self._search = [(batch, batch.column(self.schema.sorted_key)), *self._search]
+
+    def write_pending(self, kind: EntryKind, written: pa.RecordBatch) -> None:
+        """A checkpoint wrote the pending changes as ``written``, a ``kind`` entry: it replaces them.
+
+        A ``full`` entry becomes the whole chain; a ``merge`` entry (every
+        key changed since the chain's full entry) follows that full entry;
+        a ``delta`` follows the written entries. The content is unchanged.
+        """
+        template = self.batches[0][1].schema
+        written = written.cast(template) if written.schema != template else written
+        pending, self.pending = self.pending, 0
+        committed = self.batches[:len(self.batches) - pending]
+        self._folded, self._nbytes = None, None
+        if kind == "full" or not committed:  # a new key group's first entry holds all of it
+            self.batches = [("full", written)]
+            self._live = written.num_rows - written.column(DELETED_COLUMN).true_count
+            self._search = False  # checked when next searched: one pass over one entry
+        elif kind == "merge":
+            self.batches = [*committed[:1], ("merge", written)]
+            self._search = False
+        else:
+            self.batches = [*committed, (kind, written)]
+            if self._search:
+                keys = _search_keys(written, self.schema.sorted_key)
+                self._search = None if keys is None else [(written, keys), *self._search[pending:]]
+
+    def extend(self, batches: Entries) -> None:
+        """Append committed entries a catch-up fetched (the chain has no pending entry)."""
+        template = self.batches[0][1].schema
+        self.batches += [(kind, b.cast(template) if b.schema != template else b) for kind, b in batches]
+        self._folded, self._nbytes, self._live, self._search = None, None, None, False
+
     def nbytes(self) -> int:
         """Bytes of the chain's Arrow buffers, and of its fold once computed."""
         if self._nbytes is None:
@@ -246,6 +306,54 @@ class FetchedChain:
         return self._live
 
 
+def search_entries(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int, list[tuple[pa.RecordBatch, pa.Array]]]
+                   ) -> tuple[np.ndarray, list[pa.Array]]:
+    """Find each asked key (``asked_keys[i]`` of key group ``owner[i]``) in its key group's sorted entries.
+
+    ``entries``: per key group, its entries newest first, each with its key
+    column in strictly ascending order (``FetchedChain.searchable``).
+    Entry by entry, newest first, every asked key not found yet is searched
+    in its key group's entry at that level: one binary search for all of
+    them at once, each step one Arrow ``take`` and ``less`` over the asked
+    keys. A key's newest row wins. Costs the keys asked times the log of the
+    entries' sizes, not the entries' size. Returns the positions of the
+    keys found, and their value structs (a tombstone's is null) as one array
+    per level, in the order of the positions.
+    """
+    pending = np.arange(len(asked_keys))
+    depth = {g: len(chain) for g, chain in entries.items()}
+    found, values = [], []
+    level = 0
+    while len(pending):
+        groups = [g for g in np.unique(owner[pending]).tolist() if depth[g] > level]
+        if not groups:
+            break
+        sizes = [len(entries[g][level][1]) for g in groups]
+        here = pending[np.isin(owner[pending], groups)]  # the keys whose chain has an entry at this level
+        if not sum(sizes) or not len(here):
+            level += 1
+            continue
+        keys = pa.concat_arrays([entries[g][level][1] for g in groups])  # one array: fast takes
+        starts = np.cumsum([0] + sizes)
+        at = np.searchsorted(np.asarray(groups), owner[here])
+        low, high = starts[at], starts[at + 1]
+        end, last, key = high, len(keys) - 1, asked_keys.take(pa.array(here))
+        while (low < high).any():
+            middle = (low + high) // 2
+            less = pc.less(keys.take(pa.array(np.minimum(middle, last))), key).to_numpy(zero_copy_only=False)
+            active = low < high
+            low, high = np.where(active & less, middle + 1, low), np.where(active & ~less, middle, high)
+        hit = (low < end) & pc.equal(keys.take(pa.array(np.minimum(low, last))), key).to_numpy(
+            zero_copy_only=False)
+        if hit.any():
+            column = pa.chunked_array([entries[g][level][0].column(1) for g in groups])
+            values.append(column.take(pa.array(low[hit])).combine_chunks())
+            found.append(here[hit])
+        pending = np.setdiff1d(pending, here[hit], assume_unique=True)
+        level += 1
+    return (np.concatenate(found) if found else np.zeros(0, np.int64)), values
+
+
 def _runs(key_groups: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """``(key group, start, end)`` of each run of equal consecutive key groups (one per key group when sorted)."""
     groups = np.asarray(key_groups)
@@ -268,7 +376,8 @@ class ChangedRows:
 class KeyGroupTable:
     """See the module docstring; ``variable`` arguments are indexes into ``schema.variables`` (0: ``value``)."""
 
-    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, keep_arrow: bool = False):
+    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, keep_arrow: bool = False,
+                 native: bool = False):
         self.schema = schema
         self.key_group_range = key_group_range
         self._width = len(schema.variables)
@@ -283,7 +392,9 @@ class KeyGroupTable:
         # lookups keep overlays over fetched chains (``_look_up``).
         self.bare = self._width == 1 and len(schema.key_columns) == 1
         self._cold: set[int] = set()  # evicted key groups: state only in the store
-        self.keep_arrow = keep_arrow and self.bare
+        # ``native``: the built-in aggregates' Arrow access (``look_up``, ``put_arrow``): bare, under a sorted key.
+        self.native = native and self.bare and schema.sorted_key is not None
+        self.keep_arrow = (keep_arrow or native) and self.bare
         self._bytes_per_key: float | None = None
 
     # Ownership and lazy folding ---------------------------------------------------------
@@ -327,17 +438,20 @@ class KeyGroupTable:
                 "spark-state, please report it); nothing was written"
             )
         if fetched is not None:
-            overlay = group
-            group = self._groups[key_group] = [{} for _ in range(self._width)]
-            apply_entries(group, fetched.batches, self.schema, whole_chain=True, bare=self.bare)
+            group = self._groups[key_group] = self._content(fetched, group)
             self._absent.pop(key_group, None)
             self._added.pop(key_group, None)
             self._looked_up.discard(key_group)
-            if overlay is not None:
-                for values, written in zip(group, overlay):
-                    values.update(written)
         elif group is None:
             group = self._groups[key_group] = [{} for _ in range(self._width)]
+        return group
+
+    def _content(self, fetched: FetchedChain, overlay: list[dict[Key, Value]] | None) -> list[dict[Key, Value]]:
+        """A fetched chain's content as dicts, under its overlay (whose values win)."""
+        group = [{} for _ in range(self._width)]
+        apply_entries(group, fetched.batches, self.schema, whole_chain=True, bare=self.bare)
+        for values, written in zip(group, overlay or ()):
+            values.update(written)
         return group
 
     def _fold_many(self, key_groups: Sequence[int], keys: Sequence[Key]) -> None:
@@ -404,54 +518,16 @@ class KeyGroupTable:
 
     def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, pa.Array]]]
                 ) -> None:
-        """``_look_up`` of key groups whose entries are sorted (``FetchedChain.searchable``).
-
-        Entry by entry, newest first, every asked key not found yet is
-        searched in its key group's entry at that level: one binary search
-        for all of them at once, each step one Arrow ``take`` and ``less``
-        over the asked keys. A key's newest row wins (a tombstone: the chain
-        does not hold it). Costs the keys asked times the log of the
-        entries' sizes, not the entries' size.
-        """
-        key_type = self.schema.keys[0].type
+        """``_look_up`` of key groups whose entries are sorted (``FetchedChain.searchable``): ``search_entries``."""
         asked = [k for keys in wanted.values() for k in keys]
         owner = np.repeat(np.fromiter(wanted, np.int64, len(wanted)), [len(keys) for keys in wanted.values()])
-        asked_keys = pa.array(asked, key_type)
-        depth = {g: len(chain) for g, chain in entries.items()}
-        pending = np.arange(len(asked))
-        found, values = [], []
-        level = 0
-        while len(pending):
-            groups = [g for g in np.unique(owner[pending]).tolist() if depth[g] > level]
-            if not groups:
-                break
-            sizes = [len(entries[g][level][1]) for g in groups]
-            here = pending[np.isin(owner[pending], groups)]  # the keys whose chain has an entry at this level
-            if not sum(sizes) or not len(here):
-                level += 1
-                continue
-            keys = pa.concat_arrays([entries[g][level][1] for g in groups])  # one array: fast takes
-            starts = np.cumsum([0] + sizes)
-            at = np.searchsorted(np.asarray(groups), owner[here])
-            low, high = starts[at], starts[at + 1]
-            end, last, key = high, len(keys) - 1, asked_keys.take(pa.array(here))
-            while (low < high).any():
-                middle = (low + high) // 2
-                less = pc.less(keys.take(pa.array(np.minimum(middle, last))), key).to_numpy(zero_copy_only=False)
-                active = low < high
-                low, high = np.where(active & less, middle + 1, low), np.where(active & ~less, middle, high)
-            hit = (low < end) & pc.equal(keys.take(pa.array(np.minimum(low, last))), key).to_numpy(
-                zero_copy_only=False)
-            if hit.any():
-                column = pa.chunked_array([entries[g][level][0].column(1) for g in groups])
-                values.extend(struct_values(column.take(pa.array(low[hit])), len(self.schema.variables[0].fields)))
-                found.append(here[hit])  # a tombstone's value is None
-            pending = np.setdiff1d(pending, here[hit], assume_unique=True)
-            level += 1
-        found_at = np.concatenate(found) if found else np.zeros(0, np.int64)
-        order = np.concatenate([found_at, pending]).tolist()
+        found_at, chunks = search_entries(owner, pa.array(asked, self.schema.keys[0].type), entries)
+        width = len(self.schema.variables[0].fields)
+        values = [v for chunk in chunks for v in struct_values(chunk, width)]
+        missing = np.setdiff1d(np.arange(len(asked)), found_at, assume_unique=True)
+        order = np.concatenate([found_at, missing]).tolist()
         owners = owner.tolist()
-        self._remember([(owners[i], asked[i]) for i in order], values + [None] * len(pending))
+        self._remember([(owners[i], asked[i]) for i in order], values + [None] * len(missing))
 
     def _remember(self, asked: list[tuple[int, Key]], values: Sequence[Value | None]) -> None:
         """Record what a lookup found: ``values[i]`` for ``asked[i]``, None where the chain does not hold it."""
@@ -560,6 +636,127 @@ class KeyGroupTable:
             else:
                 self._changes(g).update(keys[start:end])
 
+    # Arrow access (``native``: the built-in aggregates) ----------------------------------------
+
+    def native_groups(self, key_groups: Sequence[int]) -> np.ndarray:
+        """Which of ``key_groups`` ``look_up`` and ``put_arrow`` serve: held as an Arrow chain (not released)
+        or empty, without dicts."""
+        groups, cold, unloaded = self._groups, self._cold, self._unloaded
+        return np.fromiter((g not in groups and g not in cold and not (g in unloaded and unloaded[g].released)
+                            for g in np.asarray(key_groups).tolist()), bool, len(key_groups))
+
+    def look_up(self, key_groups: np.ndarray, keys: pa.Array) -> pa.Array:
+        """The ``value`` struct of each ``(key_groups[i], keys[i])`` as Arrow, null where the key has none.
+
+        For key groups ``native_groups`` allows, keys without nulls. Nothing
+        is converted to Python objects: sorted chains are searched when the
+        keys asked are few for their rows (``SEARCH_RATIO``,
+        ``search_entries``), others folded and hashed in one Arrow pass.
+        """
+        value_type = self.schema.blob_schema.field(1).type
+        unloaded = self._unloaded
+        present = [g for g in np.unique(key_groups).tolist() if g in unloaded]
+        if not present:
+            return pa.nulls(len(keys), value_type)
+        index = np.flatnonzero(np.isin(key_groups, present))
+        asked = keys if len(index) == len(keys) else keys.take(pa.array(index))
+        chains = {g: unloaded[g] for g in present}
+        where = np.full(len(keys), -1, np.int64)
+        rows = sum(batch.num_rows for chain in chains.values() for _, batch in chain.batches)
+        entries = {g: chain.searchable() for g, chain in chains.items()} if len(index) * SEARCH_RATIO < rows else {}
+        if entries and None not in entries.values():
+            found_at, chunks = search_entries(np.asarray(key_groups)[index], asked, entries)
+            where[index[found_at]] = np.arange(len(found_at))
+            values = pa.concat_arrays(chunks) if chunks else pa.array([], value_type)
+        else:  # hash the asked keys, then probe with the chains' live keys (``_look_up``)
+            live = FetchedChain.live_rows(list(chains.values()), self.schema.key_columns)
+            live = live.filter(pc.is_in(live.column(0), value_set=asked))
+            position = pc.index_in(asked, value_set=live.column(0).combine_chunks())
+            where[index] = pc.fill_null(position, -1).to_numpy()
+            values = live.column(1).combine_chunks()
+        return values.take(pa.array(where, mask=where < 0))
+
+    def put_arrow(self, key_groups: np.ndarray, keys: pa.Array, value_columns: Sequence[pa.Array],
+                  new_keys: np.ndarray) -> None:
+        """Set the ``value`` of each ``(key_groups[i], keys[i])`` from Arrow columns, without Python objects.
+
+        For key groups ``native_groups`` allows, ``key_groups`` ascending,
+        keys without nulls, each once; ``new_keys[i]``: the key had no
+        value. Each key group's rows, sorted by key, become a pending entry
+        of its chain (a new chain for an empty key group), which the
+        checkpoint's entry replaces (``settle``), and the rows the
+        checkpoint writes (``changed_rows``).
+        """
+        runs = list(_runs(key_groups))
+        if not runs:
+            return
+        order = pa.array(key_order(keys, [end - start for _, start, end in runs]))
+        keys, value_columns = keys.take(order), [column.take(order) for column in value_columns]
+        new_keys = np.asarray(new_keys)[order.to_numpy()]
+        if self._changed_rows is not None:
+            self._changed_rows.append(ChangedRows(np.asarray(key_groups), (keys,), tuple(value_columns)))
+        batch = self.schema.fields_to_batch([keys], value_columns)
+        held = keys.to_pylist()
+        added = np.add.reduceat(new_keys.astype(np.int64), [start for _, start, _ in runs]).tolist()
+        unloaded, dirty = self._unloaded, self._dirty
+        for (g, start, end), new in zip(runs, added):
+            rows = batch.slice(start, end - start)
+            chain = unloaded.get(g)
+            if chain is None:
+                chain = unloaded[g] = FetchedChain(g, [("full", rows)], self.schema)
+                chain.pending, chain._live = 1, end - start
+            else:
+                chain.add_pending(rows, new)
+            self._absent.pop(g, None)
+            self._added.pop(g, None)
+            self._looked_up.discard(g)
+            if g in dirty:
+                self._changes(g).update(held[start:end])
+            else:
+                dirty[g] = held[start:end]
+
+    def arrow_rows(self, key_groups: Sequence[int]) -> tuple[pa.RecordBatch, list[int]] | None:
+        """The live rows of Arrow-held key groups (``native_groups``, holding a chain) as one blob-schema batch.
+
+        Each key group's rows together, in the given order, by ascending
+        key, and each one's row count: their full entries. One sort of all
+        their entries' rows by (key group, key, age) folds them (a key's
+        newest row wins; a tombstone removes it). None when a key is null.
+        """
+        schema = self.schema.blob_schema
+        batches, runs = [], []
+        for g in key_groups:
+            chain = self._unloaded[g].batches
+            batches.extend(b if b.schema == schema else b.cast(schema) for _, b in chain)
+            runs.append(sum(b.num_rows for _, b in chain))
+        table = pa.Table.from_batches(batches, schema).combine_chunks()
+        key = table.column(0).combine_chunks()
+        if key.null_count:
+            return None
+        order = key_order(key, runs)  # stable: a key's rows stay oldest first
+        ordered = key.take(pa.array(order))
+        newest = np.ones(len(order), bool)  # a key group's last row never equals the next one's first key
+        if len(order) > 1:
+            newest[:-1] = pc.not_equal(ordered.slice(0, len(order) - 1), ordered.slice(1)).to_numpy(
+                zero_copy_only=False)
+        keep = newest & ~table.column(DELETED_COLUMN).combine_chunks().to_numpy(zero_copy_only=False)[order]
+        sizes = np.bincount(np.repeat(np.arange(len(runs)), runs)[order][keep], minlength=len(runs))
+        rows = table.take(pa.array(order[keep]))
+        return pa.RecordBatch.from_arrays([c.combine_chunks() for c in rows.columns], schema=schema), sizes.tolist()
+
+    def arrow_key_rows(self, key_groups: Sequence[int], keys: Sequence[Collection[Key]]) -> tuple[pa.RecordBatch, list[int]]:
+        """The rows of the given keys of Arrow-held key groups (``keys[i]`` of ``key_groups[i]``), no key None,
+        as one blob-schema batch, each key group's together by ascending key (a key without a value: a
+        tombstone), and each one's row count: their delta or merge entries."""
+        sizes = [len(chosen) for chosen in keys]
+        owners = np.repeat(np.asarray(key_groups, np.int64), sizes)
+        asked = pa.array([k for chosen in keys for k in chosen], self.schema.keys[0].type)
+        asked = asked.take(pa.array(key_order(asked, sizes)))
+        values = self.look_up(owners, asked)
+        deleted = values.is_null()
+        batch = pa.RecordBatch.from_arrays([asked, values, deleted], schema=self.schema.blob_schema)
+        return batch, sizes
+
     def values(self, key_group: int, variable: int) -> dict[Key, Value]:
         """One variable's ``key -> value`` of a key group (folds it; do not change the dict, use put/delete).
 
@@ -569,13 +766,18 @@ class KeyGroupTable:
         return self._group(key_group)[variable]
 
     def items(self, variable: int = 0) -> Iterator[tuple[int, Key, Value]]:
-        """Every ``(key_group, key, value)`` of one variable, by key group (folds everything; none may be cold)."""
+        """Every ``(key_group, key, value)`` of one variable, by key group (none may be cold).
+
+        Reads fetched chains without folding them into the table.
+        """
         if self._cold:
             self._not_loaded(min(self._cold))
-        for key_group in list(self._unloaded):
-            self._group(key_group)
-        for key_group in sorted(self._groups):
-            for key, value in self._groups[key_group][variable].items():
+        for key_group in sorted(self._groups.keys() | self._unloaded.keys()):
+            fetched = self._unloaded.get(key_group)
+            if fetched is not None and fetched.released:
+                raise KeyGroupNotLoadedError(f"key group {key_group} was released and cannot be read (a defect)")
+            group = self._groups[key_group] if fetched is None else self._content(fetched, self._groups.get(key_group))
+            for key, value in group[variable].items():
                 yield key_group, (key,) if self.bare else key, value
 
     def __len__(self) -> int:
@@ -603,13 +805,22 @@ class KeyGroupTable:
         return changes
 
     def changed_rows(self) -> "ChangedRows | None":
-        """Every change since ``take_changes`` as Arrow rows, when one ``put_many`` with ``columns`` made them all.
+        """Every change since ``take_changes`` as Arrow rows, when ``put_many`` with ``columns`` and ``put_arrow``
+        made them all (their rows concatenated: a key put twice makes more rows than changed keys, which
+        ``resident`` checks).
 
         None when anything else changed the table since (a ``put``, a
-        ``delete``, a second ``put_many``, a key group cleared or replaced).
+        ``delete``, a ``put_many`` without columns, a key group cleared or
+        replaced).
         """
         rows = self._changed_rows
-        return rows[0] if rows is not None and len(rows) == 1 else None
+        if not rows:
+            return None
+        if len(rows) == 1:
+            return rows[0]
+        return ChangedRows(np.concatenate([r.key_groups for r in rows]),
+                           tuple(pa.concat_arrays(list(c)) for c in zip(*(r.keys for r in rows))),
+                           tuple(pa.concat_arrays(list(c)) for c in zip(*(r.fields for r in rows))))
 
     def key_count(self, key_group: int) -> int:
         """The keys ``key_group`` holds; with several variables, the most any one holds, without visiting a key.
@@ -663,8 +874,12 @@ class KeyGroupTable:
         self._unloaded[key_group] = fetched
 
     def apply(self, key_group: int, batches: Entries) -> None:
-        """Apply fetched delta entries on top of the key group's content."""
+        """Apply fetched delta entries on top of the key group's content (a native table's chain: appended)."""
         self._check(key_group)
+        fetched = self._unloaded.get(key_group)
+        if self.native and fetched is not None and not fetched.released and key_group not in self._groups:
+            fetched.extend(batches)
+            return
         apply_entries(self._group(key_group), batches, self.schema, whole_chain=False, bare=self.bare)
         self.drop_if_empty(key_group)
 
@@ -720,6 +935,11 @@ class KeyGroupTable:
     def released(self) -> list[int]:
         return [g for g, fetched in self._unloaded.items() if fetched.released]
 
+    def arrow_held(self, key_group: int) -> bool:
+        """Whether the key group is an Arrow chain alone: fetched or written in Arrow, not released, no dicts."""
+        fetched = self._unloaded.get(key_group)
+        return fetched is not None and not fetched.released and key_group not in self._groups
+
     def is_released(self, key_group: int) -> bool:
         fetched = self._unloaded.get(key_group)
         return fetched is not None and fetched.released
@@ -737,7 +957,10 @@ class KeyGroupTable:
         if fetched is None and (kind != "full" or key_group not in self._groups):
             return
         if fetched is not None:
-            fetched.append(kind, written)
+            if fetched.pending:
+                fetched.write_pending(kind, written)
+            else:
+                fetched.append(kind, written)
             self._groups.pop(key_group, None)
             self._absent.pop(key_group, None)
             self._added.pop(key_group, None)

@@ -134,13 +134,14 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
     counts its traffic (S3), ``storage`` holds what the backend itself sent
     and received for the catch-up (``Storage.counters``), retries included.
     """
+    native = isinstance(task.function, Aggregate) and task.function.vectorized()
     state = take(task.store_uri, task.component, instance, task.parallelism, task.max_parallelism, task.schema,
-                 bounded=task.resident_memory is not None)
+                 bounded=task.resident_memory is not None, native=native)
     info = {"resident": state.has_keys(), "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
     component = _base_component(task, manifests)
     if component is None:
         if state.has_keys() or state.chains.held():
-            state = ResidentState(task.schema, state.key_group_range, bounded=state.bounded)
+            state = ResidentState(task.schema, state.key_group_range, bounded=state.bounded, native=native)
         return state, info
     wire_before = blobs.storage.counters()
     caught = state.catch_up(blobs, component, instance, task.parallelism)

@@ -23,7 +23,12 @@ and, when its component has timers, the index of its due timers
    store, as a restore would) folded with this batch's changes, in Arrow:
    what compaction costs grows with the bytes of the key group, not with
    Python work per key, and a key group kept as Arrow under an overlay stays
-   so.
+   so. A *native* state (``native``: a built-in aggregate merged with Arrow
+   kernels, ``functions.Aggregate.vectorized``) keeps its key groups as
+   Arrow chains: their entries are folded or looked up in them
+   (``KeyGroupTable.arrow_rows``, ``arrow_key_rows``), never read back from
+   the store or from dicts, and the written entries replace the chains'
+   pending ones.
 
 Under a memory bound (``spark.state.residentMemory``, a component without
 timers), the state is *bounded*: a new one loads nothing at catch-up; before
@@ -86,7 +91,8 @@ class CatchUp:
 class ResidentState:
     """See the module docstring. ``key_group_range`` is inclusive."""
 
-    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, bounded: bool = False):
+    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, bounded: bool = False,
+                 native: bool = False):
         self.schema = schema
         self.key_group_range = key_group_range
         self.timers_variable = schema.variable_index(TIMERS.name) if schema.has_variable(TIMERS.name) else None
@@ -95,7 +101,9 @@ class ResidentState:
         # since the bound was last exact (``timer_bound``).
         self._timer_bounds: dict[int, tuple[tuple[int | None, int | None, int | None], int]] = {}
         self.bounded = bounded and self.timers is None
-        self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded)
+        self.native = native  # asked for; the table is native when its schema allows (``KeyGroupTable``)
+        self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded,
+                                   native=native and not self.bounded and self.timers is None)
         if self.bounded:
             self.table.evict_all()
         # Under a memory bound, the keys changed since each full entry would be Python objects the bound does not
@@ -282,24 +290,31 @@ class ResidentState:
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
         planned = self.chains.plan(changes, self.table.key_count, max_chain_length)
+        held = {e.key_group for e in planned if self.table.native and self.table.arrow_held(e.key_group)}
         from_store = {e.key_group for e in planned
-                      if stored is not None and e.kind == "full" and not e.empty
+                      if stored is not None and e.kind == "full" and not e.empty and e.key_group not in held
                       and (e.compacted or self.table.is_released(e.key_group))
                       and stored.holds(e.key_group, e.previous)}
         # Only delta entries are written from the Arrow rows: a batch that writes every key group in full (most
         # of their keys changed) does not sort and copy them for nothing.
         wants_fast = changed is not None and any(entry.kind == "delta" for entry in planned)
         fast = self._changed_batch(changed, changes) if wants_fast else None
+        arrow = self._arrow_entries([e for e in planned if e.key_group in held
+                                     and not (fast is not None and e.kind == "delta")])
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []  # with several variables; with one, computed from its values at the end
         single = len(values) == 1
-        bounds: list[tuple[PlannedEntry, bool, int, int]] = []  # entry, from ``fast``, first row, rows
+        bounds: list[tuple[PlannedEntry, pa.RecordBatch | None, int, int]] = []  # entry, rows (None: ``batch``
+        # below, from the dicts), first row, rows
         for entry in planned:
             if fast is not None and entry.kind == "delta":  # exactly the rows the batch put in the key group
                 first, rows = fast[1][entry.key_group]
-                bounds.append((entry, True, first, rows))
+                bounds.append((entry, fast[0], first, rows))
                 self.table.drop_if_empty(entry.key_group)
+                continue
+            if entry.key_group in arrow:
+                bounds.append((entry, *arrow[entry.key_group]))
                 continue
             start = len(keys)
             if entry.kind != "full":
@@ -320,7 +335,7 @@ class ResidentState:
                     width = len(per_variable)
                     deleted.extend([values.count(None) == width for values in zip(*per_variable)])
                 rows = len(chosen)
-            bounds.append((entry, False, start, rows))
+            bounds.append((entry, None, start, rows))
             if self.timers_variable is not None:
                 self.earliest[entry.key_group] = self.timer_bound(entry.key_group, changes.get(entry.key_group, ()))
             self.table.drop_if_empty(entry.key_group)
@@ -329,21 +344,39 @@ class ResidentState:
         if not bounds:
             return []
         batch = None
-        if not all(from_fast for _, from_fast, _, _ in bounds):
+        if any(rows is None for _, rows, _, _ in bounds):
             if single:  # a key is deleted when its one variable has no value (a dict never holds None)
                 deleted = [value is None for value in values[0]] if None in values[0] else np.zeros(len(keys), bool)
             table = self.schema.rows_to_columns(keys, values, deleted, bare=self.table.bare)
             batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns],
                                                schema=table.schema)
             if self.schema.sorted_key is not None:  # each entry's rows by key, entries in place
-                batch = sort_rows(batch, self.schema.sorted_key, [n for _, from_fast, _, n in bounds if not from_fast])
-        entries = [(entry.key_group, entry.kind, pa.concat_batches([(fast[0] if from_fast else batch).slice(start, n)]))
-                   for entry, from_fast, start, n in bounds]
+                batch = sort_rows(batch, self.schema.sorted_key, [n for _, rows, _, n in bounds if rows is None])
+        entries = [(entry.key_group, entry.kind, pa.concat_batches([(batch if rows is None else rows).slice(start, n)]))
+                   for entry, rows, start, n in bounds]
         self.compaction = {}
         if from_store:
             entries = stored.compact(entries, from_store)
             self.compaction = stored.last
         return entries
+
+    def _arrow_entries(self, planned: list[PlannedEntry]) -> dict[int, tuple[pa.RecordBatch, int, int]]:
+        """The rows of planned entries of key groups held as Arrow chains (``KeyGroupTable.arrow_held``), per key
+        group its rows, first row and row count, made without Python objects per key: full entries folded from
+        the chains (``arrow_rows``), the others (changed keys) looked up in them (``arrow_key_rows``). Entries
+        with a null key are left to the dicts."""
+        found = {}
+        full = [e.key_group for e in planned if e.kind == "full"]
+        keyed = [e for e in planned if e.kind != "full" and None not in e.keys]
+        for groups, made in ((full, self.table.arrow_rows(full) if full else None),
+                             ([e.key_group for e in keyed],
+                              self.table.arrow_key_rows([e.key_group for e in keyed], [e.keys for e in keyed])
+                              if keyed else None)):
+            if made is not None:
+                rows, sizes = made
+                firsts = np.cumsum([0, *sizes[:-1]]).tolist()
+                found.update((g, (rows, first, n)) for g, first, n in zip(groups, firsts, sizes))
+        return found
 
     def timer_bound(self, key_group: int, changed: Collection) -> tuple[int | None, int | None, int | None]:
         """The earliest timer of each kind in ``key_group`` at most: exact, or a lower bound; after ``changed``.
@@ -409,7 +442,7 @@ class ResidentState:
                 compression=compression, earliest=self.earliest or None,
             )
             self.chains.record(blob.path)
-            if self.bounded:
+            if self.bounded or self.table.native:
                 for key_group, kind, table in entries:
                     self.table.settle(key_group, kind, table)
         for key_group in self.table.released():  # their chains are in the store only now
@@ -485,9 +518,11 @@ def restore_instance(
     max_parallelism: int,
     *,
     bounded: bool = False,
+    native: bool = False,
 ) -> tuple[ResidentState, CatchUp | None]:
     """Build instance ``instance``'s state at ``parallelism`` from ``component`` (None: start empty)."""
-    state = ResidentState(schema, key_group_range(instance, parallelism, max_parallelism), bounded=bounded)
+    state = ResidentState(schema, key_group_range(instance, parallelism, max_parallelism), bounded=bounded,
+                          native=native)
     if component is None:
         return state, None
     check_compatible(component, ComponentSpec(component.name, max_parallelism, parallelism, schema))
@@ -501,11 +536,12 @@ _RESIDENT: dict[tuple[str, str], dict[int, ResidentState]] = {}
 
 
 def take(store: str, component: str, instance: int, parallelism: int, max_parallelism: int,
-         schema: KeyedSchema, *, bounded: bool = False) -> ResidentState:
+         schema: KeyedSchema, *, bounded: bool = False, native: bool = False) -> ResidentState:
     """This process's state of ``instance``, or a new empty one; drops states of another parallelism.
 
     A state held with another ``bounded`` (the memory bound was set or unset
-    on a restart) is dropped too: the new one reloads from the store.
+    on a restart) or ``native`` is dropped too: the new one reloads from the
+    store.
     """
     owned = key_group_range(instance, parallelism, max_parallelism)
     with _LOCK:
@@ -515,8 +551,8 @@ def take(store: str, component: str, instance: int, parallelism: int, max_parall
             del states[other]
         state = states.pop(instance, None)
     if (state is None or state.key_group_range != owned or state.schema != schema
-            or state.bounded != (bounded and state.timers is None)):
-        state = ResidentState(schema, owned, bounded=bounded)
+            or state.bounded != (bounded and state.timers is None) or state.native != native):
+        state = ResidentState(schema, owned, bounded=bounded, native=native)
     return state
 
 

@@ -215,3 +215,72 @@ def test_minima_is_the_earliest_time_of_each_kind_over_the_keys(timers):
                 earliest([t for _, processing, _ in timers for t in processing]),
                 earliest([e for _, _, e in timers if e is not None]))
     assert minima(timers) == minima(iter(timers)) == minima({i: t for i, t in enumerate(timers)}.values()) == expected
+
+
+wide_batches = st.lists(  # key groups of several keys, a few changed per batch: delta entries, then compactions
+    st.lists(st.tuples(st.integers(0, 47).map("k{}".format), st.integers(-100, 100) | st.none()), max_size=10),
+    min_size=1, max_size=10,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=wide_batches, kind=st.sampled_from(sorted(AGGREGATES)), input_type=st.sampled_from(["int", "str"]),
+       restart=st.integers(0, 5), parallelism=st.integers(1, 3), search=st.booleans(), touch=st.booleans())
+def test_the_arrow_merge_writes_and_outputs_what_the_python_merge_does(
+        batches, kind, input_type, restart, parallelism, search, touch):
+    """A native state (``KeyGroupTable.native``: Arrow kernels, key groups kept as Arrow chains) against a plain
+    one, batch by batch: the same outputs, the same checkpoint entries, the same state after a restart at a
+    new parallelism (restored chains, searched or hashed). ``touch`` reads one key per batch through ``get``,
+    which folds its key group into dicts: the next batch merges the two kinds at once."""
+    batches = [[(f"k{n}", 1) for n in range(48)]] + batches  # every key first: later batches write deltas
+    from unittest import mock
+
+    from spark_state import keyed_table
+    from spark_state.manifest import ComponentSpec
+    from spark_state.resident import restore_instance
+    from spark_state.storage.memory import MemoryStorage
+    from tests.stores import Store
+
+    kind_type = pa.int64() if input_type == "int" else pa.string()
+    if kind in ("sum", "mean") and input_type == "str":
+        kind_type = pa.int64()
+    if kind_type == pa.string():
+        batches = [[(k, None if v is None else f"v{v:+04d}") for k, v in pairs] for pairs in batches]
+    aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else kind_type)
+    assert aggregate.vectorized()
+    schema = KeyedSchema.of_values([KEY], aggregate.state_fields())
+    stores = [Store(MemoryStorage(), retained=2), Store(MemoryStorage(), retained=2)]
+    states = [[ResidentState(schema, KeyGroupRange(0, M - 1), native=native)] for native in (True, False)]
+    assert states[0][0].table.native and not states[1][0].table.native
+    ratio = 0 if search else keyed_table.SEARCH_RATIO
+    with mock.patch.object(keyed_table, "SEARCH_RATIO", ratio):
+        for checkpoint_id, pairs in enumerate(batches, 1):
+            if checkpoint_id == restart + 1:
+                for side, store in enumerate(stores):
+                    component = store.latest().components.get("c") if store.latest() else None
+                    states[side] = [restore_instance(store.blobs, component, schema, i, parallelism, M,
+                                                     native=side == 0)[0] for i in range(parallelism)]
+            outputs, written = [], []
+            for side, store in enumerate(stores):
+                rows = _rows(pairs, kind_type)
+                result, refs = {}, []
+                for i, state in enumerate(states[side]):
+                    mine = rows.filter(pa.array([g in state.key_group_range
+                                                 for g in rows.column(KEY_GROUP_COLUMN).to_pylist()], pa.bool_()))
+                    if mine.num_rows:
+                        out = aggregate.apply(state.table, mine, ("key",))
+                        result.update(zip(out.column("key").to_pylist(), out.column("out").to_pylist()))
+                        if touch:
+                            key = mine.column("key")[0].as_py()
+                            state.table.get(key_group_for(key, M), (key,))
+                    ref = state.checkpoint(store.blobs, "c", checkpoint_id, i, max_chain_length=3)[0]
+                    refs += [ref] if ref else []
+                size = len(states[side])
+                store.commit(checkpoint_id, {"c": (ComponentSpec("c", M, size, schema), refs)}, {})
+                outputs.append(result)
+                chains = store.latest().components["c"].chains  # the same chains: entries of the same checkpoints
+                written.append({g: tuple(path.split("/")[2] for path in chain) for g, chain in chains.items()})
+            assert outputs[0] == outputs[1]
+            assert written[0] == written[1]
+            contents = [{k[0]: v for s in side for _, k, v in s.table.items()} for side in states]
+            assert contents[0] == contents[1]

@@ -14,6 +14,14 @@ The machine runs with string keys and with integer keys, whose entries are
 written sorted by key and searched, not hashed (``KeyedSchema.sorted_key``);
 half the runs write entries unsorted, as a store written before that, whose
 key groups are hashed and folded.
+
+Half the unbounded runs make *native* states, as for the built-in
+aggregates: ``aggregate`` merges a batch of sums with Arrow kernels into
+the key groups held as Arrow chains (pending entries, replaced by what the
+checkpoint writes) and per key into the others, while the other rules'
+single-key and ``get_many`` accesses turn key groups into dicts, so both
+kinds meet in one table. The invariants read a native state without
+changing how it holds its key groups (``look_up``, ``items``).
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import numpy as np
+
 from spark_state import keyed_table
+from spark_state.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
 from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
 from spark_state.resident import ResidentState, restore_instance
@@ -67,6 +78,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.parallelism = 3
         self.bounded = False
         self.unsorted = False
+        self.native = False
         self.instances = self._empty(self.parallelism)
         self.live: dict[str, int] = {}
         self.committed: dict[int, dict[str, int]] = {}
@@ -76,17 +88,20 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         keyed_table.SEARCH_RATIO = self._search_ratio
 
-    @initialize(bounded=st.booleans(), unsorted=st.booleans())
-    def choose_bound(self, bounded: bool, unsorted: bool) -> None:
+    @initialize(bounded=st.booleans(), unsorted=st.booleans(), native=st.booleans())
+    def choose_bound(self, bounded: bool, unsorted: bool, native: bool) -> None:
         """``unsorted``: checkpoints write entries in no key order, as before they were sorted, so restored key
-        groups are hashed and folded instead of searched."""
+        groups are hashed and folded instead of searched. ``native`` (unbounded only): states as for the
+        built-in aggregates."""
         self.bounded = bounded
         self.unsorted = unsorted
+        self.native = native and not bounded
         self.instances = self._empty(self.parallelism)
 
     def _empty(self, parallelism: int) -> list[ResidentState]:
         return [
-            ResidentState(self.schema, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded)
+            ResidentState(self.schema, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded,
+                          native=self.native)
             for i in range(parallelism)
         ]
 
@@ -124,7 +139,7 @@ class StoreMachine(RuleBasedStateMachine):
         component = manifest.components.get(COMPONENT) if manifest else None
         return [
             restore_instance(self.store.blobs, component, self.schema, i, parallelism, MAX_PARALLELISM,
-                             bounded=bounded)[0]
+                             bounded=bounded, native=self.native)[0]
             for i in range(parallelism)
         ]
 
@@ -169,13 +184,38 @@ class StoreMachine(RuleBasedStateMachine):
             groups, keys = [g for g, _ in routed], [state.table.held_key((k,)) for _, k in routed]
             olds = state.table.get_many(groups, keys)
             assert olds == [(self.live[k],) if k in self.live else None for _, k in routed]
-            news = [((old[0] if old else 0) + step,) for old in olds]
+            news = [((old[0] if old and old[0] is not None else 0) + step,) for old in olds]
             arrow = {}
             if columns:
                 arrow = {"key_columns": [pa.array([k for _, k in routed], self.key_type)],
                          "value_columns": [pa.array([v for (v,) in news], pa.int64())]}
             state.table.put_many(groups, keys, news, **arrow)
             self.live.update((k, v[0]) for (_, k), v in zip(routed, news))
+        self.clean = False
+
+    @rule(first=st.integers(0, 60), count=st.integers(1, 40), data=st.data())
+    def aggregate(self, first: int, count: int, data) -> None:
+        """A batch of a built-in sum: ``Aggregate.apply`` with each key's partial (None: only nulls)."""
+        aggregate = Aggregate("sum", "value", "value", pa.int64())
+        parts = data.draw(st.lists(st.integers(-5, 5) | st.none(), min_size=count, max_size=count), label="parts")
+        by_instance: dict[int, list[tuple[int, str | int, int | None]]] = {}
+        for n, part in zip(range(first, first + count), parts):
+            key = self.numbered(n)
+            group, state = self._route(key)
+            by_instance.setdefault(id(state), []).append((group, key, part))
+        for state in self.instances:
+            routed = by_instance.get(id(state), [])
+            if not routed:
+                continue
+            totals = pa.table({KEY_GROUP_COLUMN: pa.array([g for g, _, _ in routed], pa.int32()),
+                               "key": pa.array([k for _, k, _ in routed], self.key_type),
+                               f"{PARTIAL_PREFIX}0": pa.array([p for _, _, p in routed], pa.int64())})
+            output = aggregate.apply(state.table, totals, ("key",))
+            for _, key, part in routed:
+                old = self.live.get(key)
+                self.live[key] = part if old is None else old if part is None else old + part
+            assert dict(zip(output.column("key").to_pylist(), output.column("value").to_pylist())) == {
+                k: self.live[k] for _, k, _ in routed}
         self.clean = False
 
     @rule(key=keys)
@@ -288,13 +328,18 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def instances_hold_exactly_the_live_state_without_folding(self) -> None:
-        """Counts and the built-ins' reads, which leave restored key groups unfolded."""
+        """Counts and the built-ins' reads, which leave restored key groups unfolded (a native table's Arrow
+        key groups: as they are)."""
         instances = self._loaded()
         assert sum(len(state) for state in instances) == len(self.live)
         for key, value in self.live.items():
             group = key_group_for(key, MAX_PARALLELISM)
             state = instances[instance_for_key_group(group, self.parallelism, MAX_PARALLELISM)]
-            assert state.table.get_many([group], [state.table.held_key((key,))]) == [(value,)]
+            if state.table.native and state.table.native_groups([group])[0]:
+                found = state.table.look_up(np.array([group]), pa.array([key], self.key_type)).to_pylist()
+                assert found == [{"value": value}]
+            else:
+                assert state.table.get_many([group], [state.table.held_key((key,))]) == [(value,)]
 
     @rule()
     def instances_hold_exactly_the_live_state(self) -> None:
