@@ -92,6 +92,10 @@ class KeyGroupOwnershipError(SparkStateError):
     """A row reached an instance that does not own its key group (routing disagrees with the store)."""
 
 
+class AggregateOverflowError(SparkStateError, ArithmeticError):
+    """A built-in sum left its 64-bit integer state's range for some key; the batch fails, the state unchanged."""
+
+
 class KeyGroupNotLoadedError(SparkStateError):
     """A task touched a key group whose state it evicted and did not load again (a defect of spark-state).
 

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from spark_state.errors import ConfigError
+from spark_state.errors import AggregateOverflowError, ConfigError
 from spark_state.eventtime import END_OF_TIME
 from spark_state.instance_items import InstanceItems
 from spark_state.keyed_table import KeyGroupTable
@@ -239,8 +239,8 @@ class Aggregate:
 
         A null state field (no value yet, or only nulls) is the identity, as
         in ``_merge``: a sum is the coalesce of the checked sum and the two
-        sides, a min or max skips nulls. An integer sum that overflows
-        raises, as the state column's conversion does in Python.
+        sides, a min or max skips nulls. An integer sum that overflows raises
+        ``AggregateOverflowError`` before the state changes, as in Python.
         """
         definition = self.definition
         key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
@@ -250,7 +250,10 @@ class Aggregate:
         for i, (op, name, kind) in enumerate(zip(definition.merges, names, definition.state(self.input_type))):
             old, part = pc.struct_field(olds, [i]), totals.column(name).cast(kind).combine_chunks()
             if op == "sum":
-                merged = pc.coalesce(pc.add_checked(old, part), old, part)
+                try:
+                    merged = pc.coalesce(pc.add_checked(old, part), old, part)
+                except pa.ArrowInvalid as exc:
+                    raise self._overflow() from exc
             else:
                 merged = (pc.min_element_wise if op == "min" else pc.max_element_wise)(old, part, skip_nulls=True)
             columns.append(merged)
@@ -262,6 +265,11 @@ class Aggregate:
             result = pc.if_else(pc.fill_null(pc.equal(count, 0), True), pa.scalar(None, pa.float64()),
                                 pc.divide(total, pc.cast(count, pa.float64())))
         return pa.table({**{c: totals.column(c) for c in key_columns}, self.output_name: result.cast(self.output_type())})
+
+    def _overflow(self) -> AggregateOverflowError:
+        return AggregateOverflowError(
+            f"{self.kind}({self.column!r}) overflows its 64-bit integer state for some key; the batch failed and "
+            "the state is unchanged: cast the column to double (or decimal) before aggregating")
 
     def _apply_python(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
                       key_columns: tuple[str, ...]) -> pa.Table:
@@ -301,7 +309,10 @@ class Aggregate:
             ]
         # No state is ever None here (a key with a batch has a value): the columns are the values as put.
         fields = [merged] if merged is not None else [[s[i] for s in new] for i in range(len(state_types))]
-        columns = [pa.array(f, t) for f, t in zip(fields, state_types)]
+        try:
+            columns = [pa.array(f, t) for f, t in zip(fields, state_types)]
+        except (OverflowError, pa.ArrowInvalid) as exc:
+            raise self._overflow() from exc
         table.put_many(key_groups, keys, new, key_columns=[totals.column(c).combine_chunks() for c in key_columns],
                        value_columns=columns)
         output = {c: totals.column(c) for c in key_columns}

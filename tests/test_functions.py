@@ -284,3 +284,17 @@ def test_the_arrow_merge_writes_and_outputs_what_the_python_merge_does(
             assert written[0] == written[1]
             contents = [{k[0]: v for s in side for _, k, v in s.table.items()} for side in states]
             assert contents[0] == contents[1]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_sum_leaving_the_64_bit_range_fails_the_batch_with_a_typed_error_and_keeps_the_state(native):
+    from spark_state.errors import AggregateOverflowError
+
+    aggregate = Aggregate("sum", "x", "total", pa.int64())
+    state = ResidentState(KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M - 1),
+                          native=native)
+    assert state.table.native == native
+    aggregate.apply(state.table, _rows([("a", 2**63 - 10), ("b", 1)], pa.int64()), ("key",))
+    with pytest.raises(AggregateOverflowError, match=r"sum\('x'\) overflows .* cast the column to double"):
+        aggregate.apply(state.table, _rows([("a", 5), ("a", 6), ("b", 1)], pa.int64()), ("key",))
+    assert {k[0]: v[0] for _, k, v in state.table.items()} == {"a": 2**63 - 10, "b": 1}
