@@ -567,7 +567,7 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
     memory, rocks = state.get("memory"), keyed.get("rocksdb_memory")
     if memory and rocks and memory[largest]["resident_bytes_per_key"] is not None:
         out.append(f"- Memory: with {int(largest):,} keys of state our instance hosts hold "
-                   f"{memory[largest]['resident_bytes_per_key']:,.0f} B per key (Python objects, every key resident), "
+                   f"{memory[largest]['resident_bytes_per_key']:,.0f} B per key (every key resident, as Arrow chains), "
                    f"Spark's RocksDB store {rocks['memory_bytes_per_key']:,.1f} B per key in memory and "
                    f"{rocks['sst_bytes_per_key']:,.1f} B on local disk, by default (no bound); under "
                    "`spark.state.residentMemory` see \"Memory bound\".")

@@ -245,6 +245,8 @@ class Aggregate:
         definition = self.definition
         key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
         keys = totals.column(key_columns[0]).combine_chunks()
+        key_type = table.schema.keys[0].type
+        keys = keys if keys.type == key_type else keys.cast(key_type)  # e.g. large strings from Spark
         olds = table.look_up(key_groups, keys)
         columns = []
         for i, (op, name, kind) in enumerate(zip(definition.merges, names, definition.state(self.input_type))):
