@@ -68,7 +68,7 @@ class Config:
 
 QUICK = Config("quick", 1_000_000, ("64m", "8m"), 100_000, 200_000, 4, 4)
 FULL = Config("full", 5_000_000, ("256m", "32m"), 100_000, 250_000, 5, 5)
-SMOKE = Config("smoke", 20_000, ("2m", "1m"), 2_000, 10_000, 2, 2, hot_keys=500)
+SMOKE = Config("smoke", 20_000, ("1m", "512k"), 2_000, 10_000, 2, 2, hot_keys=500)
 
 
 def _bytes(size: str) -> int:

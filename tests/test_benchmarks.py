@@ -188,13 +188,13 @@ def test_keyed_smoke(keyed):
 @pytest.mark.spark
 def test_memory_smoke(memory):
     runs = memory["runs"]
-    assert set(runs) == {"unbounded", "bound_2m", "bound_1m", "baseline"}
-    for label in ("bound_2m", "bound_1m"):
+    assert set(runs) == {"unbounded", "bound_1m", "bound_512k", "baseline"}
+    for label in ("bound_1m", "bound_512k"):
         run = runs[label]
         assert run["final_state_equals_unbounded"] is True and run["batches_over_share"] == []
         assert run["state_kept_between_batches_bytes"]["max"] <= run["limit_bytes"]
     # the bounded runs keep less than the unbounded one, whose state exceeds the smaller bound
-    assert runs["unbounded"]["state_kept_between_batches_bytes"]["max"] > runs["bound_1m"]["limit_bytes"]
+    assert runs["unbounded"]["state_kept_between_batches_bytes"]["max"] > runs["bound_512k"]["limit_bytes"]
     assert all(len(r["rss_high_water_by_host"]) == 2 for r in runs.values())
     assert all(t["met"] for t in memory["targets"]) and len(memory["targets"]) == 4
 
