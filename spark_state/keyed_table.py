@@ -653,6 +653,7 @@ class KeyGroupTable:
         keys asked are few for their rows (``SEARCH_RATIO``,
         ``search_entries``), others folded and hashed in one Arrow pass.
         """
+        self._check_all(key_groups)
         value_type = self.schema.blob_schema.field(1).type
         unloaded = self._unloaded
         present = [g for g in np.unique(key_groups).tolist() if g in unloaded]
@@ -687,6 +688,7 @@ class KeyGroupTable:
         checkpoint's entry replaces (``settle``), and the rows the
         checkpoint writes (``changed_rows``).
         """
+        self._check_all(key_groups)
         runs = list(_runs(key_groups))
         if not runs:
             return

@@ -298,3 +298,16 @@ def test_a_sum_leaving_the_64_bit_range_fails_the_batch_with_a_typed_error_and_k
     with pytest.raises(AggregateOverflowError, match=r"sum\('x'\) overflows .* cast the column to double"):
         aggregate.apply(state.table, _rows([("a", 5), ("a", 6), ("b", 1)], pa.int64()), ("key",))
     assert {k[0]: v[0] for _, k, v in state.table.items()} == {"a": 2**63 - 10, "b": 1}
+
+
+def test_the_arrow_merge_refuses_rows_of_a_key_group_the_instance_does_not_own():
+    from spark_state.errors import KeyGroupOwnershipError
+
+    aggregate = Aggregate("count", None, "n")
+    state = ResidentState(KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M // 2 - 1),
+                          native=True)
+    rows = _rows([(k, 1) for k in "abcdefgh"], pa.int64())
+    assert max(rows.column(KEY_GROUP_COLUMN).to_pylist()) >= M // 2  # some rows belong to another instance
+    with pytest.raises(KeyGroupOwnershipError, match="not owned by this instance"):
+        aggregate.apply(state.table, rows, ("key",))
+    assert list(state.table.items()) == [] and state.table.take_changes() == {}
