@@ -271,7 +271,7 @@ class Aggregate:
     def _overflow(self) -> AggregateOverflowError:
         return AggregateOverflowError(
             f"{self.kind}({self.column!r}) overflows its 64-bit integer state for some key; the batch failed and "
-            "the state is unchanged: cast the column to double (or decimal) before aggregating")
+            "the state is unchanged: cast the column to double before aggregating")
 
     def _apply_python(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
                       key_columns: tuple[str, ...]) -> pa.Table:

@@ -394,7 +394,7 @@ class KeyGroupTable:
         self._cold: set[int] = set()  # evicted key groups: state only in the store
         # ``native``: the built-in aggregates' Arrow access (``look_up``, ``put_arrow``): bare, under a sorted key.
         self.native = native and self.bare and schema.sorted_key is not None
-        self.keep_arrow = (keep_arrow or native) and self.bare
+        self.keep_arrow = keep_arrow and self.bare or self.native
         self._bytes_per_key: float | None = None
 
     # Ownership and lazy folding ---------------------------------------------------------

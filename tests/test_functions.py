@@ -311,3 +311,16 @@ def test_the_arrow_merge_refuses_rows_of_a_key_group_the_instance_does_not_own()
     with pytest.raises(KeyGroupOwnershipError, match="not owned by this instance"):
         aggregate.apply(state.table, rows, ("key",))
     assert list(state.table.items()) == [] and state.table.take_changes() == {}
+
+
+@pytest.mark.parametrize("key_fields, native", [
+    ([KEY], True),
+    ([pa.field("key", pa.int32())], True),
+    ([pa.field("key", pa.float64())], False),  # no sorted entries to search: the per-key path, folding as usual
+    ([KEY, PART], False),
+])
+def test_a_table_is_native_only_under_one_sorted_key_column(key_fields, native):
+    schema = KeyedSchema.of_values(key_fields, Aggregate("count", None, "n").state_fields())
+    table = KeyGroupTable(schema, KeyGroupRange(0, M - 1), native=True)
+    assert table.native == native
+    assert table.keep_arrow == native  # a table that is not native folds key groups looked up twice, as before
