@@ -538,9 +538,9 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                        "the rest of our batch costs more than its: per new instance, a fork of a Python worker "
                        "into its host (20-50 ms on the task's path; the benchmark restarts on a copy of the store, "
                        "so every instance is new, and the naive store keeps its state in the workers), the "
-                       "manifest parsed again in each host, and work per key group the batch touches (each folded "
-                       "or searched on its own, one delta entry written for each) where the naive store does one "
-                       "join over its rows.")
+                       "manifest parsed again in each host, and work per key group the batch touches (a few Arrow "
+                       "calls each: its keys searched in its chain, one entry written) where the naive store does "
+                       "one join over its rows.")
         slower_repartition = [r for r in rows if r["ours_vs_spark_repartition"] < 1]
         if slower_repartition:
             out.append(f"- Rescale at {size['keys']:,} keys: Spark's repartition + restart beats ours in "
