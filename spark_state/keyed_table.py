@@ -128,6 +128,19 @@ def sort_rows(batch: pa.RecordBatch | pa.Table, key: str, sizes: Sequence[int] |
     return batch.take(pa.array(key_order(column, [batch.num_rows] if sizes is None else sizes)))
 
 
+def _as_schema(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` cast to ``schema`` (a chain's entries share one schema), unchanged when it has it already."""
+    return batch if batch.schema == schema else batch.cast(schema)
+
+
+def _probe(live: pa.Table, asked_keys: pa.Array) -> pa.ChunkedArray:
+    """The value struct (column 1) of each asked key in ``live``, the live rows of a bare table's chains (column 0
+    the key, each key once), null where absent. Hashes the asked keys (a batch's worth), not the chains (all
+    the state of the key groups touched): the chains' keys only probe."""
+    live = live.filter(pc.is_in(live.column(0), value_set=asked_keys, skip_nulls=False))
+    return live.column(1).take(pc.index_in(asked_keys, value_set=live.column(0).combine_chunks(), skip_nulls=False))
+
+
 def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
     """An entry's key column when its keys are in strictly ascending order without nulls (checked in one pass)."""
     column = batch.column(key)
@@ -187,7 +200,7 @@ class FetchedChain:
         those of the live rows, not of every entry since the last compaction.
         """
         template = self.batches[0][1].schema
-        batch = batch.cast(template) if batch.schema != template else batch
+        batch = _as_schema(batch, template)
         previous, self._folded, self._live, self._nbytes = self._folded, None, None, None
         self._search = False
         if len(self.schema.key_columns) != 1 or (kind != "full" and previous is None):
@@ -219,8 +232,7 @@ class FetchedChain:
         entry for the key group replaces the pending entries
         (``write_pending``).
         """
-        template = self.batches[0][1].schema
-        batch = batch.cast(template) if batch.schema != template else batch
+        batch = _as_schema(batch, self.batches[0][1].schema)
         live = self.live_keys()  # counted before the entry: then counting after costs nothing
         self.batches.append(("delta", batch))
         self.pending += 1
@@ -235,8 +247,7 @@ class FetchedChain:
         key changed since the chain's full entry) follows that full entry;
         a ``delta`` follows the written entries. The content is unchanged.
         """
-        template = self.batches[0][1].schema
-        written = written.cast(template) if written.schema != template else written
+        written = _as_schema(written, self.batches[0][1].schema)
         pending, self.pending = self.pending, 0
         committed = self.batches[:len(self.batches) - pending]
         self._folded, self._nbytes = None, None
@@ -256,7 +267,7 @@ class FetchedChain:
     def extend(self, batches: Entries) -> None:
         """Append committed entries a catch-up fetched (the chain has no pending entry)."""
         template = self.batches[0][1].schema
-        self.batches += [(kind, b.cast(template) if b.schema != template else b) for kind, b in batches]
+        self.batches += [(kind, _as_schema(b, template)) for kind, b in batches]
         self._folded, self._nbytes, self._live, self._search = None, None, None, False
 
     def nbytes(self) -> int:
@@ -506,14 +517,10 @@ class KeyGroupTable:
         if not wanted:
             return
         rows = FetchedChain.live_rows([unloaded[g] for g in wanted], self.schema.key_columns)
-        key_column = self.schema.key_columns[0]
         asked = [k for g in wanted for k in wanted[g]]
-        asked_keys = pa.array(asked, rows.schema.field(key_column).type)  # an overlay's table is bare
-        # Hash the asked keys (a batch's worth), not the chains (all the state of the key groups touched):
-        # the chains' keys only probe. A key lives in one key group, and a folded chain holds it once.
-        rows = rows.filter(pc.is_in(rows.column(key_column), value_set=asked_keys, skip_nulls=False))
-        position = pc.index_in(asked_keys, value_set=rows.column(key_column).combine_chunks(), skip_nulls=False)
-        values = struct_values(rows.column(1).take(position), len(self.schema.variables[0].fields))
+        asked_keys = pa.array(asked, rows.schema.field(0).type)  # an overlay's table is bare
+        # A key lives in one key group, and a folded chain holds it once.
+        values = struct_values(_probe(rows, asked_keys), len(self.schema.variables[0].fields))
         self._remember([(g, k) for g in wanted for k in wanted[g]], values)
 
     def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, pa.Array]]]
@@ -662,20 +669,21 @@ class KeyGroupTable:
         index = np.flatnonzero(np.isin(key_groups, present))
         asked = keys if len(index) == len(keys) else keys.take(pa.array(index))
         chains = {g: unloaded[g] for g in present}
-        where = np.full(len(keys), -1, np.int64)
         rows = sum(batch.num_rows for chain in chains.values() for _, batch in chain.batches)
         entries = {g: chain.searchable() for g, chain in chains.items()} if len(index) * SEARCH_RATIO < rows else {}
         if entries and None not in entries.values():
             found_at, chunks = search_entries(np.asarray(key_groups)[index], asked, entries)
-            where[index[found_at]] = np.arange(len(found_at))
-            values = pa.concat_arrays(chunks) if chunks else pa.array([], value_type)
-        else:  # hash the asked keys, then probe with the chains' live keys (``_look_up``)
-            live = FetchedChain.live_rows(list(chains.values()), self.schema.key_columns)
-            live = live.filter(pc.is_in(live.column(0), value_set=asked))
-            position = pc.index_in(asked, value_set=live.column(0).combine_chunks())
-            where[index] = pc.fill_null(position, -1).to_numpy()
-            values = live.column(1).combine_chunks()
-        return values.take(pa.array(where, mask=where < 0))
+            at = np.full(len(index), -1, np.int64)
+            at[found_at] = np.arange(len(found_at))
+            found = (pa.concat_arrays(chunks) if chunks else pa.array([], value_type)).take(pa.array(at, mask=at < 0))
+        else:
+            found = _probe(FetchedChain.live_rows(list(chains.values()), self.schema.key_columns), asked)
+            found = found.combine_chunks()
+        if len(index) == len(keys):
+            return found
+        where = np.full(len(keys), -1, np.int64)
+        where[index] = np.arange(len(index))
+        return found.take(pa.array(where, mask=where < 0))
 
     def put_arrow(self, key_groups: np.ndarray, keys: pa.Array, value_columns: Sequence[pa.Array],
                   new_keys: np.ndarray) -> None:
@@ -729,7 +737,7 @@ class KeyGroupTable:
         batches, runs = [], []
         for g in key_groups:
             chain = self._unloaded[g].batches
-            batches.extend(b if b.schema == schema else b.cast(schema) for _, b in chain)
+            batches.extend(_as_schema(b, schema) for _, b in chain)
             runs.append(sum(b.num_rows for _, b in chain))
         table = pa.Table.from_batches(batches, schema).combine_chunks()
         key = table.column(0).combine_chunks()
