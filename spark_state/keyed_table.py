@@ -260,8 +260,9 @@ class FetchedChain:
             self._search = False
         else:
             self.batches = [*committed, (kind, written)]
-            if self._search:
-                keys = _search_keys(written, self.schema.sorted_key)
+            if self._search:  # as ``searchable``: no sorted key, no search
+                key = self.schema.sorted_key
+                keys = _search_keys(written, key) if key is not None else None
                 self._search = None if keys is None else [(written, keys), *self._search[pending:]]
 
     def extend(self, batches: Entries) -> None:
