@@ -141,11 +141,6 @@ def _probe(live: pa.Table, asked_keys: pa.Array) -> pa.ChunkedArray:
     return live.column(1).take(pc.index_in(asked_keys, value_set=live.column(0).combine_chunks(), skip_nulls=False))
 
 
-def _key_and_deleted(batch: pa.RecordBatch, schema: KeyedSchema) -> pa.RecordBatch:
-    """An entry's sorted key column and its tombstones (column 1, what ``search_entries`` returns per key)."""
-    return batch.select([schema.sorted_key, DELETED_COLUMN])
-
-
 def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
     """An entry's key column when its keys are in strictly ascending order without nulls (checked in one pass)."""
     column = batch.column(key)
@@ -238,7 +233,7 @@ class FetchedChain:
         (``write_pending``).
         """
         batch = _as_schema(batch, self.batches[0][1].schema)
-        live = self.live_keys()  # counted before the entry (``count_live``): then counting after costs nothing
+        live = self.live_keys()  # counted before the entry: then counting after costs nothing
         self.batches.append(("delta", batch))
         self.pending += 1
         self._folded, self._nbytes, self._live = None, None, live + new_keys
@@ -309,56 +304,6 @@ class FetchedChain:
         rest = [chain.batches for chain in chains if chain._folded is None and not chain.released]
         parts = done + ([fold_chains(rest, key_columns)] if rest else [])
         return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-
-    @staticmethod
-    def count_live(chains: Sequence["FetchedChain"]) -> None:
-        """Count the live keys of ``chains`` together (``live_keys`` of each, computed once), without folding.
-
-        A chain of sorted entries (``searchable``) counts as its full
-        entry's keys, changed by each later entry's rows: a live row of a
-        key not live before adds one, a tombstone of a key live before
-        takes one away. Whether a key was live before is a binary search of
-        the older entries (``search_entries``), for all chains at once: the
-        later entries' keys only, not every key (a restored chain is its old
-        instance's full entry and deltas; folding it hashes all its keys).
-        Other chains fold their key columns, one by one.
-        """
-        todo = [c for c in chains if c._live is None and not c.released]
-        sorted_ = [(c, c.searchable()) for c in todo if len(c.batches) > 1 and c._folded is None]
-        sorted_ = [(c, entries[::-1]) for c, entries in sorted_ if entries is not None]  # oldest entry first
-        if sorted_:
-            deleted = [[batch.column(DELETED_COLUMN) for batch, _ in entries] for _, entries in sorted_]
-            live = np.array([len(d[0]) - d[0].true_count for d in deleted], np.int64)
-            # Every later entry's keys: were they live in the full entry? One search of all of them.
-            owner = np.concatenate([np.full(len(keys), i) for i, (_, entries) in enumerate(sorted_)
-                                    for _, keys in entries[1:]])
-            level = np.concatenate([np.full(len(keys), j) for _, entries in sorted_
-                                    for j, (_, keys) in enumerate(entries[1:], 1)])
-            asked = pa.concat_arrays([keys for _, entries in sorted_ for _, keys in entries[1:]])
-            now_live = ~np.concatenate([d.to_numpy(zero_copy_only=False) for ds in deleted for d in ds[1:]])
-            before = np.zeros(len(asked), bool)
-
-            def _live_in(positions: np.ndarray, levels: dict[int, list]) -> None:
-                found, flags = search_entries(owner[positions], asked.take(pa.array(positions)), levels)
-                if len(found):
-                    before[positions[found]] = ~np.concatenate(
-                        [f.to_numpy(zero_copy_only=False) for f in flags])
-
-            _live_in(np.arange(len(asked)), {i: [(_key_and_deleted(entries[0][0], c.schema), entries[0][1])]
-                                             for i, (c, entries) in enumerate(sorted_)})
-            # Then, entry by entry, the newer states the deltas between set (newest first; a key they do not
-            # name keeps its state in the full entry).
-            for j in range(2, max(len(entries) for _, entries in sorted_)):
-                positions = np.flatnonzero(level == j)
-                _live_in(positions, {i: [(_key_and_deleted(entries[k][0], c.schema), entries[k][1])
-                                         for k in range(j - 1, 0, -1)]
-                                     for i, (c, entries) in enumerate(sorted_) if len(entries) > j})
-            change = now_live.astype(np.int64) - before
-            live += np.bincount(owner, weights=change, minlength=len(sorted_)).astype(np.int64)
-            for (chain, _), n in zip(sorted_, live.tolist()):
-                chain._live = n
-        for chain in todo:
-            chain.live_keys()
 
     def live_keys(self) -> int:
         """Keys the chain holds once folded (computed once, with Arrow kernels on the key columns)."""
@@ -765,7 +710,6 @@ class KeyGroupTable:
         held = keys.to_pylist()
         added = np.add.reduceat(new_keys.astype(np.int64), [start for _, start, _ in runs]).tolist()
         unloaded, dirty = self._unloaded, self._dirty
-        FetchedChain.count_live([unloaded[g] for g, _, _ in runs if g in unloaded])  # before their new entries
         for (g, start, end), new in zip(runs, added):
             rows = batch.slice(start, end - start)
             chain = unloaded.get(g)
@@ -851,7 +795,6 @@ class KeyGroupTable:
         """Keys with any state in the loaded key groups (a cold key group's keys are in the store only)."""
         unloaded = self._unloaded
         loaded = sum(len(_keys(group)) for g, group in self._groups.items() if g not in unloaded)
-        FetchedChain.count_live(list(unloaded.values()))
         return loaded + sum(self._unloaded_count(g) for g in unloaded)
 
     def has_keys(self) -> bool:

@@ -285,38 +285,6 @@ def test_a_chain_counts_the_keys_its_fold_holds_without_folding_a_lone_entry():
     assert [FetchedChain(g, c.batches, SCHEMA).folded().num_rows for g, c in ((0, lone), (1, chain))] == [2, 3]
 
 
-@st.composite
-def _chains(draw):
-    """Chains of one key group each: a full entry, then deltas; keys from a small alphabet, some rows
-    tombstones; an entry's keys sorted unless the chain is drawn unsorted (then only a fold can count it)."""
-    letters = "abcdefgh"
-    chains = []
-    for g in range(draw(st.integers(1, 5))):
-        unsorted = draw(st.booleans()) and draw(st.booleans())
-        entries = []
-        for depth in range(draw(st.integers(1, 5))):
-            keys = sorted(draw(st.sets(st.sampled_from(letters), max_size=len(letters))))
-            if unsorted:
-                keys = keys[::-1]
-            deleted = [depth > 0 and draw(st.booleans()) for _ in keys]
-            entries.append(("full" if depth == 0 else "delta",
-                            _entry(keys, [None if d else i for i, d in enumerate(deleted)], deleted)))
-        chains.append(FetchedChain(g, entries, SCHEMA))
-    return chains
-
-
-@settings(max_examples=200, deadline=None)
-@given(_chains())
-def test_chains_counted_together_hold_what_each_fold_holds(chains):
-    """``count_live``: sorted chains counted by searching their later entries' keys in the older entries, the
-    others folded; each count is the number of rows its own fold holds, and a sorted chain is not folded."""
-    expected = [FetchedChain(0, c.batches, SCHEMA).folded().num_rows for c in chains]
-    FetchedChain.count_live(chains)
-    assert [c._live for c in chains] == expected
-    assert [c.live_keys() for c in chains] == expected
-    assert all(c._folded is None for c in chains if len(c.batches) > 1 and c.searchable() is not None)
-
-
 real_search = KeyGroupTable._search
 INT_SCHEMA = KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])
 
