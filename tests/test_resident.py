@@ -329,6 +329,35 @@ def test_key_order_sorts_each_run_of_integers_by_value_in_place(data):
     assert order.tolist() == sorted(range(len(keys)), key=lambda i: (runs[i], keys[i]))  # ties keep their order
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_it(data):
+    """``search_entries`` (integers of any width with NumPy, strings with Arrow steps) against a dict model:
+    each asked key, in any order, found in its own key group's newest entry holding it, with that row's value."""
+    kind, low, high = data.draw(st.sampled_from(_INTEGER_TYPES + [(pa.string(), 0, 0)]))
+    wide = st.integers(low, high) | st.sampled_from([low, high])  # the extremes of the type, and any value
+    narrow = st.integers(max(low, -4), min(high, 4))  # a few values: asked keys hit the entries' keys often
+    values = (st.text("abc\x00\u00e9", max_size=3) if kind == pa.string()
+              else narrow if data.draw(st.booleans()) else wide)
+    entries, model = {}, {}
+    for g in data.draw(st.lists(st.integers(0, 5), unique=True, min_size=1, max_size=4)):
+        levels = []
+        for level in range(data.draw(st.integers(1, 3))):  # newest first
+            keys = sorted(data.draw(st.sets(values, max_size=6)), key=lambda k: k.encode() if isinstance(k, str) else k)
+            named = pa.array([f"{g}/{level}/{k}" for k in keys], pa.string())
+            batch = pa.record_batch([pa.array(keys, kind), named], ["k", "v"])
+            levels.append((batch, batch.column(0)))
+            for k in keys:
+                model.setdefault((g, k), f"{g}/{level}/{k}")
+        entries[g] = levels
+    groups = sorted(entries)
+    asked = data.draw(st.lists(st.tuples(st.sampled_from(groups), values), max_size=12))
+    owner = np.array([g for g, _ in asked], np.int64)
+    found, chunks = keyed_table.search_entries(owner, pa.array([k for _, k in asked], kind), entries)
+    got = dict(zip(found.tolist(), pa.concat_arrays(chunks).to_pylist() if chunks else []))
+    assert got == {i: model[key] for i, key in enumerate(asked) if key in model}
+
+
 def test_integer_keys_are_written_in_ascending_order_in_every_entry(store):
     """Full entries from the dicts, deltas from a put_many's columns or from the dicts, compacted full entries."""
     rng = random.Random(5)
