@@ -67,6 +67,10 @@ class BlobEntry(NamedTuple):
     crc32: int
     earliest: tuple[int | None, int | None, int | None] | None = None
     """Earliest event, processing and expiry timer over the key group's keys when written (``timers``)."""
+    live: int | None = None
+    """Keys the key group's chain held up to and with this entry, when its writer knew (a state of one variable
+    under one key column): a reader counts a restored chain without folding it. For reports only: what a chain
+    holds is always what its entries fold to."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class BlobIndex:
             obj["offset"] = [e.offset for e in entries]
         if any(e.earliest is not None for e in entries):
             obj["earliest"] = [list(e.earliest) if e.earliest is not None else None for e in entries]
+        if any(e.live is not None for e in entries):
+            obj["live"] = [e.live for e in entries]
         return obj
 
     @classmethod
@@ -121,7 +127,8 @@ class BlobIndex:
         earliest = ([tuple(e) if e is not None else None for e in obj["earliest"]] if "earliest" in obj
                     else [None] * len(lengths))
         kinds = [ENTRY_KINDS[k] for k in obj["kind"]]
-        columns = [obj["key_group"], kinds, offsets, lengths, obj["rows"], obj["crc32"], earliest]
+        live = obj["live"] if "live" in obj else [None] * len(lengths)
+        columns = [obj["key_group"], kinds, offsets, lengths, obj["rows"], obj["crc32"], earliest, live]
         if len({len(column) for column in columns}) > 1:
             raise ValueError(f"index columns of different lengths: {[len(column) for column in columns]}")
         return cls(tuple(map(BlobEntry, *columns)))
@@ -135,6 +142,7 @@ def encode_blob(
     metadata: dict[str, str],
     compression: str | None = None,
     earliest: Mapping[int, tuple[int | None, int | None, int | None]] | None = None,
+    live: Mapping[int, int] | None = None,
 ) -> tuple[bytes, BlobIndex]:
     """Serialize ``(key_group, kind, rows)`` entries into one blob.
 
@@ -144,7 +152,8 @@ def encode_blob(
     ``key_group_range`` (inclusive bounds). Returns the blob bytes and their
     index; ``compression`` is an Arrow IPC codec ("lz4", "zstd") or None;
     ``earliest`` gives, per key group, the earliest timers its entry records
-    (no later than the key group's earliest; see ``timers``).
+    (no later than the key group's earliest; see ``timers``); ``live``, per
+    key group, the keys its chain holds with the entry (``BlobEntry.live``).
     """
     file_metadata = {
         "spark_state.format_version": str(FORMAT_VERSION),
@@ -183,10 +192,11 @@ def encode_blob(
     if starts:
         # The writer emits magic and schema lazily with the first batch.
         starts[0] = _MAGIC_PREFIX + len(schema.serialize())
-    earliest = earliest or {}
+    earliest, live = earliest or {}, live or {}
     view = memoryview(data)
     entries_out = tuple(
-        BlobEntry(key_group, kind, s, end - s, rows, zlib.crc32(view[s:end]), earliest.get(key_group))
+        BlobEntry(key_group, kind, s, end - s, rows, zlib.crc32(view[s:end]), earliest.get(key_group),
+                  live.get(key_group))
         for (key_group, kind, rows), s, end in zip(index, starts, ends)
     )
     if entries_out:

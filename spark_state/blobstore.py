@@ -103,14 +103,15 @@ class BlobStore:
         *,
         compression: str | None = None,
         earliest=None,
+        live=None,
     ) -> BlobRef:
         """Write one instance's entries for ``checkpoint_id`` as a new, unreferenced blob.
 
         ``schema`` is the blob schema; ``entries`` are ``(key_group, kind,
         rows)`` in increasing key-group order, all inside ``key_group_range``
-        (the instance's range, inclusive); ``earliest`` the earliest timers per
-        key group (``blob.encode_blob``). Returns the ``BlobRef`` to report to
-        the driver.
+        (the instance's range, inclusive); ``earliest`` the earliest timers and
+        ``live`` the keys held per key group (``blob.encode_blob``). Returns
+        the ``BlobRef`` to report to the driver.
         """
         check_component_name(component)
         path = join(
@@ -126,6 +127,7 @@ class BlobStore:
             metadata={"component": component, "checkpoint_id": str(checkpoint_id), "instance": str(instance)},
             compression=compression,
             earliest=earliest,
+            live=live,
         )
         self.storage.create(path, data)
         return BlobRef(path, checkpoint_id, instance, key_group_range, len(data), zlib.crc32(data), index)

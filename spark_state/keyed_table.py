@@ -153,11 +153,14 @@ def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
 class FetchedChain:
     """A key group's chain as fetched (oldest entry first, starting with a full one), not yet folded."""
 
-    def __init__(self, key_group: int, batches: Entries, schema: KeyedSchema):
+    def __init__(self, key_group: int, batches: Entries, schema: KeyedSchema, *, live: int | None = None):
+        """``live``: the keys the chain holds, as its last entry's writer recorded (``BlobEntry.live``); counted
+        when first needed otherwise. A count no chain of these entries could hold is ignored."""
         check_chain([kind for kind, _ in batches], f"key group {key_group}")
         self.batches = list(batches)
         self.schema = schema
-        self._live: int | None = None
+        rows = sum(batch.num_rows for _, batch in self.batches)
+        self._live: int | None = live if live is not None and 0 <= live <= rows else None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
         self._search: list[tuple[pa.RecordBatch, pa.Array]] | None | bool = False  # False: not checked yet
@@ -832,6 +835,20 @@ class KeyGroupTable:
         return ChangedRows(np.concatenate([r.key_groups for r in rows]),
                            tuple(pa.concat_arrays(list(c)) for c in zip(*(r.keys for r in rows))),
                            tuple(pa.concat_arrays(list(c)) for c in zip(*(r.fields for r in rows))))
+
+    def recorded_count(self, key_group: int) -> int | None:
+        """The keys ``key_group`` holds, for its entry to record (``BlobEntry.live``), when known exactly
+        without counting: a bare table's dict, or a chain with no overlay whose count is known. None otherwise
+        (several variables, an overlay, a cold key group, a chain not counted yet)."""
+        if not self.bare or key_group in self._cold:
+            return None
+        fetched = self._unloaded.get(key_group)
+        if fetched is None:
+            group = self._groups.get(key_group)
+            return len(group[0]) if group is not None else 0
+        if key_group in self._groups or key_group in self._added or fetched.released:
+            return None
+        return fetched._live
 
     def key_count(self, key_group: int) -> int:
         """The keys ``key_group`` holds; with several variables, the most any one holds, without visiting a key.

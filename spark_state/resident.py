@@ -153,14 +153,15 @@ class ResidentState:
                 self.timers.set_earliest(key_group, None)
                 self._timer_bounds.pop(key_group, None)
         for key_group, batches in entries.items():
+            chain = component.chains[key_group]
+            last = component.blobs[chain[-1]].index.entry_for(key_group)
             if key_group in plan.appends:
                 self.table.apply(key_group, batches)
             else:
-                self.table.install(key_group, FetchedChain(key_group, batches, self.schema))
-            chain = component.chains[key_group]
+                self.table.install(key_group, FetchedChain(key_group, batches, self.schema, live=last.live))
             self.chains.set(key_group, chain)
             if self.timers is not None:
-                earliest = component.blobs[chain[-1]].index.entry_for(key_group).earliest
+                earliest = last.earliest
                 self.timers.set_earliest(key_group, earliest)
                 if earliest is not None:  # what the entry's writer recorded: a lower bound (``timer_bound``)
                     self._timer_bounds[key_group] = (tuple(earliest), 0)
@@ -196,7 +197,8 @@ class ResidentState:
             plan = plan_links(stored, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
             entries, stats = blobs.fetch(self._component, plan, self.schema)
             for g, batches in entries.items():
-                self.table.install(g, FetchedChain(g, batches, self.schema))
+                last = self._component.blobs[chains[g][-1]].index.entry_for(g)
+                self.table.install(g, FetchedChain(g, batches, self.schema, live=last.live))
                 self.chains.set(g, chains[g])
             info.update(bytes_read=stats.bytes_read, requests=stats.requests, seconds=round(stats.seconds, 4))
         return info
@@ -437,9 +439,11 @@ class ResidentState:
         entries = self.snapshot(max_chain_length=max_chain_length, stored=stored)
         blob = None
         if entries:
+            counts = {g: self.table.recorded_count(g) for g, _, _ in entries}
             blob = blobs.write_blob(
                 component, checkpoint_id, instance, self.key_group_range, self.schema.blob_schema, entries,
                 compression=compression, earliest=self.earliest or None,
+                live={g: n for g, n in counts.items() if n is not None},
             )
             self.chains.record(blob.path)
             if self.bounded or self.table.native:
