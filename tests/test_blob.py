@@ -435,6 +435,17 @@ def test_index_json_roundtrip_and_lookup(encoded):
         assert again.entry_for(key_group) == present.get(key_group)
 
 
+def test_recorded_key_counts_travel_in_the_index_and_only_when_given(encoded):
+    """``live`` per key group: in the index's JSON when any entry has one (null for the others), absent
+    otherwise, so an index written without counts reads as before."""
+    state_schema, entries, _, index = encoded
+    _, counted = _encode(state_schema, entries, live={4: 7, 10: 0})
+    assert [e.live for e in counted.entries] == [7 if e.key_group == 4 else 0 if e.key_group == 10 else None
+                                                 for e in counted.entries]
+    assert BlobIndex.from_json(counted.to_json()) == counted
+    assert "live" not in index.to_json() and all(e.live is None for e in BlobIndex.from_json(index.to_json()).entries)
+
+
 def test_index_from_json_rejects_columns_of_different_lengths(encoded):
     _, _, _, index = encoded
     obj = index.to_json()

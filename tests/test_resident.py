@@ -275,6 +275,48 @@ def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
         FetchedChain.live_rows(together, SCHEMA.key_columns)
 
 
+def test_a_restored_chain_takes_the_key_count_its_last_entry_recorded_instead_of_folding(store):
+    """A built-in aggregate's entries record how many keys their chains hold; a restore at a new parallelism
+    counts its chains from those records (no fold), and the counts are the chains' true counts."""
+    from spark_state.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+
+    agg = Aggregate("count", None, "count")
+    schema = KeyedSchema.of_values([pa.field("key", pa.string())], agg.state_fields())
+    many = 16
+
+    def batch(keys):
+        keys = sorted(keys, key=lambda k: key_group_for(k, many))
+        return pa.table({KEY_GROUP_COLUMN: pa.array([key_group_for(k, many) for k in keys], pa.int32()),
+                         "key": pa.array(keys), PARTIAL_PREFIX + "0": pa.array([1] * len(keys), pa.int64())})
+
+    writer = ResidentState(schema, key_group_range(0, 1, many), native=True)
+    component = None
+    for checkpoint_id, keys in enumerate([[f"k{i}" for i in range(200)], [f"k{i}" for i in range(150, 260)]], 1):
+        agg.apply(writer.table, batch(keys), ("key",))
+        ref, _ = writer.checkpoint(store.blobs, "c", checkpoint_id, 0)
+        component = store.commit(checkpoint_id, {"c": (ComponentSpec("c", many, 1, schema), [ref])}, {}).components["c"]
+    recorded = {e.key_group: e.live for ref in component.blobs.values() for e in ref.index.entries}
+    assert None not in recorded.values()
+    total = 0
+    for instance in range(2):
+        restored = ResidentState(schema, key_group_range(instance, 2, many), native=True)
+        restored.catch_up(store.blobs, component, instance, 2)
+        chains = restored.table._unloaded
+        assert any(len(chain.batches) > 1 for chain in chains.values())
+        assert all(chain._live is not None and chain._folded is None for chain in chains.values())
+        assert [chain._live for chain in chains.values()] == [
+            FetchedChain(0, chain.batches, schema).live_keys() for chain in chains.values()]
+        total += len(restored)
+    assert total == 260
+
+
+def test_a_key_count_no_chain_of_its_entries_could_hold_is_ignored():
+    entries = [("full", _entry(["a", "b"], [1, 2], [False, False])), ("delta", _entry(["c"], [3], [False]))]
+    assert FetchedChain(0, entries, SCHEMA, live=4)._live is None
+    assert FetchedChain(0, entries, SCHEMA, live=-1).live_keys() == 3
+    assert FetchedChain(0, entries, SCHEMA, live=2).live_keys() == 2  # within bounds: taken as recorded
+
+
 def test_a_chain_counts_the_keys_its_fold_holds_without_folding_a_lone_entry():
     """One entry: its rows less its tombstones (no fold); several: the fold's rows (overwrites count once)."""
     lone = FetchedChain(0, [("full", _entry(["a", "b", "c"], [1, None, 3], [False, True, False]))], SCHEMA)
