@@ -159,8 +159,8 @@ class FetchedChain:
         check_chain([kind for kind, _ in batches], f"key group {key_group}")
         self.batches = list(batches)
         self.schema = schema
-        rows = sum(batch.num_rows for _, batch in self.batches)
-        self._live: int | None = live if live is not None and 0 <= live <= rows else None
+        possible = live is not None and 0 <= live <= sum(batch.num_rows for _, batch in self.batches)
+        self._live: int | None = live if possible else None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
         self._search: list[tuple[pa.RecordBatch, pa.Array]] | None | bool = False  # False: not checked yet
@@ -843,9 +843,8 @@ class KeyGroupTable:
         if not self.bare or key_group in self._cold:
             return None
         fetched = self._unloaded.get(key_group)
-        if fetched is None:
-            group = self._groups.get(key_group)
-            return len(group[0]) if group is not None else 0
+        if fetched is None:  # a bare table's dict (or nothing): its size is exact
+            return self.key_count(key_group)
         if key_group in self._groups or key_group in self._added or fetched.released:
             return None
         return fetched._live
