@@ -117,6 +117,7 @@ class Config:
     steady_keys: int
     steady_batches: int
     key_type: str = "string"  # of common.KEY_TYPES
+    warm_up: bool = True  # every system over the files before the measured rounds (smoke: no rounds to protect)
 
     @property
     def schema_ddl(self) -> str:
@@ -178,6 +179,7 @@ SMOKE = Config(  # tests/test_benchmarks.py: every code path, in seconds
     state_sizes=(1_000, 10_000),
     steady_keys=1_000,
     steady_batches=2,
+    warm_up=False,
 )
 
 
@@ -299,7 +301,7 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
     # the files at every parallelism (after three files at the first parallelism only, round 0 gave the first
     # system its lowest ratio at p=2 in three of four side-by-side runs), or over the warm-up file alone for the
     # systems that run only the probe batch (they cost a millisecond per key).
-    for parallelism in config.parallelisms:
+    for parallelism in config.parallelisms if config.warm_up else ():
         for system in config.systems:
             limit = config.batch_limits.get(system, config.throughput_batches)
             warm = files if limit == config.throughput_batches else common.first_files(files, 1)
