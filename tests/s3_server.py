@@ -3,15 +3,16 @@
 ``SeaweedS3(root)`` runs one ``weed server`` process (master, volume server,
 filer and S3 gateway) bound to 127.0.0.1 on free ports below the kernel's
 ephemeral range (a start whose port was taken meanwhile is retried on new
-internal ports), with its data, logs and sockets below ``root``. The S3 gateway enforces signatures: it knows one
-identity, whose access key and (per-session, random) secret the test writes
-into AWS config files (``write_aws_files``), so clients find credentials the
-standard way. Buckets are not created on upload, as on AWS.
+internal ports), with its data, logs and sockets below ``root``. The S3
+gateway enforces signatures: it knows one identity, whose access key and
+(per-session, random) secret the test writes into AWS config files
+(``write_aws_files``), so clients find credentials the standard way.
+Buckets are not created on upload, as on AWS.
 
 ``start()`` returns once the gateway answers an authenticated request;
 ``stop()`` ends the process by its pid (TERM, then KILL after a grace
-period) and keeps the data, so ``start()`` again serves the same objects on
-the same ports.
+period) and keeps the data, so ``start()`` again serves the same objects at
+the same endpoint.
 """
 
 from __future__ import annotations
@@ -167,11 +168,12 @@ class SeaweedS3:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None or "address already in use" in self.log_tail():
+                code = self._proc.poll()
                 self.stop()
                 tail = self.log_tail()
                 if "address already in use" in tail:
                     raise _PortTaken(tail)
-                raise RuntimeError(f"weed exited:\n{tail}")
+                raise RuntimeError(f"weed exited with {code}:\n{tail}")
             try:  # ready when an object can be written and read back: master, volume, filer and gateway are up
                 if READY_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
                     client.create_bucket(Bucket=READY_BUCKET)
