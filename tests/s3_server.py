@@ -59,8 +59,8 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1, below the ephemeral range where one can be had.
+def _free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 and not in ``avoid``, below the ephemeral range where one can be had.
 
     A port the kernel may hand out by itself can be taken by any outgoing
     connection between choosing it and ``weed`` binding it, or while the
@@ -68,12 +68,12 @@ def _free_ports(n: int) -> list[int]:
     only by a process that asks for them by number.
     """
     low, _ = _ephemeral_range()
-    candidates = list(range(max(1024, low - 12000), low))
+    candidates = [port for port in range(max(1024, low - 12000), low) if port not in avoid]
     random.SystemRandom().shuffle(candidates)
     chosen: list[int] = []
     for port in candidates:
         if len(chosen) == n:
-            return chosen
+            break
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -94,17 +94,26 @@ class _PortTaken(Exception):
     """``weed`` could not bind one of its ports."""
 
 
+_BIND_FAILURE = "address already in use"
+"""What ``weed`` logs when one of its ports is taken (it may log it and go on running without that server)."""
+
+
 class SeaweedS3:
     """One SeaweedFS process with its S3 gateway on 127.0.0.1; see the module docstring."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
         self.secret = secrets.token_hex(16)
-        (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc,
-         self.s3, self.s3_grpc) = _free_ports(8)
+        (self.s3,) = _free_ports(1)
         self.endpoint = f"http://127.0.0.1:{self.s3}"
+        self._choose_internal_ports()
         self._proc: subprocess.Popen | None = None
         self._starts = 0
+
+    def _choose_internal_ports(self) -> None:
+        """Master, volume, filer and gRPC ports: any free ones but the S3 port, which clients hold."""
+        (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc,
+         self.s3_grpc) = _free_ports(7, avoid=frozenset({self.s3}))
 
     @property
     def pid(self) -> int | None:
@@ -145,15 +154,14 @@ class SeaweedS3:
         """
         if self._proc is not None:
             raise RuntimeError("SeaweedFS is already running")
-        for attempt in range(1, attempts + 1):
+        for attempt in range(attempts):
+            if attempt:
+                self._choose_internal_ports()
             try:
                 return self._start_once(timeout)
             except _PortTaken:
-                if attempt == attempts:
-                    raise RuntimeError(f"weed could not bind its ports in {attempts} attempts:\n{self.log_tail()}")
-                (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc,
-                 self.s3_grpc) = _free_ports(7)
-        raise AssertionError("unreachable")
+                pass
+        raise RuntimeError(f"weed could not bind its ports in {attempts} attempts:\n{self.log_tail()}")
 
     def _start_once(self, timeout: float) -> "SeaweedS3":
         self._starts += 1
@@ -167,11 +175,11 @@ class SeaweedS3:
         client = self.client()
         last: Exception | None = None
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None or "address already in use" in self.log_tail():
-                code = self._proc.poll()
+            code = self._proc.poll()
+            if code is not None or _BIND_FAILURE in self.log_tail():
                 self.stop()
                 tail = self.log_tail()
-                if "address already in use" in tail:
+                if _BIND_FAILURE in tail:
                     raise _PortTaken(tail)
                 raise RuntimeError(f"weed exited with {code}:\n{tail}")
             try:  # ready when an object can be written and read back: master, volume, filer and gateway are up
