@@ -83,9 +83,13 @@ SAMPLED_KEYS = 32
 FOLD_SPREAD = 8
 """A batch folds into dicts at most 1 / ``FOLD_SPREAD`` of the restored key groups still in Arrow (at least one)
 among those it looks up a second time; the others are searched or hashed again."""
-SEARCH_RATIO = 32
-"""Sorted chains are searched when they hold more than this many rows per key asked, else hashed: a search costs
-about twenty Arrow steps per key asked, hashing a probe per row."""
+SEARCH_RATIO = 4
+"""Sorted chains are searched when they hold more than this many rows per key asked, else folded and hashed: a
+search hashes the chains' newer entries and costs about twenty Arrow steps per key asked in the oldest ones,
+folding and hashing sorts and probes every row."""
+NEWER_RATIO = 32
+"""``search_entries`` hashes the entries newer than each chain's oldest when they hold at most this many rows
+per key asked, else searches every level."""
 LEXSORT_ROWS = 1 << 16
 """Up to this many rows, ``key_order`` sorts in one call; above, run by run (a global sort of millions of rows
 misses the cache at every step: ten times slower than sorting each key group's rows on its own)."""
@@ -327,14 +331,48 @@ def search_entries(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int
 
     ``entries``: per key group, its entries newest first, each with its key
     column in strictly ascending order (``FetchedChain.searchable``).
-    Entry by entry, newest first, every asked key not found yet is searched
-    in its key group's entry at that level: one binary search for all of
-    them at once, each step one Arrow ``take`` and ``less`` over the asked
-    keys. A key's newest row wins. Costs the keys asked times the log of the
-    entries' sizes, not the entries' size. Returns the positions of the
-    keys found, and their value structs (a tombstone's is null) as one array
-    per level, in the order of the positions.
+    Returns the positions of the keys found, and their value structs (a
+    tombstone's is null) as arrays in the order of the positions. A key's
+    newest row wins.
+
+    A chain's oldest entry holds most of its rows (a full entry; the newer
+    ones are the keys changed since). The newer entries of all the chains,
+    when they hold at most ``NEWER_RATIO`` rows per key asked, are hashed
+    once: each asked key's first row there, newest first within a chain, is
+    its newest. Only the keys not found there are searched, in their
+    chains' oldest entries (``_search_levels``). A key group's keys are its
+    own (its key group is a hash of the key); should an asked key's row be
+    another key group's, every level is searched instead. Costs the newer
+    rows plus the keys asked times the log of the oldest entries' sizes:
+    the full entries are concatenated once, not once per level of chains of
+    different lengths.
     """
+    newer = [(g, batch, keys) for g, chain in entries.items() for batch, keys in chain[:-1]]
+    sizes = [len(keys) for _, _, keys in newer]
+    if not newer or sum(sizes) > NEWER_RATIO * len(asked_keys):
+        return _search_levels(owner, asked_keys, entries)
+    rows = pa.concat_arrays([keys for _, _, keys in newer])
+    at = pc.index_in(asked_keys if asked_keys.type == rows.type else asked_keys.cast(rows.type), value_set=rows)
+    at = at.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    hit = at >= 0
+    if (np.repeat([g for g, _, _ in newer], sizes)[at[hit]] != owner[hit]).any():
+        return _search_levels(owner, asked_keys, entries)
+    found = np.flatnonzero(hit)
+    values = [pa.concat_arrays([batch.column(1) for _, batch, _ in newer]).take(pa.array(at[hit]))] if len(found) else []
+    rest = np.flatnonzero(~hit)
+    if len(rest):
+        oldest = {g: entries[g][-1:] for g in np.unique(owner[rest]).tolist()}
+        more_at, more = _search_levels(owner[rest], asked_keys.take(pa.array(rest)), oldest)
+        found, values = np.concatenate([found, rest[more_at]]), values + more
+    return found, values
+
+
+def _search_levels(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int, list[tuple[pa.RecordBatch, pa.Array]]]
+                   ) -> tuple[np.ndarray, list[pa.Array]]:
+    """``search_entries`` level by level, newest first: every asked key not found yet is searched in its key
+    group's entry at that level, one binary search for all of them at once, each step one Arrow ``take`` and
+    ``less`` over the asked keys. Costs the keys asked times the log of the entries' sizes, not their size.
+    One array of values per level."""
     pending = np.arange(len(asked_keys))
     depth = {g: len(chain) for g, chain in entries.items()}
     found, values = [], []

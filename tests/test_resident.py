@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -374,26 +375,35 @@ def test_key_order_sorts_each_run_of_integers_by_value_in_place(data):
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_it(data):
-    """``search_entries`` (integers of any width with NumPy, strings with Arrow steps) against a dict model:
-    each asked key, in any order, found in its own key group's newest entry holding it, with that row's value."""
+    """``search_entries`` (integers of any width, strings) against a dict model: each asked key, in any order,
+    found in its own key group's newest entry holding it, with that row's value. With ``owned``, each key is in
+    one key group only and asked of it, as keys are by their hash (the newer entries hashed, the oldest
+    searched); without, a key may be in several key groups and asked of any (every level searched)."""
     kind, low, high = data.draw(st.sampled_from(_INTEGER_TYPES + [(pa.string(), 0, 0)]))
     wide = st.integers(low, high) | st.sampled_from([low, high])  # the extremes of the type, and any value
     narrow = st.integers(max(low, -4), min(high, 4))  # a few values: asked keys hit the entries' keys often
     values = (st.text("abc\x00\u00e9", max_size=3) if kind == pa.string()
               else narrow if data.draw(st.booleans()) else wide)
+    groups = data.draw(st.lists(st.integers(0, 5), unique=True, min_size=1, max_size=4))
+    owned = data.draw(st.booleans())
+
+    def group_of(k):
+        return groups[(zlib.crc32(k.encode()) if isinstance(k, str) else k) % len(groups)]
+
     entries, model = {}, {}
-    for g in data.draw(st.lists(st.integers(0, 5), unique=True, min_size=1, max_size=4)):
+    for g in groups:
         levels = []
         for level in range(data.draw(st.integers(1, 3))):  # newest first
-            keys = sorted(data.draw(st.sets(values, max_size=6)), key=lambda k: k.encode() if isinstance(k, str) else k)
+            keys = [k for k in data.draw(st.sets(values, max_size=6)) if not owned or group_of(k) == g]
+            keys.sort(key=lambda k: k.encode() if isinstance(k, str) else k)
             named = pa.array([f"{g}/{level}/{k}" for k in keys], pa.string())
             batch = pa.record_batch([pa.array(keys, kind), named], ["k", "v"])
             levels.append((batch, batch.column(0)))
             for k in keys:
                 model.setdefault((g, k), f"{g}/{level}/{k}")
         entries[g] = levels
-    groups = sorted(entries)
-    asked = data.draw(st.lists(st.tuples(st.sampled_from(groups), values), max_size=12))
+    asked = [(group_of(k) if owned else g, k)
+             for g, k in data.draw(st.lists(st.tuples(st.sampled_from(groups), values), max_size=12))]
     owner = np.array([g for g, _ in asked], np.int64)
     found, chunks = keyed_table.search_entries(owner, pa.array([k for _, k in asked], kind), entries)
     got = dict(zip(found.tolist(), pa.concat_arrays(chunks).to_pylist() if chunks else []))
