@@ -342,17 +342,17 @@ def search_entries(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int
     its newest. Only the keys not found there are searched, in their
     chains' oldest entries (``_search_levels``). A key group's keys are its
     own (its key group is a hash of the key); should an asked key's row be
-    another key group's, every level is searched instead. Costs the newer
-    rows plus the keys asked times the log of the oldest entries' sizes:
-    the full entries are concatenated once, not once per level of chains of
-    different lengths.
+    another key group's, or the asked keys' type not the entries', every
+    level is searched instead. Costs the newer rows plus the keys asked
+    times the log of the oldest entries' sizes: the full entries are
+    concatenated once, not once per level of chains of different lengths.
     """
     newer = [(g, batch, keys) for g, chain in entries.items() for batch, keys in chain[:-1]]
     sizes = [len(keys) for _, _, keys in newer]
-    if not newer or sum(sizes) > NEWER_RATIO * len(asked_keys):
+    if not newer or sum(sizes) > NEWER_RATIO * len(asked_keys) or newer[0][2].type != asked_keys.type:
         return _search_levels(owner, asked_keys, entries)
     rows = pa.concat_arrays([keys for _, _, keys in newer])
-    at = pc.index_in(asked_keys if asked_keys.type == rows.type else asked_keys.cast(rows.type), value_set=rows)
+    at = pc.index_in(asked_keys, value_set=rows)
     at = at.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
     hit = at >= 0
     if (np.repeat([g for g, _, _ in newer], sizes)[at[hit]] != owner[hit]).any():
