@@ -137,11 +137,19 @@ def _as_schema(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     return batch if batch.schema == schema else batch.cast(schema)
 
 
+PROBE_FILTER_RATIO = 4
+"""``_probe`` first keeps only the chains' rows of asked keys when they hold more than this many rows per key
+asked; at fewer, hashing all their keys costs less than the filter (a third of it at one row per key asked:
+the filter runs per chunk, and the chains' rows come as one chunk per key group)."""
+
+
 def _probe(live: pa.Table, asked_keys: pa.Array) -> pa.ChunkedArray:
     """The value struct (column 1) of each asked key in ``live``, the live rows of a bare table's chains (column 0
-    the key, each key once), null where absent. Hashes the asked keys (a batch's worth), not the chains (all
-    the state of the key groups touched): the chains' keys only probe."""
-    live = live.filter(pc.is_in(live.column(0), value_set=asked_keys, skip_nulls=False))
+    the key, each key once), null where absent. When the chains hold many rows per key asked
+    (``PROBE_FILTER_RATIO``), hashes the asked keys (a batch's worth), not the chains (all the state of the key
+    groups touched): the chains' keys only probe, and the rows of asked keys are hashed."""
+    if live.num_rows > PROBE_FILTER_RATIO * len(asked_keys):
+        live = live.filter(pc.is_in(live.column(0), value_set=asked_keys, skip_nulls=False))
     return live.column(1).take(pc.index_in(asked_keys, value_set=live.column(0).combine_chunks(), skip_nulls=False))
 
 
@@ -246,6 +254,14 @@ class FetchedChain:
         self._folded, self._nbytes, self._live = None, None, live + new_keys
         if self._search:  # every entry known sorted, and so is this one
             self._search = [(batch, batch.column(self.schema.sorted_key)), *self._search]
+
+    def whole_pending(self) -> pa.RecordBatch | None:
+        """The one pending entry when it holds every live key of the chain, else None. Then it is the chain's
+        fold: each key once, no tombstone, by ascending key (``put_arrow``'s entries)."""
+        if self.pending != 1 or self._live is None:
+            return None
+        batch = self.batches[-1][1]
+        return batch if batch.num_rows == self._live else None
 
     def write_pending(self, kind: EntryKind, written: pa.RecordBatch) -> None:
         """A checkpoint wrote the pending changes as ``written``, a ``kind`` entry: it replaces them.
@@ -771,10 +787,29 @@ class KeyGroupTable:
         """The live rows of Arrow-held key groups (``native_groups``, holding a chain) as one blob-schema batch.
 
         Each key group's rows together, in the given order, by ascending
-        key, and each one's row count: their full entries. One sort of all
-        their entries' rows by (key group, key, age) folds them (a key's
-        newest row wins; a tombstone removes it). None when a key is null.
+        key, and each one's row count: their full entries. A key group whose
+        pending entry rewrote every key it holds gives that entry
+        (``FetchedChain.whole_pending``); the others are folded by one sort of
+        all their entries' rows by (key group, key, age) (a key's newest row
+        wins; a tombstone removes it). None when a key is null.
         """
+        schema = self.schema.blob_schema
+        whole = {g: batch for g in key_groups if (batch := self._unloaded[g].whole_pending()) is not None}
+        rest = [g for g in key_groups if g not in whole]
+        if rest:
+            folded = self._folded_rows(rest)
+            if folded is None:
+                return None
+            if not whole:
+                return folded
+            rows, sizes = folded
+            starts = np.cumsum([0, *sizes[:-1]]).tolist()
+            whole.update((g, rows.slice(start, n)) for g, start, n in zip(rest, starts, sizes))
+        batches = [_as_schema(whole[g], schema) for g in key_groups]
+        return pa.concat_batches(batches), [batch.num_rows for batch in batches]
+
+    def _folded_rows(self, key_groups: Sequence[int]) -> tuple[pa.RecordBatch, list[int]] | None:
+        """``arrow_rows`` of ``key_groups`` by folding all their entries' rows in one sort."""
         schema = self.schema.blob_schema
         batches, runs = [], []
         for g in key_groups:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from spark_state import keyed_table
 from spark_state.blobstore import BlobStore
 from spark_state.errors import CorruptBlobError, KeyGroupNotLoadedError, KeyGroupOwnershipError
+from spark_state.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
 from spark_state.keyed_table import SET_ENTRY_BYTES, FetchedChain, KeyGroupTable, key_order
 from spark_state.keygroups import key_group_for, key_group_range
 from spark_state.manifest import ComponentSpec
@@ -410,6 +411,55 @@ def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_i
     found, chunks = keyed_table.search_entries(owner, pa.array([k for _, k in asked], asked_type), entries)
     got = dict(zip(found.tolist(), pa.concat_arrays(chunks).to_pylist() if chunks else []))
     assert got == {i: model[key] for i, key in enumerate(asked) if key in model}
+
+
+@pytest.mark.parametrize("asked_count", [1, 3, 12, 40])
+def test_a_probe_finds_each_asked_key_whether_it_filters_the_chains_rows_first_or_not(asked_count):
+    """``_probe`` filters the chains' rows to the asked keys' first only when they are many per key asked
+    (``PROBE_FILTER_RATIO``); either way each asked key gets its value, or null when absent."""
+    live_keys = [f"k{n}" for n in range(40)]
+    values = pa.array([{"value": n} for n in range(40)], SCHEMA.blob_schema.field(1).type)
+    live = pa.Table.from_batches([pa.record_batch([pa.array(live_keys[i:i + 5]), values.slice(i, 5)], ["key", "v"])
+                                  for i in range(0, 40, 5)])  # one chunk per key group, as chains' rows come
+    asked = [f"k{n}" for n in random.Random(asked_count).sample(range(60), asked_count)]
+    assert (live.num_rows > keyed_table.PROBE_FILTER_RATIO * len(asked)) == (asked_count < 10)  # both routes
+    found = keyed_table._probe(live, pa.array(asked)).to_pylist()
+    assert found == [{"value": int(k[1:])} if int(k[1:]) < 40 else None for k in asked]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_full_entries_of_native_key_groups_are_their_folds_whether_a_batch_rewrote_every_key_or_some(data):
+    """A native count's full entries (``arrow_rows``): a key group whose batch changed every key it holds
+    gives that batch's rows (``whole_pending``), the others are folded, in the order asked; each checkpoint
+    restores to a dict model."""
+    agg = Aggregate("count", None, "count")
+    schema = KeyedSchema.of_values([pa.field("key", pa.string())], agg.state_fields())
+    store = Store(MemoryStorage(), retained=3)
+    state = ResidentState(schema, key_group_range(0, 1, M), native=True)
+    universe = [f"u{n}" for n in range(24)]
+    model: dict[str, int] = {}
+    for checkpoint_id in range(1, data.draw(st.integers(2, 6)) + 1):
+        every = data.draw(st.sets(st.integers(0, M - 1)))  # key groups whose keys all change
+        keys = set(data.draw(st.sets(st.sampled_from(universe), max_size=10)))
+        keys |= {k for k in model if key_group_for(k, M) in every}
+        if not keys:
+            continue
+        ordered = sorted(keys, key=lambda k: key_group_for(k, M))
+        groups = [key_group_for(k, M) for k in ordered]
+        adds = data.draw(st.lists(st.integers(1, 3), min_size=len(ordered), max_size=len(ordered)))
+        agg.apply(state.table, pa.table({KEY_GROUP_COLUMN: pa.array(groups, pa.int32()), "key": ordered,
+                                         PARTIAL_PREFIX + "0": pa.array(adds, pa.int64())}), ("key",))
+        for k, n in zip(ordered, adds):
+            model[k] = model.get(k, 0) + n
+        held = sorted({g for g in range(M) if g in state.table._unloaded}, reverse=True)  # any order asked
+        assert state.table.arrow_rows(held)[0].to_pylist() == state.table._folded_rows(held)[0].to_pylist()
+        ref, _ = state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=3)
+        spec = ComponentSpec("c", M, 1, schema)
+        component = store.commit(checkpoint_id, {"c": (spec, [ref] if ref else [])}, {}).components["c"]
+        restored = ResidentState(schema, key_group_range(0, 1, M))
+        restored.catch_up(store.blobs, component, 0, 1)
+        assert {key[0]: value[0] for _, key, value in restored.table.items()} == model
 
 
 def test_integer_keys_are_written_in_ascending_order_in_every_entry(store):
