@@ -162,6 +162,24 @@ def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
     return column if n < 2 or pc.all(pc.less(column.slice(0, n - 1), column.slice(1))).as_py() else None
 
 
+def sorted_key_columns(batches: Sequence[pa.RecordBatch], key: str) -> list[pa.Array | None]:
+    """``_search_keys`` of each batch (of one schema), checked in one pass over all their keys, not a few Arrow
+    calls per batch: a checkpoint writes an entry for each of hundreds of key groups."""
+    if not batches:
+        return []
+    columns = [batch.column(key) for batch in batches]
+    keys = pa.chunked_array(columns, columns[0].type).combine_chunks()
+    n = len(keys)
+    ends = np.cumsum([len(column) for column in columns])
+    descents = np.zeros(0, np.int64)
+    if n > 1:  # rows i whose next row is not greater (or either is null)
+        ascending = pc.fill_null(pc.less(keys.slice(0, n - 1), keys.slice(1)), False)
+        descents = np.flatnonzero(~ascending.to_numpy(zero_copy_only=False))
+    owners = np.searchsorted(ends, descents, side="right")  # the batch of row i; unsorted if row i + 1 is in it
+    unsorted = set(owners[descents + 1 < ends[owners]].tolist()) if len(descents) else set()
+    return [None if column.null_count or i in unsorted else column for i, column in enumerate(columns)]
+
+
 class FetchedChain:
     """A key group's chain as fetched (oldest entry first, starting with a full one), not yet folded."""
 
@@ -263,12 +281,14 @@ class FetchedChain:
         batch = self.batches[-1][1]
         return batch if batch.num_rows == self._live else None
 
-    def write_pending(self, kind: EntryKind, written: pa.RecordBatch) -> None:
+    def write_pending(self, kind: EntryKind, written: pa.RecordBatch, keys: pa.Array | None) -> None:
         """A checkpoint wrote the pending changes as ``written``, a ``kind`` entry: it replaces them.
 
         A ``full`` entry becomes the whole chain; a ``merge`` entry (every
         key changed since the chain's full entry) follows that full entry;
         a ``delta`` follows the written entries. The content is unchanged.
+        ``keys``: the entry's key column if in strictly ascending order
+        (``sorted_key_columns``), else None.
         """
         written = _as_schema(written, self.batches[0][1].schema)
         pending, self.pending = self.pending, 0
@@ -284,8 +304,7 @@ class FetchedChain:
         else:
             self.batches = [*committed, (kind, written)]
             if self._search:  # as ``searchable``: no sorted key, no search
-                key = self.schema.sorted_key
-                keys = _search_keys(written, key) if key is not None else None
+                keys = None if keys is None else written.column(self.schema.sorted_key)  # of the batch as kept
                 self._search = None if keys is None else [(written, keys), *self._search[pending:]]
 
     def extend(self, batches: Entries) -> None:
@@ -1044,12 +1063,22 @@ class KeyGroupTable:
         fetched = self._unloaded.get(key_group)
         return fetched is not None and fetched.released
 
-    def settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch) -> None:
+    def settle(self, entries: Sequence[tuple[int, EntryKind, pa.RecordBatch]]) -> None:
+        """After a checkpoint wrote ``entries`` (``(key_group, kind, rows)``): keep their key groups as Arrow
+        (``_settle``). Their delta entries' keys are checked sorted once, all together."""
+        key = self.schema.sorted_key
+        deltas = [i for i, (_, kind, _) in enumerate(entries) if kind == "delta"] if key is not None else []
+        keys = dict(zip(deltas, sorted_key_columns([entries[i][2] for i in deltas], key)))
+        for i, (key_group, kind, written) in enumerate(entries):
+            self._settle(key_group, kind, written, keys.get(i))
+
+    def _settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch, keys: pa.Array | None) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.
 
         A fetched chain gets the entry appended and its overlay dropped; a
         folded key group whose entry is ``full`` becomes that entry. Other
         folded key groups stay dicts. The key group must have no change since.
+        ``keys``: as ``FetchedChain.write_pending``'s.
         """
         if key_group in self._dirty or key_group in self._cold or self.is_released(key_group):
             return
@@ -1058,7 +1087,7 @@ class KeyGroupTable:
             return
         if fetched is not None:
             if fetched.pending:
-                fetched.write_pending(kind, written)
+                fetched.write_pending(kind, written, keys)
             else:
                 fetched.append(kind, written)
             self._groups.pop(key_group, None)

@@ -447,8 +447,7 @@ class ResidentState:
             )
             self.chains.record(blob.path)
             if self.bounded or self.table.native:
-                for key_group, kind, table in entries:
-                    self.table.settle(key_group, kind, table)
+                self.table.settle(entries)
         for key_group in self.table.released():  # their chains are in the store only now
             self.table.evict(key_group)
             self.chains.drop(key_group)
