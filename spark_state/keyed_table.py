@@ -281,14 +281,14 @@ class FetchedChain:
         batch = self.batches[-1][1]
         return batch if batch.num_rows == self._live else None
 
-    def write_pending(self, kind: EntryKind, written: pa.RecordBatch, keys: pa.Array | None) -> None:
+    def write_pending(self, kind: EntryKind, written: pa.RecordBatch, ascending: bool) -> None:
         """A checkpoint wrote the pending changes as ``written``, a ``kind`` entry: it replaces them.
 
         A ``full`` entry becomes the whole chain; a ``merge`` entry (every
         key changed since the chain's full entry) follows that full entry;
         a ``delta`` follows the written entries. The content is unchanged.
-        ``keys``: the entry's key column if in strictly ascending order
-        (``sorted_key_columns``), else None.
+        ``ascending``: the entry's keys are in strictly ascending order, no
+        null among them (``sorted_key_columns``).
         """
         written = _as_schema(written, self.batches[0][1].schema)
         pending, self.pending = self.pending, 0
@@ -304,7 +304,7 @@ class FetchedChain:
         else:
             self.batches = [*committed, (kind, written)]
             if self._search:  # as ``searchable``: no sorted key, no search
-                keys = None if keys is None else written.column(self.schema.sorted_key)  # of the batch as kept
+                keys = written.column(self.schema.sorted_key) if ascending else None  # of the batch as kept
                 self._search = None if keys is None else [(written, keys), *self._search[pending:]]
 
     def extend(self, batches: Entries) -> None:
@@ -813,18 +813,18 @@ class KeyGroupTable:
         wins; a tombstone removes it). None when a key is null.
         """
         schema = self.schema.blob_schema
-        whole = {g: batch for g in key_groups if (batch := self._unloaded[g].whole_pending()) is not None}
-        rest = [g for g in key_groups if g not in whole]
+        rows_of = {g: batch for g in key_groups if (batch := self._unloaded[g].whole_pending()) is not None}
+        rest = [g for g in key_groups if g not in rows_of]
         if rest:
             folded = self._folded_rows(rest)
             if folded is None:
                 return None
-            if not whole:
+            if not rows_of:
                 return folded
             rows, sizes = folded
             starts = np.cumsum([0, *sizes[:-1]]).tolist()
-            whole.update((g, rows.slice(start, n)) for g, start, n in zip(rest, starts, sizes))
-        batches = [_as_schema(whole[g], schema) for g in key_groups]
+            rows_of.update((g, rows.slice(start, n)) for g, start, n in zip(rest, starts, sizes))  # their folds
+        batches = [_as_schema(rows_of[g], schema) for g in key_groups]
         return pa.concat_batches(batches), [batch.num_rows for batch in batches]
 
     def _folded_rows(self, key_groups: Sequence[int]) -> tuple[pa.RecordBatch, list[int]] | None:
@@ -1068,17 +1068,18 @@ class KeyGroupTable:
         (``_settle``). Their delta entries' keys are checked sorted once, all together."""
         key = self.schema.sorted_key
         deltas = [i for i, (_, kind, _) in enumerate(entries) if kind == "delta"] if key is not None else []
-        keys = dict(zip(deltas, sorted_key_columns([entries[i][2] for i in deltas], key)))
+        checked = sorted_key_columns([entries[i][2] for i in deltas], key)
+        ascending = {i for i, keys in zip(deltas, checked) if keys is not None}
         for i, (key_group, kind, written) in enumerate(entries):
-            self._settle(key_group, kind, written, keys.get(i))
+            self._settle(key_group, kind, written, i in ascending)
 
-    def _settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch, keys: pa.Array | None) -> None:
+    def _settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch, ascending: bool) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.
 
         A fetched chain gets the entry appended and its overlay dropped; a
         folded key group whose entry is ``full`` becomes that entry. Other
         folded key groups stay dicts. The key group must have no change since.
-        ``keys``: as ``FetchedChain.write_pending``'s.
+        ``ascending``: as ``FetchedChain.write_pending``'s.
         """
         if key_group in self._dirty or key_group in self._cold or self.is_released(key_group):
             return
@@ -1087,7 +1088,7 @@ class KeyGroupTable:
             return
         if fetched is not None:
             if fetched.pending:
-                fetched.write_pending(kind, written, keys)
+                fetched.write_pending(kind, written, ascending)
             else:
                 fetched.append(kind, written)
             self._groups.pop(key_group, None)
