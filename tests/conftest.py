@@ -34,9 +34,9 @@ def pytest_configure(config):
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-role lookups (1 s timeouts) on a test machine
 
 
-SLOWEST_FILES = ("test_campaign.py", "test_benchmarks.py", "test_keyed_spark.py", "test_driver_kill.py",
-                 "test_time_spark.py", "test_cluster.py", "test_replayable_spark.py", "test_ops_spark.py",
-                 "test_remote_storage_spark.py", "test_two_drivers.py")
+SLOWEST_FILES = ("test_benchmarks.py", "test_keyed_spark.py", "test_driver_kill.py", "test_cluster.py",
+                 "test_campaign.py", "test_time_spark.py", "test_state_machine.py", "test_replayable_spark.py",
+                 "test_two_drivers.py", "test_ops_spark.py", "test_remote_storage_spark.py")
 """The files that take 20 s or more, longest first (measured per file in a two-worker run)."""
 
 
