@@ -162,9 +162,10 @@ def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
     return column if n < 2 or pc.all(pc.less(column.slice(0, n - 1), column.slice(1))).as_py() else None
 
 
-def sorted_key_columns(batches: Sequence[pa.RecordBatch], key: str) -> list[pa.Array | None]:
-    """``_search_keys`` of each batch (of one schema), checked in one pass over all their keys, not a few Arrow
-    calls per batch: a checkpoint writes an entry for each of hundreds of key groups."""
+def keys_ascending(batches: Sequence[pa.RecordBatch], key: str) -> list[bool]:
+    """Whether ``_search_keys`` would find each batch's (of one schema) keys strictly ascending, checked in one
+    pass over all their keys, not a few Arrow calls per batch: a checkpoint writes an entry for each of hundreds
+    of key groups."""
     if not batches:
         return []
     columns = [batch.column(key) for batch in batches]
@@ -177,7 +178,7 @@ def sorted_key_columns(batches: Sequence[pa.RecordBatch], key: str) -> list[pa.A
         descents = np.flatnonzero(~ascending.to_numpy(zero_copy_only=False))
     owners = np.searchsorted(ends, descents, side="right")  # the batch of row i; unsorted if row i + 1 is in it
     unsorted = set(owners[descents + 1 < ends[owners]].tolist()) if len(descents) else set()
-    return [None if column.null_count or i in unsorted else column for i, column in enumerate(columns)]
+    return [not column.null_count and i not in unsorted for i, column in enumerate(columns)]
 
 
 class FetchedChain:
@@ -288,7 +289,7 @@ class FetchedChain:
         key changed since the chain's full entry) follows that full entry;
         a ``delta`` follows the written entries. The content is unchanged.
         ``ascending``: the entry's keys are in strictly ascending order, no
-        null among them (``sorted_key_columns``).
+        null among them (``keys_ascending``).
         """
         written = _as_schema(written, self.batches[0][1].schema)
         pending, self.pending = self.pending, 0
@@ -303,9 +304,9 @@ class FetchedChain:
             self._search = False
         else:
             self.batches = [*committed, (kind, written)]
-            if self._search:  # as ``searchable``: no sorted key, no search
-                keys = written.column(self.schema.sorted_key) if ascending else None  # of the batch as kept
-                self._search = None if keys is None else [(written, keys), *self._search[pending:]]
+            if self._search:  # as ``searchable``: keys not strictly ascending, no search
+                key = self.schema.sorted_key  # its column of the batch as kept
+                self._search = [(written, written.column(key)), *self._search[pending:]] if ascending else None
 
     def extend(self, batches: Entries) -> None:
         """Append committed entries a catch-up fetched (the chain has no pending entry)."""
@@ -1068,10 +1069,9 @@ class KeyGroupTable:
         (``_settle``). Their delta entries' keys are checked sorted once, all together."""
         key = self.schema.sorted_key
         deltas = [i for i, (_, kind, _) in enumerate(entries) if kind == "delta"] if key is not None else []
-        checked = sorted_key_columns([entries[i][2] for i in deltas], key)
-        ascending = {i for i, keys in zip(deltas, checked) if keys is not None}
+        ascending = dict(zip(deltas, keys_ascending([entries[i][2] for i in deltas], key)))
         for i, (key_group, kind, written) in enumerate(entries):
-            self._settle(key_group, kind, written, i in ascending)
+            self._settle(key_group, kind, written, ascending.get(i, False))
 
     def _settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch, ascending: bool) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.
