@@ -2,8 +2,9 @@
 
 ``SeaweedS3(root)`` runs one ``weed server`` process (master, volume server,
 filer and S3 gateway) bound to 127.0.0.1 on free ports below the kernel's
-ephemeral range (a start whose port was taken meanwhile is retried on new
-internal ports), with its data, logs and sockets below ``root``. The S3
+ephemeral range (a start whose port was taken meanwhile, or that does not
+serve, is retried on new internal ports), with its data and logs below
+``root``. The S3
 gateway enforces signatures: it knows one identity, whose access key and
 (per-session, random) secret the test writes into AWS config files
 (``write_aws_files``), so clients find credentials the standard way.
@@ -94,8 +95,27 @@ class _PortTaken(Exception):
     """``weed`` could not bind one of its ports."""
 
 
+class _NotServing(Exception):
+    """``weed`` runs but its S3 gateway did not answer in time."""
+
+
 _BIND_FAILURE = "address already in use"
 """What ``weed`` logs when one of its ports is taken (it may log it and go on running without that server)."""
+
+
+def _unlink_if_stale(path: Path) -> None:
+    """Remove a gRPC Unix socket ``weed`` left in the temp dir, unless a live server answers on it.
+
+    The path is named by port only (``seaweedfs-master-grpc-<port>.sock``),
+    so once this server's process is gone another server (another test
+    worker's) may have taken the port and made the same path; removing its
+    socket would cut off that server's own components, which dial it.
+    """
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)
 
 
 class SeaweedS3:
@@ -142,26 +162,32 @@ class SeaweedS3:
             "-s3.autoCreateBucket=false",
         ]
 
-    def start(self, timeout: float = 90.0, attempts: int = 5) -> "SeaweedS3":
+    def start(self, timeout: float = 90.0, attempts: int = 5, settle: float = 40.0) -> "SeaweedS3":
         """Start the process and wait until the S3 gateway answers an authenticated ListBuckets.
 
-        If ``weed`` exits because a port was taken meanwhile, the internal
-        ports (master, volume, filer, gRPC) are chosen again and the start is
-        retried, up to ``attempts`` times; the S3 port stays, since clients
-        and AWS files already hold the endpoint. SeaweedFS keeps no internal
-        port in its data, so a restart on new internal ports serves the same
-        objects.
+        If ``weed`` exits because a port was taken meanwhile, or is not
+        serving ``settle`` s after its start (each of its servers starts in
+        about two), the internal ports (master, volume, filer, gRPC) are
+        chosen again and the start is retried, up to ``attempts`` times
+        within ``timeout`` s in all; the S3 port stays, since clients and AWS
+        files already hold the endpoint. SeaweedFS keeps no internal port in
+        its data, so a restart on new internal ports serves the same objects.
         """
         if self._proc is not None:
             raise RuntimeError("SeaweedFS is already running")
+        deadline = time.monotonic() + timeout
+        failures: list[str] = []
         for attempt in range(attempts):
             if attempt:
                 self._choose_internal_ports()
             try:
-                return self._start_once(timeout)
-            except _PortTaken:
-                pass
-        raise RuntimeError(f"weed could not bind its ports in {attempts} attempts:\n{self.log_tail()}")
+                return self._start_once(min(settle, deadline - time.monotonic()))
+            except (_PortTaken, _NotServing) as err:
+                failures.append(f"start {self._starts}: {err.args[0]}")
+            if time.monotonic() >= deadline:
+                break
+        raise RuntimeError(f"SeaweedFS's S3 gateway did not answer in {len(failures)} starts within {timeout} s: "
+                           + "; ".join(failures) + f"\n{self.log_tail()}")
 
     def _start_once(self, timeout: float) -> "SeaweedS3":
         self._starts += 1
@@ -176,12 +202,11 @@ class SeaweedS3:
         last: Exception | None = None
         while time.monotonic() < deadline:
             code = self._proc.poll()
-            if code is not None or _BIND_FAILURE in self.log_tail():
+            if code is not None or _BIND_FAILURE in self._log():
                 self.stop()
-                tail = self.log_tail()
-                if _BIND_FAILURE in tail:
-                    raise _PortTaken(tail)
-                raise RuntimeError(f"weed exited with {code}:\n{tail}")
+                if _BIND_FAILURE in self._log():
+                    raise _PortTaken("a port was taken")
+                raise RuntimeError(f"weed exited with {code}:\n{self.log_tail()}")
             try:  # ready when an object can be written and read back: master, volume, filer and gateway are up
                 if READY_BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
                     client.create_bucket(Bucket=READY_BUCKET)
@@ -192,7 +217,7 @@ class SeaweedS3:
                 last = err
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"SeaweedFS's S3 gateway did not answer within {timeout} s ({last}):\n{self.log_tail()}")
+        raise _NotServing(f"not serving after {timeout:.0f} s ({last})")
 
     def stop(self, grace: float = 2.0) -> None:
         """End the process by its pid (TERM, then KILL after ``grace`` s); the data stays for the next ``start``.
@@ -213,17 +238,19 @@ class SeaweedS3:
                 proc.wait()
         for port in (self.master_grpc, self.volume_grpc, self.filer_grpc, self.s3_grpc):
             for leftover in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-grpc-{port}.sock"):
-                leftover.unlink(missing_ok=True)  # gRPC's unix sockets, which weed puts in the temp dir
+                _unlink_if_stale(leftover)
 
     def version(self) -> str:
         """The version ``weed version`` prints (e.g. ``4.48``)."""
         words = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, check=True).stdout.split()
         return words[2] if len(words) > 2 else " ".join(words)
 
-    def log_tail(self, lines: int = 30) -> str:
+    def _log(self) -> str:
         path = self.root / f"weed-{self._starts}.log"
-        text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(text[-lines:])
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self._log().splitlines()[-lines:])
 
     def client(self, secret: str | None = None):
         """A boto3 S3 client with this server's credentials (or ``secret``), path-style, no retries."""

@@ -10,7 +10,10 @@ how an S3 store URI is read.
 
 from __future__ import annotations
 
+import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import botocore.awsrequest
 import botocore.exceptions
@@ -285,3 +288,48 @@ def test_the_test_server_starts_on_new_internal_ports_when_one_was_taken_and_kee
             assert server.client().get_object(Bucket="taken-port", Key="k")["Body"].read() == b"v"
         finally:
             server.stop()
+
+
+def test_the_test_server_restarts_on_new_internal_ports_when_a_socket_it_dials_was_removed(tmp_path):
+    """A live gRPC socket removed from the temp dir (its path is named by port only) leaves ``weed`` up but
+    never serving: the start is retried on new internal ports, as when a port was taken."""
+    import threading
+
+    from tests.s3_server import SeaweedS3
+
+    server = SeaweedS3(tmp_path)
+    first = server.master_grpc
+    socket_path = Path(tempfile.gettempdir()) / f"seaweedfs-master-grpc-{first}.sock"
+    removed = threading.Event()
+
+    def remove_once_made() -> None:
+        deadline = time.monotonic() + 60
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        socket_path.unlink(missing_ok=True)
+        removed.set()
+
+    threading.Thread(target=remove_once_made, daemon=True).start()
+    server.start(settle=5.0)
+    try:
+        assert removed.is_set() and server.master_grpc != first
+        server.create_bucket("socket-removed")
+        server.client().put_object(Bucket="socket-removed", Key="k", Body=b"v")
+        assert server.client().get_object(Bucket="socket-removed", Key="k")["Body"].read() == b"v"
+    finally:
+        server.stop()
+
+
+def test_stopping_the_test_server_keeps_a_socket_another_server_answers_on(tmp_path):
+    import socket
+
+    from tests.s3_server import _unlink_if_stale
+
+    path = tmp_path / "seaweedfs-master-grpc-1.sock"
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(path))
+        live.listen()
+        _unlink_if_stale(path)
+        assert path.exists()
+    _unlink_if_stale(path)
+    assert not path.exists()
