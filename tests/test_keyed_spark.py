@@ -26,6 +26,7 @@ from spark_state.microbatch import MicroBatch
 from spark_state.stop_watch import watched_runs
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
+from tests.streams import process
 
 pytestmark = pytest.mark.spark
 
@@ -224,16 +225,6 @@ def test_a_foreach_batch_function_may_run_the_output_any_number_of_times(spark, 
     assert _state_counts(tmp_path / "state", "clicks", parallelism=2) == dict(totals)
 
 
-def _process(query, batches: int, timeout: float = 120.0) -> None:
-    """``processAllAvailable`` until the query ran ``batches`` micro-batches. Spark's call can return before a
-    file written while the query polls is taken: a trigger that listed the directory before the file existed
-    ends with no new data after the call began, which is the signal the call waits for."""
-    deadline = time.monotonic() + timeout
-    while len(query.batches) < batches:
-        assert time.monotonic() < deadline, f"{len(query.batches)} of {batches} micro-batches after {timeout} s"
-        query.processAllAvailable()
-
-
 def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_path):
     job = Job(spark, tmp_path)
     spark.conf.set("spark.state.parallelism", "2")
@@ -247,13 +238,13 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
     )
     try:
         job.add_batch(200, keys=30, salt=0)
-        _process(query, batches=1)
+        process(query, batches=1)
         spark.conf.set("spark.state.parallelism", "5")
         job.add_batch(200, keys=30, salt=1)
-        _process(query, batches=2)
+        process(query, batches=2)
         query.set_parallelism(3)
         job.add_batch(200, keys=30, salt=2)
-        _process(query, batches=3)
+        process(query, batches=3)
     finally:
         query.stop()
     assert [b["parallelism"] for b in query.batches] == [2, 5, 3]
