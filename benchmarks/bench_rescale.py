@@ -461,7 +461,7 @@ def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.rando
         for index, parallelism in enumerate(schedule):
             spark.conf.set("spark.state.parallelism", str(parallelism))
             common.release_file(files, index, live)
-            query.processAllAvailable()
+            common.await_batches(query, index + 1)
     finally:
         query.stop()
         _reset_conf(spark)

@@ -270,7 +270,7 @@ def ttl(spark, config: Config, rng) -> dict:
         try:
             for index in range(config.ttl_batches):
                 common.release_file(files, index, live)
-                query.processAllAvailable()
+                common.await_batches(query, index + 1)
                 stored.append(_stored_bytes(work / "state", label))
                 keys_held.append(sum(i["keys"] for i in query.batches[-1]["instances"]))
         finally:

@@ -106,6 +106,13 @@ def release_file(files: InputFiles, index: int, directory: Path) -> None:
     os.link(files.directory / name, directory / name)
 
 
+def await_batches(query, count: int) -> None:
+    """Wait until ``query`` (a ``StatefulQuery``) completed ``count`` micro-batches, the last one for the file
+    just released (``processAllAvailable`` can return before a file released while the query polls is taken)."""
+    if not query.await_batches(count):
+        raise RuntimeError(f"the query stopped after {len(query.batches)} of {count} micro-batches")
+
+
 def first_files(files: InputFiles, n: int) -> InputFiles:
     """The first ``n`` files of ``files`` in a sibling directory."""
     directory = fresh_dir(files.directory.with_name(f"{files.directory.name}-first-{n}"))
@@ -277,7 +284,7 @@ def run_keyed_interleaved(
     confs = confs or {}
     spark.conf.set("spark.state.parallelism", str(parallelism))
     spark.conf.unset("spark.state.store")
-    queries, live = {}, {}
+    queries, live, released = {}, {}, dict.fromkeys(inputs, 0)
     try:
         for label, files in inputs.items():
             live[label] = fresh_dir(work / f"{label}-input")
@@ -300,7 +307,8 @@ def run_keyed_interleaved(
                     for key, value in confs.get(label, {}).items():
                         spark.conf.set(key, value)
                     release_file(inputs[label], index, live[label])
-                    queries[label].processAllAvailable()
+                    released[label] += 1
+                    await_batches(queries[label], released[label])
                     for key in confs.get(label, {}):
                         spark.conf.unset(key)
     finally:

@@ -22,6 +22,7 @@ Structured Streaming query whose ``foreachBatch`` is ``MicroBatch.run``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -430,6 +431,28 @@ class StatefulQuery:
         finally:
             if not self.query.isActive:
                 self._batch.record_stop(self.run_id)
+
+    def await_batches(self, count: int, timeout: float | None = None) -> bool:
+        """Wait until this run completed ``count`` micro-batches (``len(batches)``); returns whether it did.
+
+        Returns False at ``timeout`` seconds (None: no limit) or when the query
+        stopped first, and raises the query's exception if it failed. Unlike
+        Spark's ``processAllAvailable``, it does not return before a file
+        written while the query polls a directory is taken: that call returns
+        at the first trigger after it began that found nothing new, which can
+        be one that listed the directory before the file existed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._batch.history) < count:
+            if not self.query.isActive:
+                error = self.query.exception()
+                if error is not None:
+                    raise error
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def request_drain(self) -> None:
         """Drain at the next micro-batch and stop, without waiting (``drain`` waits)."""

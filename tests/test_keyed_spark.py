@@ -26,7 +26,6 @@ from spark_state.microbatch import MicroBatch
 from spark_state.stop_watch import watched_runs
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
-from tests.streams import process
 
 pytestmark = pytest.mark.spark
 
@@ -238,13 +237,13 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
     )
     try:
         job.add_batch(200, keys=30, salt=0)
-        process(query, batches=1)
+        assert query.await_batches(1, timeout=120)
         spark.conf.set("spark.state.parallelism", "5")
         job.add_batch(200, keys=30, salt=1)
-        process(query, batches=2)
+        assert query.await_batches(2, timeout=120)
         query.set_parallelism(3)
         job.add_batch(200, keys=30, salt=2)
-        process(query, batches=3)
+        assert query.await_batches(3, timeout=120)
     finally:
         query.stop()
     assert [b["parallelism"] for b in query.batches] == [2, 5, 3]

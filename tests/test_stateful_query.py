@@ -1,0 +1,58 @@
+"""``StatefulQuery.await_batches``, with stand-ins for Spark's query and the micro-batch it reports from."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from spark_state.streaming import StatefulQuery
+
+
+class _Query:
+    def __init__(self):
+        self.isActive = True
+        self.error: Exception | None = None
+
+    def exception(self):
+        return self.error
+
+
+def _stateful():
+    query, batch = _Query(), SimpleNamespace(history=[])
+    return StatefulQuery(query, batch), query, batch
+
+
+def test_await_batches_returns_once_the_run_completed_that_many():
+    stateful, _, batch = _stateful()
+
+    def complete():
+        for batch_id in range(3):
+            time.sleep(0.05)
+            batch.history.append({"batch_id": batch_id})
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    assert stateful.await_batches(3, timeout=30)
+    assert len(batch.history) == 3
+    thread.join()
+
+
+def test_await_batches_is_false_at_the_timeout_or_when_the_query_stopped_first():
+    stateful, query, batch = _stateful()
+    batch.history.append({"batch_id": 0})
+    started = time.monotonic()
+    assert not stateful.await_batches(2, timeout=0.2)
+    assert 0.2 <= time.monotonic() - started < 5
+    query.isActive = False
+    assert not stateful.await_batches(2)  # no timeout: returns since nothing more can come
+    assert stateful.await_batches(1)
+
+
+def test_await_batches_raises_the_exception_of_a_failed_query():
+    stateful, query, _ = _stateful()
+    query.isActive, query.error = False, RuntimeError("the batch failed")
+    with pytest.raises(RuntimeError, match="the batch failed"):
+        stateful.await_batches(1)
