@@ -25,6 +25,7 @@ key column) and ``value`` a tuple of the variable's column values
 from __future__ import annotations
 
 import base64
+import functools
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Sequence
@@ -107,7 +108,7 @@ class KeyedSchema:
         """A schema with only the ``value`` variable holding ``value_fields``."""
         return cls(tuple(key_fields), (StateVariable(VALUE, tuple(value_fields)),))
 
-    @property
+    @functools.cached_property
     def key_columns(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.keys)
 
@@ -115,7 +116,7 @@ class KeyedSchema:
     def value(self) -> StateVariable:
         return self.variables[0]
 
-    @property
+    @functools.cached_property
     def sorted_key(self) -> str | None:
         """The key column each entry's rows are in ascending order of, if any: the one key column, when an integer
         (by value), a string or a binary (by bytes).

@@ -426,6 +426,41 @@ def test_entries_keys_checked_sorted_all_at_once_are_those_each_entry_has_in_str
     assert checked == [keyed_table._search_keys(b, "k") is not None for b in batches]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_chains_checked_searchable_all_at_once_are_those_each_chain_finds_searchable(data):
+    """``FetchedChain.searchable_all`` against ``searchable`` per chain, on two copies of the same chains: a chain
+    is searchable when every entry's keys are strictly ascending without nulls, its entries newest first; a
+    released chain never is, and a chain already checked keeps its answer."""
+    def entry(kind: str):
+        keys = data.draw(st.lists(st.text("abc", max_size=2) | st.none(), max_size=4))
+        return kind, pa.record_batch([pa.array(keys, pa.string()), pa.array([False] * len(keys), pa.bool_())],
+                                     ["key", DELETED_COLUMN])
+
+    plans = [([entry("full")] + [entry("delta") for _ in range(deltas)], released, checked)
+             for deltas, released, checked in data.draw(
+                 st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), max_size=6))]
+
+    def chains() -> list[FetchedChain]:
+        made = []
+        for g, (entries, released, checked) in enumerate(plans):
+            chain = FetchedChain(g, entries, SCHEMA)
+            chain._search = None if checked else False  # checked before: not searchable, whatever its entries
+            if released:
+                chain.release()
+            made.append(chain)
+        return made
+
+    together = FetchedChain.searchable_all(chains())
+    each = [chain.searchable() for chain in chains()]
+    assert [found is None for found in together] == [found is None for found in each]
+    for found, alone, (entries, _, _) in zip(together, each, plans):
+        if found is not None:
+            assert [batch for batch, _ in found] == [batch for _, batch in reversed(entries)]
+            assert all(keys.equals(batch.column("key")) for batch, keys in found)
+            assert all(a.equals(b) for (_, a), (_, b) in zip(found, alone))
+
+
 @pytest.mark.parametrize("asked_count", [1, 3, 12, 40])
 def test_a_probe_finds_each_asked_key_whether_it_filters_the_chains_rows_first_or_not(asked_count):
     """``_probe`` filters the chains' rows to the asked keys' first only when they are many per key asked
