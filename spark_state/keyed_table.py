@@ -169,13 +169,13 @@ def keys_ascending(batches: Sequence[pa.RecordBatch], key: str) -> list[bool]:
     if not batches:
         return []
     columns = [batch.column(key) for batch in batches]
-    keys = pa.chunked_array(columns, columns[0].type).combine_chunks()
+    keys = pa.chunked_array(columns, columns[0].type)  # not combined: a copy of every key, in a new allocation
     n = len(keys)
     ends = np.cumsum([len(column) for column in columns])
     descents = np.zeros(0, np.int64)
     if n > 1:  # rows i whose next row is not greater (or either is null)
         ascending = pc.fill_null(pc.less(keys.slice(0, n - 1), keys.slice(1)), False)
-        descents = np.flatnonzero(~ascending.to_numpy(zero_copy_only=False))
+        descents = pc.indices_nonzero(pc.invert(ascending)).to_numpy().astype(np.int64)
     owners = np.searchsorted(ends, descents, side="right")  # the batch of row i; unsorted if row i + 1 is in it
     unsorted = set(owners[descents + 1 < ends[owners]].tolist()) if len(descents) else set()
     return [not column.null_count and i not in unsorted for i, column in enumerate(columns)]
