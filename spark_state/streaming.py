@@ -435,15 +435,19 @@ class StatefulQuery:
     def await_batches(self, count: int, timeout: float | None = None) -> bool:
         """Wait until this run completed ``count`` micro-batches (``len(batches)``); returns whether it did.
 
-        Returns False at ``timeout`` seconds (None: no limit) or when the query
-        stopped first, and raises the query's exception if it failed. Unlike
-        Spark's ``processAllAvailable``, it does not return before a file
-        written while the query polls a directory is taken: that call returns
-        at the first trigger after it began that found nothing new, which can
-        be one that listed the directory before the file existed.
+        A batch is complete once its state is committed and its output
+        written, and Spark has finished its trigger (its progress reported,
+        ``lastProgress``): a ``stop()`` right after returns loses neither the
+        batch nor its progress. Returns False at ``timeout`` seconds (None:
+        no limit) or when the query stopped first, and raises the query's
+        exception if it failed. Unlike Spark's ``processAllAvailable``, it
+        does not return before a file written while the query polls a
+        directory is taken: that call returns at the first trigger after it
+        began that found nothing new, which can be one that listed the
+        directory before the file existed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while len(self._batch.history) < count:
+        while not self._completed(count):
             if not self.query.isActive:
                 error = self.query.exception()
                 if error is not None:
@@ -453,6 +457,15 @@ class StatefulQuery:
                 return False
             time.sleep(0.05)
         return True
+
+    def _completed(self, count: int) -> bool:
+        history = self._batch.history
+        if len(history) < count:
+            return False
+        if count == 0:
+            return True
+        progress = self.query.lastProgress  # Spark reports a batch's progress at the end of its trigger
+        return progress is not None and progress["batchId"] >= history[count - 1]["batch_id"]
 
     def request_drain(self) -> None:
         """Drain at the next micro-batch and stop, without waiting (``drain`` waits)."""
