@@ -153,19 +153,10 @@ def _probe(live: pa.Table, asked_keys: pa.Array) -> pa.ChunkedArray:
     return live.column(1).take(pc.index_in(asked_keys, value_set=live.column(0).combine_chunks(), skip_nulls=False))
 
 
-def _search_keys(batch: pa.RecordBatch, key: str) -> pa.Array | None:
-    """An entry's key column when its keys are in strictly ascending order without nulls (checked in one pass)."""
-    column = batch.column(key)
-    if column.null_count:
-        return None
-    n = len(column)
-    return column if n < 2 or pc.all(pc.less(column.slice(0, n - 1), column.slice(1))).as_py() else None
-
-
 def keys_ascending(batches: Sequence[pa.RecordBatch], key: str) -> list[bool]:
-    """Whether ``_search_keys`` would find each batch's (of one schema) keys strictly ascending, checked in one
+    """Whether each batch's (of one schema) keys are in strictly ascending order without nulls, checked in one
     pass over all their keys, not a few Arrow calls per batch: a checkpoint writes an entry for each of hundreds
-    of key groups."""
+    of key groups, and a batch after a restore touches the chains of as many."""
     if not batches:
         return []
     columns = [batch.column(key) for batch in batches]
@@ -207,34 +198,28 @@ class FetchedChain:
     def searchable(self) -> list[tuple[pa.RecordBatch, pa.Array]] | None:
         """The chain's entries, newest first, each with its key column, when every entry's rows are in strictly
         ascending order of the key (``KeyedSchema.sorted_key``): then a binary search per entry finds a key,
-        without hashing the key group. None otherwise. Checked once, in one pass."""
-        if self._search is False:
-            key = self.schema.sorted_key
-            found = [] if key is not None and not self.released else None
-            for _, batch in reversed(self.batches):
-                keys = _search_keys(batch, key) if found is not None else None
-                if keys is None:
-                    found = None
-                    break
-                found.append((batch, keys))
-            self._search = found
-        return self._search
+        without hashing the key group. None otherwise. Checked once, in one pass (``searchable_all``)."""
+        return FetchedChain.searchable_all([self])[0]
 
     @staticmethod
     def searchable_all(chains: Sequence["FetchedChain"]) -> list[list[tuple[pa.RecordBatch, pa.Array]] | None]:
-        """``searchable`` of each chain, the entries of those not checked yet checked in one pass
+        """``searchable`` of each chain, the entries of those not checked yet checked together in one pass
         (``keys_ascending``): after a restore, a batch touches the chains of hundreds of key groups, each with
         entries never checked, and a few Arrow calls per entry cost more than the comparisons."""
-        unchecked = [chain for chain in chains if chain._search is False and not chain.released]
+        unchecked = [chain for chain in chains if chain._search is False]
         key = unchecked[0].schema.sorted_key if unchecked else None
-        batches = [batch for chain in unchecked for _, batch in chain.batches]
-        if key is not None and len({batch.schema.field(key).type for batch in batches}) == 1:
+        eligible = [chain for chain in unchecked if not chain.released] if key is not None else []
+        batches = [batch for chain in eligible for _, batch in chain.batches]
+        if len({batch.schema.field(key).type for batch in batches}) > 1:  # one pass needs one key type
+            flags = iter([flag for batch in batches for flag in keys_ascending([batch], key)])
+        else:
             flags = iter(keys_ascending(batches, key))
-            for chain in unchecked:
-                ascending = all([next(flags) for _ in chain.batches])
-                chain._search = [(batch, batch.column(key)) for _, batch in reversed(chain.batches)] if ascending \
-                    else None
-        return [chain.searchable() for chain in chains]
+        for chain in unchecked:
+            chain._search = None
+        for chain in eligible:
+            if all([next(flags) for _ in chain.batches]):
+                chain._search = [(batch, batch.column(key)) for _, batch in reversed(chain.batches)]
+        return [chain._search for chain in chains]
 
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
         """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it.

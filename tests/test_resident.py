@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -413,25 +414,33 @@ def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_i
     assert got == {i: model[key] for i, key in enumerate(asked) if key in model}
 
 
+def _ascending_alone(batch: pa.RecordBatch, key: str) -> bool:
+    """One entry's keys strictly ascending without nulls, checked on their own: the reference for the one-pass
+    checks."""
+    column = batch.column(key)
+    n = len(column)
+    return not column.null_count and (n < 2 or pc.all(pc.less(column.slice(0, n - 1), column.slice(1))).as_py())
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_entries_keys_checked_sorted_all_at_once_are_those_each_entry_has_in_strictly_ascending_order(data):
-    """``keys_ascending`` against ``_search_keys`` per entry: equal or descending neighbours within an entry
+    """``keys_ascending`` against each entry checked alone: equal or descending neighbours within an entry
     make it unsorted, across two entries they do not; a null key makes it unsorted; empty entries are sorted."""
     kind = data.draw(st.sampled_from([pa.int64(), pa.string()]))
     values = st.integers(-3, 3) if kind == pa.int64() else st.text("ab", max_size=2)
     batches = [pa.record_batch([pa.array(data.draw(st.lists(values | st.none(), max_size=5)), kind)], ["k"])
                for _ in range(data.draw(st.integers(0, 5)))]
     checked = keyed_table.keys_ascending(batches, "k")
-    assert checked == [keyed_table._search_keys(b, "k") is not None for b in batches]
+    assert checked == [_ascending_alone(b, "k") for b in batches]
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_chains_checked_searchable_all_at_once_are_those_each_chain_finds_searchable(data):
-    """``FetchedChain.searchable_all`` against ``searchable`` per chain, on two copies of the same chains: a chain
-    is searchable when every entry's keys are strictly ascending without nulls, its entries newest first; a
-    released chain never is, and a chain already checked keeps its answer."""
+    """``FetchedChain.searchable_all`` and ``searchable`` per chain, on two copies of the same chains, against each
+    entry checked alone: a chain is searchable when every entry's keys are strictly ascending without nulls, its
+    entries newest first; a released chain never is, and a chain already checked keeps its answer."""
     def entry(kind: str):
         keys = data.draw(st.lists(st.text("abc", max_size=2) | st.none(), max_size=4))
         return kind, pa.record_batch([pa.array(keys, pa.string()), pa.array([False] * len(keys), pa.bool_())],
@@ -453,12 +462,28 @@ def test_chains_checked_searchable_all_at_once_are_those_each_chain_finds_search
 
     together = FetchedChain.searchable_all(chains())
     each = [chain.searchable() for chain in chains()]
-    assert [found is None for found in together] == [found is None for found in each]
+    expected = [not released and not checked and all(_ascending_alone(batch, "key") for _, batch in entries)
+                for entries, released, checked in plans]
+    assert [found is not None for found in together] == expected
+    assert [found is not None for found in each] == expected
     for found, alone, (entries, _, _) in zip(together, each, plans):
         if found is not None:
             assert [batch for batch, _ in found] == [batch for _, batch in reversed(entries)]
             assert all(keys.equals(batch.column("key")) for batch, keys in found)
             assert all(a.equals(b) for (_, a), (_, b) in zip(found, alone))
+
+
+def test_chains_whose_entries_differ_in_key_type_are_checked_entry_by_entry():
+    """One pass compares keys of one type; chains fetched with string and large-string keys are checked per
+    entry instead, with the same answers."""
+    def entry(keys, kind):
+        return "full", pa.record_batch([pa.array(keys, kind), pa.array([False] * len(keys), pa.bool_())],
+                                       ["key", DELETED_COLUMN])
+
+    chains = [FetchedChain(0, [entry(["a", "b"], pa.string())], SCHEMA),
+              FetchedChain(1, [entry(["b", "a"], pa.large_string())], SCHEMA),
+              FetchedChain(2, [entry(["c", "d"], pa.large_string())], SCHEMA)]
+    assert [found is not None for found in FetchedChain.searchable_all(chains)] == [True, False, True]
 
 
 @pytest.mark.parametrize("asked_count", [1, 3, 12, 40])
