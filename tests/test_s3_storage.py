@@ -267,6 +267,13 @@ def test_preload_loads_the_client_and_sends_nothing(monkeypatch):
         preload("s3://bucket/prefix?endpoint=http://127.0.0.1:9&region=us-east-1&profile=nobody")
 
 
+def _assert_serves(server, bucket: str) -> None:
+    """The test server stores an object in a new ``bucket`` and reads it back."""
+    server.create_bucket(bucket)
+    server.client().put_object(Bucket=bucket, Key="k", Body=b"v")
+    assert server.client().get_object(Bucket=bucket, Key="k")["Body"].read() == b"v"
+
+
 def test_the_test_server_starts_on_new_internal_ports_when_one_was_taken_and_keeps_its_endpoint(tmp_path):
     """A port taken between choosing it and ``weed`` binding it (seen in CI at a restart) costs a retry, not the run."""
     import socket
@@ -283,9 +290,7 @@ def test_the_test_server_starts_on_new_internal_ports_when_one_was_taken_and_kee
         try:
             assert server.master != taken_port and server.endpoint == endpoint
             assert "address already in use" in (tmp_path / "weed-1.log").read_text()
-            server.create_bucket("taken-port")
-            server.client().put_object(Bucket="taken-port", Key="k", Body=b"v")
-            assert server.client().get_object(Bucket="taken-port", Key="k")["Body"].read() == b"v"
+            _assert_serves(server, "taken-port")
         finally:
             server.stop()
 
@@ -313,9 +318,7 @@ def test_the_test_server_restarts_on_new_internal_ports_when_a_socket_it_dials_w
     server.start(settle=5.0)
     try:
         assert removed.is_set() and server.master_grpc != first
-        server.create_bucket("socket-removed")
-        server.client().put_object(Bucket="socket-removed", Key="k", Body=b"v")
-        assert server.client().get_object(Bucket="socket-removed", Key="k")["Body"].read() == b"v"
+        _assert_serves(server, "socket-removed")
     finally:
         server.stop()
 
