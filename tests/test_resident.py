@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 import zlib
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
@@ -359,19 +360,29 @@ _INTEGER_TYPES = [(pa.int8(), -2**7, 2**7 - 1), (pa.int32(), -2**31, 2**31 - 1),
                   (pa.uint64(), 0, 2**64 - 1)]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_key_order_sorts_each_run_of_integers_by_value_in_place(data):
-    """Whatever the span of the values (one sort of (run, key) as one integer, or a lexsort when that overflows)."""
-    kind, low, high = data.draw(st.sampled_from(_INTEGER_TYPES))
-    narrow = data.draw(st.booleans())
-    values = st.integers(low, high) if not narrow else st.integers(max(low, -50), min(high, 50))
+def test_key_order_sorts_each_run_by_key_in_place(data):
+    """Integers by value, whatever their span (one sort of (run, key) as one integer, or a lexsort when that
+    overflows), strings by their bytes; in one call, or run by run: the row counts that choose between the two
+    (``LEXSORT_ROWS``, ``SHORT_RUN_ROWS``) are drawn small, so that small examples take every path."""
+    kind, low, high = data.draw(st.sampled_from(_INTEGER_TYPES + [(pa.string(), 0, 0)]))
+    if kind == pa.string():
+        values = st.text("ab\x00\u00e9", max_size=3)
+    else:
+        narrow = data.draw(st.booleans())
+        values = st.integers(low, high) if not narrow else st.integers(max(low, -50), min(high, 50))
     sizes = data.draw(st.lists(st.integers(0, 6), max_size=8))
     keys = data.draw(st.lists(values, min_size=sum(sizes), max_size=sum(sizes)))
-    order = key_order(pa.array(keys, kind), sizes)
+    lexsort_rows = data.draw(st.sampled_from([0, 4, keyed_table.LEXSORT_ROWS]))
+    short_run_rows = data.draw(st.sampled_from([0, 2, keyed_table.SHORT_RUN_ROWS]))
+    with (mock.patch.object(keyed_table, "LEXSORT_ROWS", lexsort_rows),
+          mock.patch.object(keyed_table, "SHORT_RUN_ROWS", short_run_rows)):
+        order = key_order(pa.array(keys, kind), sizes)
     runs = np.repeat(np.arange(len(sizes)), sizes)
-    assert [keys[i] for i in order] == [k for _, k in sorted(zip(runs.tolist(), keys))]  # each run in its place
-    assert order.tolist() == sorted(range(len(keys)), key=lambda i: (runs[i], keys[i]))  # ties keep their order
+    by = (lambda k: k.encode()) if kind == pa.string() else (lambda k: k)
+    assert [keys[i] for i in order] == [k for _, k in sorted(zip(runs.tolist(), keys), key=lambda rk: (rk[0], by(rk[1])))]
+    assert order.tolist() == sorted(range(len(keys)), key=lambda i: (runs[i], by(keys[i])))  # ties keep their order
 
 
 @settings(max_examples=300, deadline=None)
