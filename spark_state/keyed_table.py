@@ -291,19 +291,27 @@ class FetchedChain:
         batch = self.batches[-1][1]
         return batch if batch.num_rows == self._live else None
 
-    def write_pending(self, kind: EntryKind, written: pa.RecordBatch, ascending: bool) -> None:
+    def write_pending(self, kind: EntryKind, written: pa.RecordBatch, ascending: bool, *,
+                      live: int | None = None) -> None:
         """A checkpoint wrote the pending changes as ``written``, a ``kind`` entry: it replaces them.
 
         A ``full`` entry becomes the whole chain; a ``merge`` entry (every
         key changed since the chain's full entry) follows that full entry;
         a ``delta`` follows the written entries. The content is unchanged.
         ``ascending``: the entry's keys are in strictly ascending order, no
-        null among them (``keys_ascending``).
+        null among them (``keys_ascending``). ``live``: the keys the chain
+        holds with the entry, when it also wrote changes the pending entries
+        do not hold (an overlay's); the pending entries' count is then short
+        of the keys new to the chain there, and a count short of the chain's
+        keys makes a later pending entry of that many keys pass for the whole
+        key group (``whole_pending``), whose full entry would drop the others.
         """
         written = _as_schema(written, self.batches[0][1].schema)
         pending, self.pending = self.pending, 0
         committed = self.batches[:len(self.batches) - pending]
         self._folded, self._nbytes = None, None
+        if live is not None:
+            self._live = live
         if kind == "full" or not committed:  # a new key group's first entry holds all of it
             self.batches = [("full", written)]
             self._live = written.num_rows - written.column(DELETED_COLUMN).true_count
@@ -1098,8 +1106,12 @@ class KeyGroupTable:
         if fetched is None and (kind != "full" or key_group not in self._groups):
             return
         if fetched is not None:
+            # With an overlay, the entry also wrote its changes (keys new to the chain among them), which the
+            # pending entries' count lacks: the chain then holds what the key group held, overlay included.
+            overlaid = key_group in self._groups or key_group in self._added
+            live = self._unloaded_count(key_group) if overlaid else None
             if fetched.pending:
-                fetched.write_pending(kind, written, ascending)
+                fetched.write_pending(kind, written, ascending, live=live)
             else:
                 fetched.append(kind, written)
             self._groups.pop(key_group, None)
