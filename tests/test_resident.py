@@ -381,7 +381,8 @@ def test_key_order_sorts_each_run_by_key_in_place(data):
         order = key_order(pa.array(keys, kind), sizes)
     runs = np.repeat(np.arange(len(sizes)), sizes)
     by = (lambda k: k.encode()) if kind == pa.string() else (lambda k: k)
-    assert [keys[i] for i in order] == [k for _, k in sorted(zip(runs.tolist(), keys), key=lambda rk: (rk[0], by(rk[1])))]
+    ordered = sorted(zip(runs.tolist(), keys), key=lambda rk: (rk[0], by(rk[1])))
+    assert [keys[i] for i in order] == [k for _, k in ordered]  # each run in its place
     assert order.tolist() == sorted(range(len(keys)), key=lambda i: (runs[i], by(keys[i])))  # ties keep their order
 
 

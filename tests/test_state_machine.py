@@ -387,27 +387,6 @@ IntegerKeyStoreMachine.TestCase.settings = settings(max_examples=40, stateful_st
 TestIntegerKeyStoreMachine = IntegerKeyStoreMachine.TestCase
 
 
-def test_a_native_delta_written_unsorted_leaves_its_chain_unsearched():
-    """The machine's first failing case, kept: a pending delta written while entries are written unsorted
-    (``sorted_key`` None, as a store before sorting) must make its chain unsearchable, not fail the checkpoint."""
-
-    class Parts:
-        def draw(self, strategy, label=None):
-            return [0]
-
-    machine = IntegerKeyStoreMachine()
-    try:
-        machine.choose_bound(bounded=False, unsorted=True, native=True)
-        machine.put_many(count=3, first=37, value=0)
-        machine.checkpoint()
-        machine.aggregate(count=1, data=Parts(), first=1)
-        machine.checkpoint()
-        machine.instances_hold_exactly_the_live_state_without_folding()
-        machine.instances_hold_exactly_the_live_state()
-    finally:
-        machine.teardown()
-
-
 class _Parts:
     """A fixed draw for the ``aggregate`` rule's partials."""
 
@@ -416,6 +395,22 @@ class _Parts:
 
     def draw(self, strategy, label=None):
         return self.parts
+
+
+def test_a_native_delta_written_unsorted_leaves_its_chain_unsearched():
+    """The machine's first failing case, kept: a pending delta written while entries are written unsorted
+    (``sorted_key`` None, as a store before sorting) must make its chain unsearchable, not fail the checkpoint."""
+    machine = IntegerKeyStoreMachine()
+    try:
+        machine.choose_bound(bounded=False, unsorted=True, native=True)
+        machine.put_many(count=3, first=37, value=0)
+        machine.checkpoint()
+        machine.aggregate(count=1, data=_Parts([0]), first=1)
+        machine.checkpoint()
+        machine.instances_hold_exactly_the_live_state_without_folding()
+        machine.instances_hold_exactly_the_live_state()
+    finally:
+        machine.teardown()
 
 
 def test_a_key_new_to_a_chain_through_its_overlay_is_counted_when_its_entry_is_written():
