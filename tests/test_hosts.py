@@ -192,6 +192,8 @@ def _forked_host():
             os.kill(pid, signal.SIGKILL)
         hosts._reap_hosts()
         shutil.rmtree(directory, ignore_errors=True)
+        gc.unfreeze()  # the fork froze this process's objects, as it freezes a worker's
+        hosts._WORKER_FROZEN = False
 
 
 def _log(address: Path) -> str:
@@ -238,7 +240,9 @@ def test_a_new_host_s_first_aggregate_of_raw_rows_and_its_checkpoint_import_noth
 
 def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
     """``_connect`` forks the host as this process's child; once it exits, the next connection reaps it (no zombie)."""
+    assert gc.get_freeze_count() == 0
     with _forked_host() as (address, host):
+        assert gc.get_freeze_count() > 0  # the worker froze its objects first: the pages the host shares stay shared
         assert hosts._host_running(host)
         assert os.waitpid(host, os.WNOHANG) == (0, 0)  # this process's child, still running
         os.kill(host, signal.SIGTERM)
@@ -283,6 +287,33 @@ def test_a_host_signalled_while_a_garbage_collection_hook_runs_still_leaves_and_
             assert "Traceback" not in _log(address)  # and a signal's exit prints no trace
     finally:
         gc.callbacks.remove(slow_hook)
+
+
+class _Connected(Exception):
+    """Raised by a test's stand-in for ``_connect``."""
+
+
+def test_a_worker_freezes_its_objects_at_its_first_task_for_a_host_before_it_connects(monkeypatch, tmp_path):
+    """A worker that never forks a host (the hosts were started by others) still stops walking its objects."""
+    freezes = []
+
+    def connect(address, daemon_pid, store_uri):
+        freezes.append(gc.get_freeze_count())
+        raise _Connected
+
+    monkeypatch.setattr(hosts, "_connect", connect)
+    monkeypatch.setattr(hosts, "_WORKER_FROZEN", False)
+    task = SimpleNamespace(store_uri=str(tmp_path), component="c")
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(_Connected):
+            next(hosts.run_hosted(task, 0, []))
+        gc.unfreeze()
+        with pytest.raises(_Connected):
+            next(hosts.run_hosted(task, 0, []))  # frozen once: a later task freezes nothing more
+        assert freezes[0] > 0 and freezes[1] == 0 and hosts._WORKER_FROZEN
+    finally:
+        gc.unfreeze()
 
 
 class _Node:
