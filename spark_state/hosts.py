@@ -48,9 +48,9 @@ among frozen objects, waits for the full collection a host runs once every
 ``FULL_COLLECTION_TASKS`` tasks. A worker freezes its own objects (PySpark,
 pyarrow, pandas: most of its heap) at its first task for a host and before
 each fork (``freeze_worker``, as Python's documentation advises before a fork
-without exec): its collector no longer walks them, which dirtied pages it
-shares with the hosts it forked (each write copies the page) and cost each
-worker about 55 ms of CPU per task. Sockets live in
+without exec): its collector no longer walks them. Those walks cost each
+worker about 55 ms of CPU per task and dirtied the pages it shares with the
+hosts it forked (each first write copies the page). Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
 ``cloudpickle`` for user functions and its ``Broadcast`` for the broadcast
 variables they read (``_pickled_task``).
