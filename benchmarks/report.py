@@ -536,12 +536,11 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                        f"Our restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s: "
                        "reading all state from local page cache costs the naive store little at this size, and "
                        "the rest of our batch costs more than its: per new instance, a fork of a Python worker "
-                       "into its host (5-25 ms in the fork itself, on the task's path, measured at 100,000 keys; the "
-                       "benchmark restarts on a copy of the store, "
-                       "so every instance is new, and the naive store keeps its state in the workers), the "
-                       "manifest parsed again in each host, and work per key group the batch touches (a few Arrow "
-                       "calls each: its keys searched in its chain, one entry written) where the naive store does "
-                       "one join over its rows.")
+                       "into its host (5-25 ms in the fork itself, on the task's path, measured at 100,000 keys; "
+                       "the benchmark restarts on a copy of the store, so every instance is new, and the naive "
+                       "store keeps its state in the workers), the manifest parsed again in each host, and work "
+                       "per key group the batch touches (a few Arrow calls each: its keys searched in its chain, "
+                       "one entry written) where the naive store does one join over its rows.")
         slower_repartition = [r for r in rows if r["ours_vs_spark_repartition"] < 1]
         if slower_repartition:
             out.append(f"- Rescale at {size['keys']:,} keys: Spark's repartition + restart beats ours in "
