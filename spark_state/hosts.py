@@ -455,7 +455,7 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
         served = None  # the last task this host ran
         since_full = 0  # tasks since the last full collection of garbage
         if is_host:
-            gc.freeze()  # the worker's objects, inherited: never walked again
+            gc.freeze()  # what it made since the fork (the worker froze what it inherits; a host run as __main__ too)
         gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
         while (_SIGNALLED is None and _alive(daemon_pid)
                and time.monotonic() - last_task < idle_limit(gaps, idle_seconds)):
