@@ -14,7 +14,9 @@ to watch; the next ``watch`` starts another.
 
 When the Python driver exits, the watched runs found ended are recorded
 (``atexit``): a script may await the raw query and exit before the thread's
-next look. Spark's query listeners would tell the end too, but Spark
+next look. A recording in flight on the thread when the driver exits is
+waited for: the interpreter would otherwise end the daemon thread mid-write,
+and the run would go unrecorded. Spark's query listeners would tell the end too, but Spark
 delivers their events over py4j's callback server asynchronously, and an
 event still in flight when the driver exits makes Spark log a stack trace;
 a question asked from the driver has no such tail.
@@ -33,6 +35,7 @@ POLL_SECONDS = 1.0
 """How often the watching thread asks whether each watched run is still active."""
 
 _LOCK = threading.Lock()
+_RECORDING = threading.Lock()  # held across each whole ``record_ended``: one records at a time
 _RUNS: dict[str, tuple[Any, Any]] = {}  # run id -> (its MicroBatch, its StreamingQuery), while watched
 _THREAD: threading.Thread | None = None
 _EXIT_HOOKED = False
@@ -65,7 +68,16 @@ def watched_runs() -> set[str]:
 
 
 def record_ended() -> int:
-    """Record every watched run found no longer active; returns how many (the thread's step, and ``atexit``'s)."""
+    """Record every watched run found no longer active; returns how many (the thread's step, and ``atexit``'s).
+
+    A call made while another is recording waits for it, so that ``atexit`` returns only once a run the thread
+    took off the watch is written.
+    """
+    with _RECORDING:
+        return _record_ended()
+
+
+def _record_ended() -> int:
     with _LOCK:
         runs = list(_RUNS.items())
     recorded = 0

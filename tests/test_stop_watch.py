@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -93,3 +94,27 @@ def test_a_run_whose_query_cannot_be_asked_is_dropped_without_a_record():
     batch = _Batch()
     stop_watch._RUNS["run-gone"] = (batch, _Gone())
     assert record_ended() == 0 and batch.stopped == [] and watched_runs() == set()
+
+
+def test_a_record_at_exit_waits_for_the_threads_recording_in_flight():
+    started, release = threading.Event(), threading.Event()
+
+    class _SlowBatch(_Batch):
+        def record_stop(self, run_id: str) -> None:
+            started.set()
+            release.wait(5)  # the store's write, in flight
+            super().record_stop(run_id)
+
+    batch = _SlowBatch()
+    stop_watch._RUNS["run-1"] = (batch, _query("run-1", active=False))
+    watcher = threading.Thread(target=record_ended)  # the watching thread's step: takes run-1 off the watch
+    watcher.start()
+    assert started.wait(5) and watched_runs() == set()
+    at_exit = threading.Thread(target=record_ended)
+    at_exit.start()
+    at_exit.join(0.2)
+    assert at_exit.is_alive() and batch.stopped == []  # the driver's exit waits for the write
+    release.set()
+    at_exit.join(5)
+    watcher.join(5)
+    assert not at_exit.is_alive() and batch.stopped == ["run-1"]
