@@ -15,8 +15,8 @@ to watch; the next ``watch`` starts another.
 When the Python driver exits, the watched runs found ended are recorded
 (``atexit``): a script may await the raw query and exit before the thread's
 next look. A recording in flight on the thread when the driver exits is
-waited for: the interpreter would otherwise end the daemon thread mid-write,
-and the run would go unrecorded. Spark's query listeners would tell the end too, but Spark
+waited for (up to ``RECORDING_WAIT_SECONDS``): the interpreter would
+otherwise end the daemon thread mid-write, and the run would go unrecorded. Spark's query listeners would tell the end too, but Spark
 delivers their events over py4j's callback server asynchronously, and an
 event still in flight when the driver exits makes Spark log a stack trace;
 a question asked from the driver has no such tail.
@@ -33,6 +33,9 @@ from typing import Any
 _LOG = logging.getLogger(__name__)
 POLL_SECONDS = 1.0
 """How often the watching thread asks whether each watched run is still active."""
+RECORDING_WAIT_SECONDS = 30.0
+"""How long ``record_ended`` waits for a recording in flight (its storage request has its own timeout) before it
+records the other runs without waiting: a driver's exit is never held longer."""
 
 _LOCK = threading.Lock()
 _RECORDING = threading.Lock()  # held across each whole ``record_ended``: one records at a time
@@ -70,11 +73,17 @@ def watched_runs() -> set[str]:
 def record_ended() -> int:
     """Record every watched run found no longer active; returns how many (the thread's step, and ``atexit``'s).
 
-    A call made while another is recording waits for it, so that ``atexit`` returns only once a run the thread
-    took off the watch is written.
+    A call made while another is recording waits for it (up to ``RECORDING_WAIT_SECONDS``), so that ``atexit``
+    returns only once a run the thread took off the watch is written.
     """
-    with _RECORDING:
+    if not _RECORDING.acquire(timeout=RECORDING_WAIT_SECONDS):
+        _LOG.warning("spark-state: the record of a stopped run took over %s s; recording the other stopped runs "
+                     "without it", RECORDING_WAIT_SECONDS)
         return _record_ended()
+    try:
+        return _record_ended()
+    finally:
+        _RECORDING.release()
 
 
 def _record_ended() -> int:

@@ -118,3 +118,18 @@ def test_a_record_at_exit_waits_for_the_threads_recording_in_flight():
     at_exit.join(5)
     watcher.join(5)
     assert not at_exit.is_alive() and batch.stopped == ["run-1"]
+
+
+def test_a_record_at_exit_waits_a_bounded_time_for_a_stuck_recording_then_records_the_other_runs(monkeypatch):
+    monkeypatch.setattr(stop_watch, "RECORDING_WAIT_SECONDS", 0.1)
+    batch = _Batch()
+    stop_watch._RUNS["run-2"] = (batch, _query("run-2", active=False))
+    recorded: list[int] = []
+    at_exit = threading.Thread(target=lambda: recorded.append(record_ended()), daemon=True)
+    with stop_watch._RECORDING:  # the thread's recording, stuck (a store that does not answer)
+        at_exit.start()
+        at_exit.join(0.05)
+        assert at_exit.is_alive() and batch.stopped == []  # it waits for the recording in flight...
+        at_exit.join(3)
+        assert not at_exit.is_alive()  # ...for a bounded time
+    assert recorded == [1] and batch.stopped == ["run-2"] and watched_runs() == set()
