@@ -18,7 +18,8 @@
    to the memory bound, keep the state for the next batch, and emit, after
    the output batches, one batch of a single column ``META_COLUMN`` and one
    row: the instance's ``InstanceReport`` for the driver (with the state's
-   estimated bytes, their high-water mark and the process's RSS).
+   estimated bytes, their high-water mark, the process's RSS, and the CPU
+   time and page faults the task cost its process: ``cpu``).
 
 Executors get a ``BlobStore`` (write and fetch blobs and items) and a
 read-only ``ManifestReader`` (to find the base checkpoint's component); only
@@ -272,7 +273,7 @@ class _Phases:
 
 def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Process instance ``instance``'s rows of micro-batch ``task.checkpoint_id``; see the module docstring."""
-    started = time.perf_counter()
+    started, usage = time.perf_counter(), _usage()
     phases = _Phases(started)
     blobs, manifests = _stores(task.store_uri)
     state, restore_info = _restore(task, instance, blobs, manifests)
@@ -323,8 +324,30 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
         "pid": os.getpid(),
         "seconds": round(time.perf_counter() - started, 4),
         "phase_seconds": phases.seconds,
+        "cpu": _usage_since(usage),
     })
     yield pa.RecordBatch.from_arrays([pa.array([json.dumps(report.to_json())], pa.string())], names=[META_COLUMN])
+
+
+def _usage() -> tuple[float, float, int] | None:
+    """This process's user and system CPU seconds and page faults so far (None where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime, usage.ru_minflt + usage.ru_majflt
+
+
+def _usage_since(before: tuple[float, float, int] | None) -> dict:
+    """What this process spent since ``before`` (``_usage``), all of its threads: CPU seconds in user code and
+    in the kernel (page faults, system calls), and page faults (a new host's first task takes one per page
+    of memory it touches first: what it shares with its worker, and every page it allocates)."""
+    after = _usage()
+    if before is None or after is None:
+        return {}
+    return {"user_seconds": round(after[0] - before[0], 4), "system_seconds": round(after[1] - before[1], 4),
+            "page_faults": after[2] - before[2]}
 
 
 def _rss() -> dict:

@@ -788,6 +788,9 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     assert len(later) == 5 * 4
     assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
     assert len({i["pid"] for i in later}) == 4  # one host per instance
+    first = query.batches[0]["instances"]  # new hosts: their first task touches memory, faulting it in
+    assert all(i["cpu"]["user_seconds"] + i["cpu"]["system_seconds"] > 0 and i["cpu"]["page_faults"] > 0
+               for i in first), first
     assert stopped_run(LocalStorage(str(job.root / "state"))) == query.run_id  # stopped: its hosts leave when idle
 
 
