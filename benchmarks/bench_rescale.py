@@ -54,6 +54,12 @@ Per pair, size and system:
   (``/proc/<pid>/io``: all bytes read by the process, which in ``local``
   mode includes the executors and the input file) during the repartition and
   during the restart.
+- ``cpu``: CPU seconds in user code and in the kernel, and page faults,
+  over the restart, of the JVM (``jvm``), of PySpark's Python daemon, its
+  workers and the instance hosts they fork (``python``, from ``/proc``), and
+  of this driver (``driver``, the benchmark's own bookkeeping included).
+  Each pair's ``python_cpu`` puts ours beside the naive store's: a new host
+  is a fork of a worker, and its first task faults in every page it touches.
 - correctness: every system's first batch after the restart must output
   each updated key with count 1 + its occurrences (sum of counts = distinct
   keys + rows), and the restored state must hold all S keys.
@@ -84,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -223,6 +230,45 @@ def _rchar(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
 
 
+def _processes_cpu(jvm: int) -> dict[int, tuple[str, int, int, int]]:
+    """Per process of the session, from ``/proc``: (kind, user ticks, system ticks, page faults); kinds: ``jvm``
+    and ``python`` (PySpark's daemon, its workers and the instance hosts they fork, which share its command line)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        kind = "jvm" if int(entry) == jvm else "python" if b"pyspark.daemon" in command else None
+        if kind is not None:
+            out[int(entry)] = (kind, int(fields[11]), int(fields[12]), int(fields[7]) + int(fields[9]))
+    return out
+
+
+def _cpu_used(before: dict, after: dict, driver_before, driver_after) -> dict:
+    """CPU seconds (user, system) and page faults each kind of process used between two ``_processes_cpu``
+    snapshots (a process started meanwhile counts from zero), and this driver's own (``resource`` usage)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict = {}
+    for pid, (kind, user, system, faults) in after.items():
+        _, user0, system0, faults0 = before.get(pid, (kind, 0, 0, 0))
+        totals = used.setdefault(kind, [0, 0, 0])
+        totals[0] += user - user0
+        totals[1] += system - system0
+        totals[2] += faults - faults0
+    out = {kind: {"user_seconds": round(u / tick, 2), "system_seconds": round(s / tick, 2), "page_faults": f}
+           for kind, (u, s, f) in used.items()}
+    out["driver"] = {"user_seconds": round(driver_after.ru_utime - driver_before.ru_utime, 2),
+                     "system_seconds": round(driver_after.ru_stime - driver_before.ru_stime, 2),
+                     "page_faults": driver_after.ru_minflt - driver_before.ru_minflt}
+    return out
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -293,6 +339,7 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
     pid = _jvm_pid(spark)
     result: dict = {"system": system, "old_parallelism": old, "new_parallelism": new, "keys": size}
     target = old if system == "spark_pinned" else new
+    cpu_before, driver_before = _processes_cpu(pid), resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     rchar = _rchar(pid)
     try:
@@ -307,6 +354,7 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
         _reset_conf(spark)
     result["restart_seconds"] = round(time.perf_counter() - started, 3)
     result["jvm_read_bytes"] = _rchar(pid) - rchar
+    result["cpu"] = _cpu_used(cpu_before, _processes_cpu(pid), driver_before, resource.getrusage(resource.RUSAGE_SELF))
     progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
     if len(progress) != 1 or list(sink.batches.values()) != [expected]:
         raise RuntimeError(f"{system} {old}->{new}: batches {sink.batches} (progress {len(progress)}), "
@@ -547,6 +595,7 @@ def _summary(runs: list[dict], pairs, systems=SYSTEMS) -> list[dict]:
             "naive_vs_ours_total_bytes_read": round(of["naive_hash_mod"]["total_bytes_read"]
                                                     / ours["total_bytes_read"], 3),
             "max_requests_per_instance": {s: of[s]["max_requests_per_instance"] for s in stored},
+            "python_cpu": {s: of[s]["cpu"].get("python") for s in stored if "cpu" in of[s]},
         }
         if "spark_repartition" in of:
             row["spark_repartition_seconds"] = of["spark_repartition"]["repartition_seconds"]

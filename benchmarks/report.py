@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,6 +76,22 @@ def _slower_than_naive(size: dict) -> tuple[list[dict], float, float, float] | N
     ours = [r for r in size["runs"] if r["system"] == "keyed_count"]
     return (slower, min(r["ours_vs_naive"] for r in slower), max(r["max_restore_seconds"] for r in ours),
             min(r["first_batch_seconds"] for r in ours))
+
+
+def _python_cpu(size: dict) -> dict[str, tuple[float, float, float]] | None:
+    """Per stored system: medians over pairs of the Python processes' CPU seconds per restart, the kernel's share
+    of them and their page faults (``bench_rescale``'s ``python_cpu``); None for results without them."""
+    rows = [r.get("python_cpu") for r in size["summary"]]
+    if not rows or not all(row and all(row.values()) for row in rows):
+        return None
+    out = {}
+    for system in rows[0]:
+        used = [row[system] for row in rows]
+        seconds = [u["user_seconds"] + u["system_seconds"] for u in used]
+        out[system] = (statistics.median(seconds),
+                       statistics.median(u["system_seconds"] / total for u, total in zip(used, seconds) if total),
+                       statistics.median(u["page_faults"] for u in used))
+    return out
 
 
 def _span(values: list[float]) -> str:
@@ -531,16 +548,35 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                        "pairs slower than that floor).")
         if (naive := _slower_than_naive(size)) is not None:
             slower_naive, worst, restore, batch = naive
-            out.append(f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
-                       f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). "
-                       f"Our restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s: "
-                       "reading all state from local page cache costs the naive store little at this size, and "
-                       "the rest of our batch costs more than its: per new instance, a fork of a Python worker "
-                       "into its host (5-25 ms in the fork itself, on the task's path, measured at 100,000 keys; "
-                       "the benchmark restarts on a copy of the store, so every instance is new, and the naive "
-                       "store keeps its state in the workers), the manifest parsed again in each host, and work "
-                       "per key group the batch touches (a few Arrow calls each: its keys searched in its chain, "
-                       "one entry written) where the naive store does one join over its rows.")
+            cpu = _python_cpu(size)
+            if cpu is not None:
+                (ours, ours_kernel, ours_faults), (theirs, their_kernel, their_faults) = (
+                    cpu["keyed_count"], cpu["naive_hash_mod"])
+                out.append(
+                    f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
+                    f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). Our "
+                    f"restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s; the "
+                    f"difference is CPU on two cores: per restart (median over pairs) the Python workers and our "
+                    f"instance hosts used {ours:.2f} s, {ours_kernel:.0%} of it in the kernel "
+                    f"({ours_faults:,.0f} page faults), against {theirs:.2f} s ({their_kernel:.0%}, "
+                    f"{their_faults:,.0f} page faults) for the naive store. The benchmark restarts on a copy of the "
+                    "store, so every instance is new: each of our new instances is a fork of a Python worker "
+                    "whose first task faults in every page it touches (what it shares with the worker, and all "
+                    "it allocates), and its work per key group the batch touches (its keys searched in its "
+                    "chain, one entry written) is a few Arrow calls each, where the naive store, in workers that "
+                    "keep their memory, does one join over its rows.")
+            else:
+                out.append(f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
+                           f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). "
+                           f"Our restore reads take at most {restore:.2f} s of a first batch of at least "
+                           f"{batch:.2f} s: "
+                           "reading all state from local page cache costs the naive store little at this size, and "
+                           "the rest of our batch costs more than its: per new instance, a fork of a Python worker "
+                           "into its host (5-25 ms in the fork itself, on the task's path, measured at 100,000 keys; "
+                           "the benchmark restarts on a copy of the store, so every instance is new, and the naive "
+                           "store keeps its state in the workers), the manifest parsed again in each host, and work "
+                           "per key group the batch touches (a few Arrow calls each: its keys searched in its chain, "
+                           "one entry written) where the naive store does one join over its rows.")
         slower_repartition = [r for r in rows if r["ours_vs_spark_repartition"] < 1]
         if slower_repartition:
             out.append(f"- Rescale at {size['keys']:,} keys: Spark's repartition + restart beats ours in "

@@ -144,6 +144,10 @@ def test_rescale_smoke(rescale):
     assert runs["spark_pinned"]["state_partitions"] == 2
     assert "repartition_seconds" in runs["spark_repartition"] and "repartition_seconds" not in runs["spark_pinned"]
     assert [i["instance"] for i in runs["keyed_count"]["instances"]] == [0, 1, 2]
+    # each restart's CPU, per kind of process: three new hosts fork and fault pages in; the JVM runs the query
+    python = row["python_cpu"]["keyed_count"]
+    assert python["user_seconds"] + python["system_seconds"] > 0 and python["page_faults"] > 1000
+    assert all(r["cpu"]["jvm"]["user_seconds"] > 0 for r in runs.values())
     # a running query changed 2 -> 3 between batches: one change measured, the state read back exact
     (live,) = rescale["live"]
     assert [b["parallelism"] for b in live["batches"]] == [2, 2, 2, 2, 3, 3, 3]
@@ -345,3 +349,16 @@ def test_the_report_counts_what_the_campaign_counts_as_wrong():
     from tests.campaign.supervisor import PROBLEM_COUNTS
 
     assert report.CAMPAIGN_PROBLEM_COUNTS == PROBLEM_COUNTS
+
+
+def test_the_python_cpu_of_restarts_is_summarised_as_medians_over_pairs_and_absent_from_older_results():
+    def cpu(user, system, faults):
+        return {"user_seconds": user, "system_seconds": system, "page_faults": faults}
+
+    rows = [{"python_cpu": {"keyed_count": cpu(0.3, 0.1, 30_000), "naive_hash_mod": cpu(0.2, 0.0, 5_000)}},
+            {"python_cpu": {"keyed_count": cpu(0.2, 0.2, 20_000), "naive_hash_mod": cpu(0.1, 0.1, 3_000)}},
+            {"python_cpu": {"keyed_count": cpu(0.4, 0.4, 40_000), "naive_hash_mod": cpu(0.2, 0.2, 4_000)}}]
+    summary = report._python_cpu({"summary": rows})
+    assert summary["keyed_count"] == (pytest.approx(0.4), pytest.approx(0.5), 30_000)
+    assert summary["naive_hash_mod"] == (pytest.approx(0.2), pytest.approx(0.5), 4_000)
+    assert report._python_cpu({"summary": [{"pair": "2->3"}]}) is None
