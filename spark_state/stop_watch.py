@@ -16,10 +16,11 @@ When the Python driver exits, the watched runs found ended are recorded
 (``atexit``): a script may await the raw query and exit before the thread's
 next look. A recording in flight on the thread when the driver exits is
 waited for (up to ``RECORDING_WAIT_SECONDS``): the interpreter would
-otherwise end the daemon thread mid-write, and the run would go unrecorded. Spark's query listeners would tell the end too, but Spark
-delivers their events over py4j's callback server asynchronously, and an
-event still in flight when the driver exits makes Spark log a stack trace;
-a question asked from the driver has no such tail.
+otherwise end the daemon thread mid-write, and the run would go unrecorded.
+Spark's query listeners would tell the end too, but Spark delivers their
+events over py4j's callback server asynchronously, and an event still in
+flight when the driver exits makes Spark log a stack trace; a question asked
+from the driver has no such tail.
 """
 
 from __future__ import annotations
