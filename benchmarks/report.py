@@ -549,34 +549,23 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
         if (naive := _slower_than_naive(size)) is not None:
             slower_naive, worst, restore, batch = naive
             cpu = _python_cpu(size)
+            spent = ""
             if cpu is not None:
                 (ours, ours_kernel, ours_faults), (theirs, their_kernel, their_faults) = (
                     cpu["keyed_count"], cpu["naive_hash_mod"])
-                out.append(
-                    f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
-                    f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). Our "
-                    f"restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s; the "
-                    f"difference is CPU on two cores: per restart (median over pairs) the Python workers and our "
-                    f"instance hosts used {ours:.2f} s ({ours_kernel:.0%} of it in the kernel, {ours_faults:,.0f} "
-                    f"page faults), {_x(ours / theirs)} the naive store's {theirs:.2f} s ({their_kernel:.0%}, "
-                    f"{their_faults:,.0f} page faults). The benchmark restarts on a copy of the "
-                    "store, so every instance is new: each of our new instances is a fork of a Python worker "
-                    "whose first task faults in every page it touches (what it shares with the worker, and all "
-                    "it allocates), and its work per key group the batch touches (its keys searched in its "
-                    "chain, one entry written) is a few Arrow calls each, where the naive store, in workers that "
-                    "keep their memory, does one join over its rows.")
-            else:
-                out.append(f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
-                           f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). "
-                           f"Our restore reads take at most {restore:.2f} s of a first batch of at least "
-                           f"{batch:.2f} s: "
-                           "reading all state from local page cache costs the naive store little at this size, and "
-                           "the rest of our batch costs more than its: per new instance, a fork of a Python worker "
-                           "into its host (5-25 ms in the fork itself, on the task's path, measured at 100,000 keys; "
-                           "the benchmark restarts on a copy of the store, so every instance is new, and the naive "
-                           "store keeps its state in the workers), the manifest parsed again in each host, and work "
-                           "per key group the batch touches (a few Arrow calls each: its keys searched in its chain, "
-                           "one entry written) where the naive store does one join over its rows.")
+                spent = (f"; the difference is CPU on two cores: per restart (median over pairs) the Python workers "
+                         f"and our instance hosts used {ours:.2f} s ({ours_kernel:.0%} of it in the kernel, "
+                         f"{ours_faults:,.0f} page faults), {_x(ours / theirs)} the naive store's {theirs:.2f} s "
+                         f"({their_kernel:.0%}, {their_faults:,.0f} page faults)")
+            out.append(
+                f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
+                f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). Our "
+                f"restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s{spent}. "
+                "The benchmark restarts on a copy of the store, so every instance is new: each of our new "
+                "instances is a fork of a Python worker whose first task faults in every page it touches (what it "
+                "shares with the worker, and all it allocates), and its work per key group the batch touches (its "
+                "keys searched in its chain, one entry written) is a few Arrow calls each, where the naive store, "
+                "in workers that keep their memory, does one join over its rows.")
         slower_repartition = [r for r in rows if r["ours_vs_spark_repartition"] < 1]
         if slower_repartition:
             out.append(f"- Rescale at {size['keys']:,} keys: Spark's repartition + restart beats ours in "
