@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -250,9 +249,12 @@ def _processes_cpu(jvm: int) -> dict[int, tuple[str, int, int, int]]:
     return out
 
 
-def _cpu_used(before: dict, after: dict, driver_before, driver_after) -> dict:
+def _cpu_used(before: dict, after: dict, driver_before) -> dict:
     """CPU seconds (user, system) and page faults each kind of process used between two ``_processes_cpu``
-    snapshots (a process started meanwhile counts from zero), and this driver's own (``resource`` usage)."""
+    snapshots (a process started meanwhile counts from zero), and this driver's own since ``driver_before``
+    (``operator._usage``, as an instance's report counts its task)."""
+    from spark_state.operator import _usage_since
+
     tick = os.sysconf("SC_CLK_TCK")
     used: dict = {}
     for pid, (kind, user, system, faults) in after.items():
@@ -263,9 +265,7 @@ def _cpu_used(before: dict, after: dict, driver_before, driver_after) -> dict:
         totals[2] += faults - faults0
     out = {kind: {"user_seconds": round(u / tick, 2), "system_seconds": round(s / tick, 2), "page_faults": f}
            for kind, (u, s, f) in used.items()}
-    out["driver"] = {"user_seconds": round(driver_after.ru_utime - driver_before.ru_utime, 2),
-                     "system_seconds": round(driver_after.ru_stime - driver_before.ru_stime, 2),
-                     "page_faults": driver_after.ru_minflt - driver_before.ru_minflt}
+    out["driver"] = _usage_since(driver_before)
     return out
 
 
@@ -334,12 +334,14 @@ def build(spark, system: str, files: common.InputFiles, run_dir: Path, paralleli
 def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: Path, old: int, new: int,
             size: int, expected: tuple[int, int], stores: Stores) -> dict:
     """Copy ``base`` to ``run_dir``, then time: (repartition), start at ``new``, first batch (file 1) done."""
+    from spark_state.operator import _usage
+
     stores.copy(base, run_dir)
     sink = CheckedSink()
     pid = _jvm_pid(spark)
     result: dict = {"system": system, "old_parallelism": old, "new_parallelism": new, "keys": size}
     target = old if system == "spark_pinned" else new
-    cpu_before, driver_before = _processes_cpu(pid), resource.getrusage(resource.RUSAGE_SELF)
+    cpu_before, driver_before = _processes_cpu(pid), _usage()
     started = time.perf_counter()
     rchar = _rchar(pid)
     try:
@@ -354,7 +356,7 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
         _reset_conf(spark)
     result["restart_seconds"] = round(time.perf_counter() - started, 3)
     result["jvm_read_bytes"] = _rchar(pid) - rchar
-    result["cpu"] = _cpu_used(cpu_before, _processes_cpu(pid), driver_before, resource.getrusage(resource.RUSAGE_SELF))
+    result["cpu"] = _cpu_used(cpu_before, _processes_cpu(pid), driver_before)
     progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
     if len(progress) != 1 or list(sink.batches.values()) != [expected]:
         raise RuntimeError(f"{system} {old}->{new}: batches {sink.batches} (progress {len(progress)}), "
