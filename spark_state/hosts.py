@@ -19,7 +19,10 @@ answers ``BATCH`` frames of output and ``END``, or, once it has read the
 rows, ``ERROR`` (the pickled exception, re-raised in the worker, so a typed
 error reaches the driver as it would without hosts). A worker that
 sees the connection close without ``END`` raises ``InstanceHostLostError``:
-the task fails and Spark retries it, which starts a new host.
+the task fails and Spark retries it, which starts a new host. A worker waits
+for an answer as long as it takes, but one that has waited a minute writes to
+the executor's log which host it waits for and that host's stacks
+(``_answer``).
 
 Lifetime: a worker forks the host when none answers (under a file lock, so
 two workers start one; forking skips an interpreter start-up, which would
@@ -59,12 +62,14 @@ variables they read (``_pickled_task``).
 from __future__ import annotations
 
 import collections
+import faulthandler
 import fcntl
 import functools
 import gc
 import hashlib
 import os
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -100,6 +105,11 @@ FULL_COLLECTION_TASKS = 500
 """A host walks its whole heap for cyclic garbage once per this many tasks (``collect_garbage``)."""
 START_SECONDS = 60.0
 """How long a worker waits for a host it started to listen."""
+SLOW_ANSWER_SECONDS = 60.0
+"""A worker that has waited this long for its host's next frame logs it, with the host's stacks, and again each
+time its wait doubles (``_answer``); it keeps waiting."""
+STACKS_SIGNAL = signal.SIGUSR1
+"""Makes a host write its threads' stacks to its log (``faulthandler``); sent by a worker that waits long."""
 
 TASK, BATCH, END, ERROR = b"T", b"B", b"E", b"X"
 _HEADER = struct.Struct("!cQ")
@@ -168,15 +178,15 @@ def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterat
     if not _WORKER_FROZEN:
         freeze_worker()
     daemon_pid = os.getppid()
-    connection = _connect(host_address(daemon_pid, task.store_uri, task.component, instance), daemon_pid,
-                          task.store_uri)
+    address = host_address(daemon_pid, task.store_uri, task.component, instance)
+    connection = _connect(address, daemon_pid, task.store_uri)
     with connection:
         _send(connection, TASK, _pickled_task(task, instance))
         for batch in batches:
             _send(connection, BATCH, memoryview(_batch_bytes(batch)))
         _send(connection, END)
         while True:
-            frame = _receive(connection)
+            frame = _answer(connection, instance, address)
             if frame is None:
                 raise InstanceHostLostError(
                     f"the host of instance {instance} closed the connection during its task (it died: killed, or out "
@@ -189,6 +199,46 @@ def run_hosted(task, instance: int, batches: Iterable[pa.RecordBatch]) -> Iterat
                 return
             else:
                 raise pickle.loads(payload)
+
+
+def _answer(connection: socket.socket, instance: int, address: Path) -> tuple[bytes, bytes] | None:
+    """The host's next frame (``_receive``), however long it takes; a long wait is logged (``_report_slow_host``).
+
+    A worker has no way to tell a host that is slow (a large restore, a slow
+    user function, a store that retries) from one that hangs, so it never
+    gives up: the query's own timeouts and its stop end the task. What it
+    does is leave a trace: after ``SLOW_ANSWER_SECONDS``, and at each
+    doubling of its wait, the worker's standard error (the executor's log)
+    says which host it waits for and what that host's threads are doing.
+    """
+    poller = select.poll()
+    poller.register(connection, select.POLLIN)
+    started, report_at = time.monotonic(), SLOW_ANSWER_SECONDS
+    while not poller.poll(max(0.0, report_at - (time.monotonic() - started)) * 1000):
+        waited = time.monotonic() - started
+        if waited >= report_at:
+            _report_slow_host(connection, instance, address, waited)
+            report_at *= 2
+    return _receive(connection)
+
+
+def _report_slow_host(connection: socket.socket, instance: int, address: Path, waited: float) -> None:
+    """Write to standard error that the host at ``address`` has sent nothing for ``waited`` seconds, and the
+    stacks of its threads, which it writes to its log when sent ``STACKS_SIGNAL``."""
+    log = address.with_suffix(".log")
+    size = log.stat().st_size if log.exists() else 0
+    pid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+        time.sleep(0.5)  # the host writes them in its signal handler, even when its interpreter is stuck
+        with open(log, "rb") as text:
+            text.seek(size)
+            stacks = text.read(64 << 10).decode(errors="replace")
+    except OSError as error:
+        stacks = f"(no stacks: {error})"
+    print(f"spark-state: the worker of instance {instance} (pid {os.getpid()}) has waited {waited:.1f} s for an "
+          f"answer from its host (pid {pid}, {address}); it keeps waiting. The host's threads:\n{stacks}",
+          file=sys.stderr, flush=True)
 
 
 _WORKER_FROZEN = False
@@ -442,6 +492,7 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
     if is_host:
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGHUP, _exit_on_signal)
+        faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # to its log (``_report_slow_host``)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(address))
     try:  # from here on, however the host leaves (a signal while it starts included), its socket goes with it

@@ -55,6 +55,18 @@ def pytest_runtest_setup(item):
         ensure_class_archive()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test of the Spark session gets where every thread was (``tests/diagnostics.py``) in its report."""
+    report = yield
+    if report.when == "call" and report.failed and "spark" in item.funcargs:
+        from tests.diagnostics import failure_sections
+
+        for title, text in failure_sections(item.funcargs["spark"], call.start):
+            report.sections.append((f"spark-state: {title}", text))
+    return report
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(AWS_DIR, ignore_errors=True)
 

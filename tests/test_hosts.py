@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -199,6 +200,32 @@ def _forked_host():
 def _log(address: Path) -> str:
     log = address.with_suffix(".log")
     return "the host's log: " + (log.read_text(errors="replace")[-3000:] if log.exists() else "(none)")
+
+
+class _SlowTask:
+    """Unpickled by a host as a task, it sleeps there for ``seconds`` (then fails the host: it is no task)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return time.sleep, (self.seconds,)
+
+
+def test_a_worker_waiting_long_for_its_host_logs_the_host_s_stacks_and_keeps_waiting(monkeypatch, capsys):
+    monkeypatch.setattr(hosts, "SLOW_ANSWER_SECONDS", 0.4)
+    with _forked_host() as (address, host):
+        with hosts._connect(address, os.getpid(), "unused") as connection:
+            started = time.monotonic()
+            hosts._send(connection, hosts.TASK, pickle.dumps(_SlowTask(2.5)))
+            assert hosts._answer(connection, 7, address) is None  # the host failed, once it woke
+            waited = time.monotonic() - started
+    logged = capsys.readouterr().err
+    assert waited >= 2.5  # it kept waiting past its reports
+    reports = logged.split("spark-state: the worker of instance 7")[1:]
+    assert len(reports) == 3, logged  # at 0.4, 0.8 and 1.6 s
+    assert f"from its host (pid {host}, {address})" in reports[0]
+    assert all('in _serve_task' in report for report in reports), logged  # the host's stacks, from its log
 
 
 _FIRST_TASK = """

@@ -1,0 +1,67 @@
+"""What a failed Spark test leaves for its reader, beyond its assertion: where every thread was at the failure.
+
+A Spark test that fails by timing out (a batch that never ends) says
+nothing of where it stalled. ``failure_sections`` collects, for the report
+of a failed test, the stacks of this process's Python threads (the driver),
+those of the JVM's query and task threads, and the logs of the instance
+hosts that wrote anything during the test (a host writes its stacks there
+when a worker has waited long for it: ``hosts._answer``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import tempfile
+from pathlib import Path
+
+JVM_THREADS = ("stream execution", "Executor task launch", "python", "dag-scheduler")
+"""The JVM's threads whose stacks a failed test reports (by the start of their names, in lower case)."""
+LOG_CHARS = 20_000
+"""How much of the end of each host's log a failed test reports."""
+
+
+def failure_sections(spark, since: float) -> list[tuple[str, str]]:
+    """``(title, text)`` sections for the report of a test that failed after ``since`` (seconds since the epoch)."""
+    sections = [("driver threads", _python_threads())]
+    try:
+        sections.append(("JVM threads", _jvm_threads(spark)))
+    except Exception as error:  # noqa: BLE001 - a JVM that does not answer is itself worth reporting
+        sections.append(("JVM threads", f"(not read: {error!r})"))
+    for log in _host_logs(since):
+        text = log.read_text(errors="replace")
+        sections.append((f"host log {log}", text[-LOG_CHARS:]))
+    return sections
+
+
+def _python_threads() -> str:
+    with tempfile.TemporaryFile("w+") as dump:
+        faulthandler.dump_traceback(dump, all_threads=True)
+        dump.seek(0)
+        return dump.read()
+
+
+def _jvm_threads(spark) -> str:
+    traces = spark.sparkContext._jvm.java.lang.Thread.getAllStackTraces()
+    lines = []
+    for thread in traces.keySet().toArray():
+        name = thread.getName()
+        if not name.lower().startswith(tuple(n.lower() for n in JVM_THREADS)):
+            continue
+        lines.append(f'"{name}" {thread.getState().toString()}')
+        lines.extend(f"    at {frame.toString()}" for frame in list(traces.get(thread))[:40])
+    return "\n".join(lines) or "(none of the query's threads)"
+
+
+def _host_logs(since: float) -> list[Path]:
+    """The instance hosts' logs on this machine written to since ``since`` (every executor's, this run's too)."""
+    root = Path(tempfile.gettempdir()) / f"spark-state-{os.getuid()}"
+    logs = []
+    for log in root.glob("*/*.log"):
+        try:
+            status = log.stat()
+        except FileNotFoundError:
+            continue
+        if status.st_size and status.st_mtime >= since:
+            logs.append(log)
+    return sorted(logs)
