@@ -5,7 +5,9 @@ nothing of where it stalled. ``failure_sections`` collects, for the report
 of a failed test, the stacks of this process's Python threads (the driver),
 those of the JVM's query and task threads, and the logs of the instance
 hosts that wrote anything during the test (a host writes its stacks there
-when a worker has waited long for it: ``hosts._answer``).
+when a worker has waited long for it: ``hosts._answer``). ``stalled`` gives
+the same as the message of a wait for a batch that timed out, while the
+query still runs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import tempfile
+import time
 from pathlib import Path
 
 JVM_THREADS = ("stream execution", "Executor task launch", "python", "dag-scheduler")
@@ -32,6 +35,12 @@ def failure_sections(spark, since: float) -> list[tuple[str, str]]:
         text = log.read_text(errors="replace")
         sections.append((f"host log {log}", text[-LOG_CHARS:]))
     return sections
+
+
+def stalled(spark, window: float = 600.0) -> str:
+    """Where every thread is now, as one text: the message of a failed wait for a batch, made before the test's
+    ``finally`` stops the query (host logs written in the last ``window`` seconds)."""
+    return "\n".join(f"--- {title} ---\n{text}" for title, text in failure_sections(spark, time.time() - window))
 
 
 def _python_threads() -> str:

@@ -26,6 +26,7 @@ from spark_state.microbatch import MicroBatch
 from spark_state.stop_watch import watched_runs
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
+from tests.diagnostics import stalled
 
 pytestmark = pytest.mark.spark
 
@@ -237,13 +238,13 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
     )
     try:
         job.add_batch(200, keys=30, salt=0)
-        assert query.await_batches(1, timeout=120)
+        assert query.await_batches(1, timeout=120), stalled(spark)
         spark.conf.set("spark.state.parallelism", "5")
         job.add_batch(200, keys=30, salt=1)
-        assert query.await_batches(2, timeout=120)
+        assert query.await_batches(2, timeout=120), stalled(spark)
         query.set_parallelism(3)
         job.add_batch(200, keys=30, salt=2)
-        assert query.await_batches(3, timeout=120)
+        assert query.await_batches(3, timeout=120), stalled(spark)
     finally:
         query.stop()
     assert [b["parallelism"] for b in query.batches] == [2, 5, 3]

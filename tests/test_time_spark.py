@@ -22,6 +22,7 @@ from spark_state.errors import ConfigError
 from spark_state.manifestlog import open_manifest_log
 from spark_state.microbatch import MicroBatch
 from spark_state.storage import open_storage
+from tests.diagnostics import stalled
 
 pytestmark = pytest.mark.spark
 
@@ -226,10 +227,10 @@ def test_a_drain_emits_open_sessions_once_and_a_stale_request_does_nothing(spark
 
     query = start()
     write(0, [("a", 0), ("b", 100), ("a", 2000)])
-    assert query.await_batches(1, timeout=120)
+    assert query.await_batches(1, timeout=120), stalled(spark)
     request_drain(open_storage(str(tmp_path / "state")), "0f0f0f0f-0000-0000-0000-000000000000")  # another run
     write(1, [("c", 3000)])
-    assert query.await_batches(2, timeout=120)
+    assert query.await_batches(2, timeout=120), stalled(spark)
     assert query.isActive and out == [] and not query.batches[-1]["drained"]
     assert query.batches[-1]["drain_requests_ignored"] == ["0f0f0f0f-0000-0000-0000-000000000000"]
     request_drain(open_storage(str(tmp_path / "state")), query.run_id)
@@ -242,7 +243,7 @@ def test_a_drain_emits_open_sessions_once_and_a_stale_request_does_nothing(spark
     assert latest.drained and latest.components["s"].watermark_ms == BASE + 3500 - 1000
     restarted = start()  # from the drained checkpoint: nothing pending, the next rows are on time
     write(3, [("a", 4000)])
-    assert restarted.await_batches(1, timeout=120)
+    assert restarted.await_batches(1, timeout=120), stalled(spark)
     assert stopped_run(open_storage(str(tmp_path / "state"))) == query.run_id  # the new run's hosts stay
     restarted.stop()
     assert stopped_run(open_storage(str(tmp_path / "state"))) == restarted.run_id != query.run_id
