@@ -224,16 +224,21 @@ def _answer(connection: socket.socket, instance: int, address: Path) -> tuple[by
 
 def _report_slow_host(connection: socket.socket, instance: int, address: Path, waited: float) -> None:
     """Write to standard error that the host at ``address`` has sent nothing for ``waited`` seconds, and the
-    stacks of its threads, which it writes to its log when sent ``STACKS_SIGNAL``."""
-    log = address.with_suffix(".log")
-    size = log.stat().st_size if log.exists() else 0
-    pid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    stacks of its threads, which it writes to its log when sent ``STACKS_SIGNAL`` (on Linux, which names the
+    peer of a Unix socket: ``SO_PEERCRED``). A host that cannot be asked or read is reported as such: the
+    report never fails the task it watches."""
+    pid, stacks = None, "(not asked for: the system does not name a socket's peer)"
     try:
-        os.kill(pid, STACKS_SIGNAL)
-        time.sleep(0.5)  # the host writes them in its signal handler, even when its interpreter is stuck
-        with open(log, "rb") as text:
-            text.seek(size)
-            stacks = text.read(64 << 10).decode(errors="replace")
+        log = address.with_suffix(".log")
+        size = log.stat().st_size if log.exists() else 0
+        if hasattr(socket, "SO_PEERCRED"):
+            credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid = struct.unpack("3i", credentials)[0]
+            os.kill(pid, STACKS_SIGNAL)
+            time.sleep(0.5)  # the host writes them in its signal handler, even when its interpreter is stuck
+            with open(log, "rb") as text:
+                text.seek(size)
+                stacks = text.read(64 << 10).decode(errors="replace")
     except OSError as error:
         stacks = f"(no stacks: {error})"
     print(f"spark-state: the worker of instance {instance} (pid {os.getpid()}) has waited {waited:.1f} s for an "
