@@ -22,6 +22,7 @@ import pytest
 
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
+from tests.files import publish
 from tests.kills import kill_when_created
 
 pytestmark = pytest.mark.spark
@@ -36,8 +37,7 @@ def _write_inputs(work: Path, batches: int) -> list[list[str]]:
     for index in range(batches):
         users = [f"u{(i * 11 + index) % 37}" for i in range(200)]
         path = work / "input" / f"part-{index:05d}.parquet"
-        pq.write_table(pa.table({"user": users, "amount": [1] * len(users)}), path)
-        os.utime(path, (1_700_000_000 + index, 1_700_000_000 + index))
+        publish(pa.table({"user": users, "amount": [1] * len(users)}), path, index)
         files.append(users)
     return files
 

@@ -16,7 +16,6 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from spark_state import keyed
@@ -27,6 +26,7 @@ from spark_state.stop_watch import watched_runs
 from spark_state.stops import stopped_run
 from spark_state.storage.local import LocalStorage
 from tests.diagnostics import stalled
+from tests.files import publish
 
 pytestmark = pytest.mark.spark
 
@@ -49,9 +49,8 @@ class Job:
         rows = [(f"u{(i * 7 + salt) % keys}", i % 5 + 1) for i in range(n)]
         index = len(self.files)
         path = self.input / f"part-{index:05d}.parquet"
-        pq.write_table(pa.table({"user": [r[0] for r in rows], "amount": [r[1] for r in rows]}), path)
-        # The file source takes files in modification-time order: make it the batch order.
-        os.utime(path, (1_700_000_000 + index, 1_700_000_000 + index))
+        # The file source takes files in modification-time order: ``publish`` makes it the batch order.
+        publish(pa.table({"user": [r[0] for r in rows], "amount": [r[1] for r in rows]}), path, index)
         self.files.append(rows)
 
     def expected(self) -> dict[int, dict[str, int]]:
@@ -719,12 +718,11 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
                  None if i % 4 == 1 else dt.datetime(2026, 1, 1 + i % 20, tzinfo=utc)) for i in range(40)]
         batches.append(rows)
         path = directory / f"part-{index:05d}.parquet"
-        pq.write_table(pa.table({
+        publish(pa.table({
             "k": [r[0] for r in rows], "n": pa.array([r[1] for r in rows], pa.int64()),
             "x": pa.array([r[2] for r in rows], pa.float64()), "s": [r[3] for r in rows],
             "t": pa.array([r[4] for r in rows], pa.timestamp("us", tz="UTC")),
-        }), path)
-        os.utime(path, (1_700_000_000 + index, 1_700_000_000 + index))
+        }), path, index)
 
     def model(method, column):
         position = {"n": 1, "x": 2, "s": 3, "t": 4}[column]

@@ -7,7 +7,6 @@ Python over the input files), from all the rows the sources hold.
 from __future__ import annotations
 
 import datetime as dt
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -23,6 +22,7 @@ from spark_state.manifestlog import open_manifest_log
 from spark_state.microbatch import MicroBatch
 from spark_state.storage import open_storage
 from tests.diagnostics import stalled
+from tests.files import publish
 
 pytestmark = pytest.mark.spark
 
@@ -139,8 +139,7 @@ def _timer_job(spark, tmp_path: Path, name: str = "alarms"):
 def _write_times(tmp_path: Path, index: int, rows: list[tuple[str, int]]) -> None:
     (tmp_path / "in").mkdir(exist_ok=True)
     path = tmp_path / "in" / f"part-{index:04d}.parquet"
-    pq.write_table(pa.table({"key": [k for k, _ in rows], "t": pa.array([t for _, t in rows], pa.int64())}), path)
-    os.utime(path, (1_700_000_000 + index,) * 2)
+    publish(pa.table({"key": [k for k, _ in rows], "t": pa.array([t for _, t in rows], pa.int64())}), path, index)
 
 
 def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after_a_failed_attempt(spark, tmp_path,
@@ -222,8 +221,8 @@ def test_a_drain_emits_open_sessions_once_and_a_stale_request_does_nothing(spark
     def write(index, rows):
         path = tmp_path / "in" / f"p{index}.parquet"
         times = [dt.datetime.fromtimestamp((BASE + ms) / 1000, dt.timezone.utc) for _, ms in rows]
-        pq.write_table(pa.table({"key": [k for k, _ in rows], "t": pa.array(times, pa.timestamp("ms", tz="UTC")),
-                                 "v": [1] * len(rows)}), path)
+        publish(pa.table({"key": [k for k, _ in rows], "t": pa.array(times, pa.timestamp("ms", tz="UTC")),
+                          "v": [1] * len(rows)}), path, index)
 
     query = start()
     write(0, [("a", 0), ("b", 100), ("a", 2000)])
@@ -327,10 +326,9 @@ def test_the_readme_alert_example_alerts_only_for_the_unconfirmed_order(spark, t
     def write(index, rows):
         path = tmp_path / "in" / f"p{index}.parquet"
         times = [dt.datetime.fromtimestamp((BASE + t) / 1000, dt.timezone.utc) for _, _, t in rows]
-        pq.write_table(pa.table({"order_id": [o for o, _, _ in rows], "kind": [k for _, k, _ in rows],
-                                 "amount": [5] * len(rows),
-                                 "event_time": pa.array(times, pa.timestamp("us", tz="UTC"))}), path)
-        os.utime(path, (1_700_000_000 + index,) * 2)
+        publish(pa.table({"order_id": [o for o, _, _ in rows], "kind": [k for _, k, _ in rows],
+                          "amount": [5] * len(rows),
+                          "event_time": pa.array(times, pa.timestamp("us", tz="UTC"))}), path, index)
 
     write(0, [("o1", "placed", 0), ("o2", "placed", minute)])
     write(1, [("o1", "confirmed", 10 * minute), ("x", "placed", 20 * minute)])

@@ -1,0 +1,31 @@
+"""Input files for the Spark tests' file-source streams, published so that a running query sees each whole, once.
+
+Spark's file source takes the files it finds at each trigger, and ignores
+for good any file whose modification time is more than its ``maxFileAge``
+(a week) older than the newest it has seen. A test that wrote a file in
+place and then set its time had two races with a query polling the
+directory: a listing between the two saw the file with the current time,
+so every later file, dated years back, was ignored and the query waited
+forever for its next batch; and a listing during the write saw a partial
+file. ``publish`` writes under a hidden name (the file source skips names
+that start with ``.``), sets the time, then renames the file into place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+BASE_MTIME = 1_700_000_000
+"""The modification time of file 0; file ``i`` is ``i`` seconds later, so the file source takes them in order."""
+
+
+def publish(table: pa.Table, path: Path, index: int) -> None:
+    """Write ``table`` as the Parquet file ``path``, dated ``BASE_MTIME + index``, visible only when complete."""
+    hidden = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, hidden)
+    os.utime(hidden, (BASE_MTIME + index, BASE_MTIME + index))
+    os.rename(hidden, path)
