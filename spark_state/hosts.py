@@ -205,11 +205,12 @@ def _answer(connection: socket.socket, instance: int, address: Path) -> tuple[by
     """The host's next frame (``_receive``), however long it takes; a long wait is logged (``_report_slow_host``).
 
     A worker has no way to tell a host that is slow (a large restore, a slow
-    user function, a store that retries) from one that hangs, so it never
-    gives up: the query's own timeouts and its stop end the task. What it
-    does is leave a trace: after ``SLOW_ANSWER_SECONDS``, and at each
-    doubling of its wait, the worker's standard error (the executor's log)
-    says which host it waits for and what that host's threads are doing.
+    user function, a store that retries: its calls have their own time
+    limit) from one that hangs, so it never gives up on its own: the task
+    ends when Spark ends it (the query stopped). What it does is leave a
+    trace: after ``SLOW_ANSWER_SECONDS``, and at each doubling of its wait,
+    the worker's standard error (the executor's log) says which host it
+    waits for and what that host's threads are doing.
     """
     poller = select.poll()
     poller.register(connection, select.POLLIN)
