@@ -15,22 +15,21 @@ from __future__ import annotations
 import faulthandler
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 JVM_THREADS = ("stream execution", "Executor task launch", "python", "dag-scheduler")
 """The JVM's threads whose stacks a failed test reports (by the start of their names, in lower case)."""
+JVM_SECONDS = 30.0
+"""How long a failed test's report waits for the JVM's stacks."""
 LOG_CHARS = 20_000
 """How much of the end of each host's log a failed test reports."""
 
 
 def failure_sections(spark, since: float) -> list[tuple[str, str]]:
     """``(title, text)`` sections for the report of a test that failed after ``since`` (seconds since the epoch)."""
-    sections = [("driver threads", _python_threads())]
-    try:
-        sections.append(("JVM threads", _jvm_threads(spark)))
-    except Exception as error:  # noqa: BLE001 - a JVM that does not answer is itself worth reporting
-        sections.append(("JVM threads", f"(not read: {error!r})"))
+    sections = [("driver threads", _python_threads()), ("JVM threads", _bounded(_jvm_threads, spark))]
     for log in _host_logs(since):
         text = log.read_text(errors="replace")
         sections.append((f"host log {log}", text[-LOG_CHARS:]))
@@ -41,6 +40,23 @@ def stalled(spark, window: float = 600.0) -> str:
     """Where every thread is now, as one text: the message of a failed wait for a batch, made before the test's
     ``finally`` stops the query (host logs written in the last ``window`` seconds)."""
     return "\n".join(f"--- {title} ---\n{text}" for title, text in failure_sections(spark, time.time() - window))
+
+
+def _bounded(read, spark) -> str:
+    """``read(spark)``, or why it gave nothing: it raised, or its JVM did not answer in ``JVM_SECONDS`` (a
+    failed test's report must not hang the run)."""
+    result: list[str] = []
+
+    def run() -> None:
+        try:
+            result.append(read(spark))
+        except Exception as error:  # noqa: BLE001 - a JVM that does not answer is itself worth reporting
+            result.append(f"(not read: {error!r})")
+
+    thread = threading.Thread(target=run, name="spark-state test diagnostics", daemon=True)
+    thread.start()
+    thread.join(JVM_SECONDS)
+    return result[0] if result else f"(the JVM did not answer within {JVM_SECONDS:g} s)"
 
 
 def _python_threads() -> str:
