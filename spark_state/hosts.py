@@ -24,18 +24,29 @@ for an answer as long as it takes, but one that has waited a minute writes to
 the executor's log which host it waits for and that host's stacks
 (``_answer``).
 
-Lifetime: a worker forks the host when none answers (under a file lock, so
-two workers start one; forking skips an interpreter start-up, which would
-cost each new instance a third of a second; the worker reaps it once it has
-exited); the host exits when the executor's Python daemon (its starter's
+Lifetime: a worker starts the host when none answers (under a file lock, so
+two workers start one). It first asks idle hosts of its executor that the
+store no longer needs, spares first, to serve the instance instead
+(``_adopt``): a host whose run stopped, whose store was deleted or that was
+rescaled away from its instance, idle at least ``ADOPT_IDLE_SECONDS`` and
+holding at most ``ADOPT_MAX_KEYS`` keys, drops its state and moves to the
+new address; a new host's first task would otherwise copy every page it
+touches from its worker (0.3-0.7 s of CPU in a restart at 100k keys and
+eight new instances). Only when none agrees does the worker fork one
+(forking skips an interpreter start-up, which would cost each new instance
+a third of a second; the worker reaps it once it has exited). An obsolete
+host that no worker adopted becomes a spare holding nothing (``_spare``,
+at most ``SPARE_HOSTS`` per executor, each leaving after ``IDLE_SECONDS``),
+so that a restart in the same application, or a later rescale, takes
+warm hosts as PySpark's idle workers are taken. The host exits when the executor's Python daemon (its starter's
 parent, which lives as long as the executor) is gone, after ``idle_limit``
 without a task (``IDLE_SECONDS``, or three times its recent gaps between
 tasks when they are longer, so that a query with a slow trigger keeps its
 state between batches), or as soon as an idle host finds that the store has
 no more use for its state (``obsolete``: the run of its last task was
 stopped, the query was rescaled away from its instance, or the store was
-deleted), so that the memory of stopped, rescaled or removed queries does
-not linger. It keeps the worker's process group and environment, and none of
+deleted) and enough spares wait, so that the memory of stopped, rescaled
+or removed queries does not linger. It keeps the worker's process group and environment, and none of
 its descriptors, resident states or storage clients. SIGTERM or SIGHUP make
 it leave, its socket removed, even when Python drops the handler's exit (one
 raised inside a finalizer or a garbage-collection hook): the serving loop
@@ -55,13 +66,15 @@ without exec): its collector no longer walks them. Those walks cost each
 worker about 55 ms of CPU per task and dirtied the pages it shares with the
 hosts it forked (each first write copies the page). Sockets live in
 ``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
-``cloudpickle`` for user functions and its ``Broadcast`` for the broadcast
-variables they read (``_pickled_task``).
+``cloudpickle`` for user functions, its ``Broadcast`` for the broadcast
+variables they read (``_pickled_task``) and its ``TaskContext``, which a
+host sets to its worker's for each task (``_task_context``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import fcntl
 import functools
@@ -111,7 +124,24 @@ time its wait doubles (``_answer``); it keeps waiting."""
 STACKS_SIGNAL = signal.SIGUSR1
 """Makes a host write its threads' stacks to its log (``faulthandler``); sent by a worker that waits long."""
 
+ADOPT_IDLE_SECONDS = 1.0
+"""A worker that needs a new host first asks hosts idle at least this long whether the store still needs them
+(``_adopt``)."""
+ADOPT_CANDIDATES = 8
+"""How many idle hosts a worker asks before it forks a new host instead: its own query's first, then the most
+recently used (a stopped run's, at a restart)."""
+ADOPT_ANSWER_SECONDS = 0.25
+"""How long a worker waits for an asked host's answer: one busy with a task is skipped."""
+SPARE_HOSTS = 8
+"""At most this many obsolete hosts per executor stay, holding no state, for new instances to adopt (``_spare``)."""
+SPARE = "spare"
+"""A spare host's socket is ``spare-<pid>.sock`` in its executor's directory."""
+ADOPT_MAX_KEYS = 250_000
+"""A host holding more keys than this is neither adopted nor kept as a spare: dropping its state would cost more
+than a fork, and leave more memory behind than a new host starts with."""
+
 TASK, BATCH, END, ERROR = b"T", b"B", b"E", b"X"
+ADOPT, READY, REFUSED, GO, DONE = b"A", b"R", b"N", b"G", b"D"
 _HEADER = struct.Struct("!cQ")
 
 
@@ -276,7 +306,8 @@ def freeze_worker() -> None:
 
 
 def _pickled_task(task, instance: int) -> bytes:
-    """``(task, instance)`` pickled for the host, each broadcast variable its functions read carried by value.
+    """``(task, instance, context)`` pickled for the host, each broadcast variable its functions read carried by
+    value, ``context`` the attributes of this task's ``TaskContext`` (``_task_context``).
 
     PySpark pickles a broadcast variable as its id, which only a process
     Spark sent the broadcast to can resolve: a worker cannot pickle one at
@@ -285,11 +316,37 @@ def _pickled_task(task, instance: int) -> bytes:
     """
     import io
 
-    from pyspark import cloudpickle
+    from pyspark import TaskContext, cloudpickle
 
+    context = TaskContext.get()
     buffer = io.BytesIO()
-    _task_pickler()(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump((task, instance))
+    _task_pickler()(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(
+        (task, instance, None if context is None else dict(vars(context))))
     return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _task_context(attributes: dict | None):
+    """In a host: the worker's ``TaskContext`` (its ``attributes``, ``_pickled_task``) is the one its task's
+    functions get from ``TaskContext.get()``, as in the worker; none once the task is done.
+
+    A host is a fork of the worker that ran some earlier task, or of one
+    that ran another instance (``_adopt``): without this, a function would
+    see that task's partition, stage and attempt.
+    """
+    from pyspark import TaskContext
+
+    if attributes is None:
+        TaskContext._setTaskContext(None)
+        yield
+        return
+    context = object.__new__(TaskContext)  # not ``TaskContext()``: that returns the current one, to update
+    context.__dict__.update(attributes)
+    TaskContext._setTaskContext(context)
+    try:
+        yield
+    finally:
+        TaskContext._setTaskContext(None)
 
 
 @functools.cache
@@ -331,6 +388,11 @@ def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:
         if connection is not None:
             return connection
         address.unlink(missing_ok=True)
+        if _adopt(address):
+            connection = _try_connect(address)
+            if connection is not None:
+                return connection
+            address.unlink(missing_ok=True)  # the adopted host died since
         log = address.with_suffix(".log")
         host = _start_host(address, daemon_pid, log, store_uri)
         deadline = time.monotonic() + START_SECONDS
@@ -371,6 +433,57 @@ def _start_host(address: Path, daemon_pid: int, log: Path, store_uri: str) -> in
 
 _STARTED: set[int] = set()
 """The hosts this worker forked that it has not reaped yet."""
+
+
+def _query(address: Path) -> str:
+    """The digest of the store and component a host's address names: the same for all hosts of a query."""
+    return address.name.rsplit("-", 1)[0]
+
+
+def _adopt(address: Path) -> bool:
+    """Whether an idle host of this executor, whose state the store no longer needs, now listens at ``address``.
+
+    A new instance's host is otherwise a fork of this worker, and its first
+    task writes to a few thousand pages it shares with the worker, each
+    copied on that first write: at 100k keys and eight new instances, the
+    new hosts spent 0.3-0.7 s of CPU that way. An idle host of a stopped run,
+    of a deleted store or rescaled away from its instance (``obsolete``), as
+    left by a restart at a new parallelism, has all of those pages of its
+    own already. The worker asks up to ``ADOPT_CANDIDATES`` hosts: spares
+    (``_spare``) first, then its own query's hosts, then the others, each
+    group the most recently used first (a host marks its socket's time after
+    each task: a stopped run's hosts are the latest idle ones at a restart),
+    each but a spare idle at least ``ADOPT_IDLE_SECONDS``; each decides for
+    itself (``_adoption``). Called with ``address``'s lock held and no host
+    at it.
+    """
+    now, query, candidates = time.time(), _query(address), []
+    for path in address.parent.glob("*.sock"):
+        try:
+            idle = now - path.stat().st_mtime
+        except OSError:  # gone meanwhile
+            continue
+        if _is_spare(path):
+            candidates.append((0, idle, path))
+        elif path != address and idle >= ADOPT_IDLE_SECONDS:
+            candidates.append((1 if _query(path) == query else 2, idle, path))
+    for *_, path in sorted(candidates)[:ADOPT_CANDIDATES]:
+        connection = _try_connect(path)
+        if connection is None:
+            continue
+        with connection:
+            try:
+                connection.settimeout(ADOPT_ANSWER_SECONDS)
+                _send(connection, ADOPT, str(address).encode())
+                if (_receive(connection) or (None,))[0] != READY:
+                    continue
+                connection.settimeout(START_SECONDS)
+                _send(connection, GO)
+                if (_receive(connection) or (None,))[0] == DONE:
+                    return True
+            except OSError:  # busy (timed out), or gone
+                continue
+    return False
 
 
 def _reap_hosts() -> None:
@@ -436,7 +549,9 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         _STARTED.clear()  # the worker's children, not the host's
         forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
-        serve(address, daemon_pid)
+        listener = None
+        while address is not None:  # a host adopted by another instance serves that one next (``_adoption``)
+            address, listener = serve(address, daemon_pid, listener=listener)
     except BaseException as error:  # noqa: BLE001  (the host must never return into the worker's code)
         if not (isinstance(error, SystemExit) and _SIGNALLED is not None):  # a signal's exit is no error
             traceback.print_exc()
@@ -489,24 +604,28 @@ def idle_limit(gaps: Iterable[float], idle_seconds: float = IDLE_SECONDS) -> flo
     return max(idle_seconds, min(MAX_IDLE_SECONDS, IDLE_GAPS * max(gaps, default=0.0)))
 
 
-def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS) -> None:
+def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS,
+          listener: socket.socket | None = None) -> tuple[Path | None, socket.socket | None]:
     """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out.
 
-    ``idle_seconds`` is ``idle_limit``'s floor.
+    ``idle_seconds`` is ``idle_limit``'s floor; ``listener``, when given, is
+    already bound to ``address``. Returns None twice, or, when another
+    instance adopted this host (``_adoption``), that instance's address and a
+    socket bound to it, which the host serves next.
     """
     is_host = threading.current_thread() is threading.main_thread()  # a test may serve from a thread
     if is_host:
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGHUP, _exit_on_signal)
         faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # to its log (``_report_slow_host``)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(address))
+    if listener is None:
+        listener = _bound(address)
+    inode = os.stat(address).st_ino
     try:  # from here on, however the host leaves (a signal while it starts included), its socket goes with it
-        listener.listen(8)
         listener.settimeout(ACCEPT_SECONDS)
         from spark_state import resident
 
-        query = address.name.rsplit("-", 1)[0]  # the store and component's digest: this query's hosts
+        query = _query(address)
         resident.set_peers(lambda: max(1, sum(1 for _ in address.parent.glob(f"{query}-*.sock"))))
         last_task = last_check = time.monotonic()
         served = None  # the last task this host ran
@@ -524,23 +643,148 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS)
                     last_check = now
                     if obsolete(served, now - last_task):
                         address.unlink(missing_ok=True)  # no new connection finds this host; a queued one is served
-                        _serve_queued(listener)
+                        if _serve_queued(listener) == 0 and is_host:
+                            listener.close()  # a worker that found the socket a moment ago starts a host
+                            return _spare(address)
                         break
                 continue
-            started = time.monotonic()
-            if last_start is not None:
-                gaps.append(started - last_start)
-            last_start = started
             with connection:
                 connection.settimeout(None)
+                if _first_frame_kind(connection) == ADOPT:
+                    adopted = _adoption(connection, served, time.monotonic() - last_task, listener, address)
+                    if adopted is not None or not address.exists():
+                        return adopted or (None, None)
+                    continue
+                started = time.monotonic()
+                if last_start is not None:
+                    gaps.append(started - last_start)
+                last_start = started
                 served = _serve_task(connection) or served
             if is_host:
                 since_full = collect_garbage(since_full)
             last_task = time.monotonic()
+            with contextlib.suppress(OSError):
+                os.utime(address)  # the time of its last task, which ``_adopt`` orders idle hosts by
     finally:
         listener.close()
-        if address.exists():
-            address.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if os.stat(address).st_ino == inode:  # not the socket of a host started since at this address
+                address.unlink()
+    return None, None
+
+
+def _spare(address: Path) -> tuple[Path | None, socket.socket | None]:
+    """An obsolete host at ``address`` (unlinked): a spare's address and socket, or None twice (it leaves).
+
+    It stays as a spare, holding no state, when fewer than ``SPARE_HOSTS``
+    spares wait on its executor and it held at most ``ADOPT_MAX_KEYS`` keys
+    (a larger state would leave more memory behind, fragments the
+    allocators keep, than a new host starts with): the next new instance
+    there adopts it (``_adopt``) instead of forking a host whose first task
+    copies the pages it touches. Its states and storage clients are dropped
+    and the memory they held handed back to the system; it leaves after
+    ``IDLE_SECONDS`` unless adopted.
+    """
+    from spark_state.resident import held_keys
+
+    if held_keys() > ADOPT_MAX_KEYS or sum(1 for _ in address.parent.glob(f"{SPARE}-*.sock")) >= SPARE_HOSTS:
+        return None, None
+    _start_afresh()
+    spare = address.parent / f"{SPARE}-{os.getpid()}.sock"
+    _log_to(spare.with_suffix(".log"))
+    address.with_suffix(".log").unlink(missing_ok=True)
+    return spare, _bound(spare)
+
+
+def _start_afresh() -> None:
+    """Drop this host's states and storage clients, hand the memory they held back to the system and reset its
+    peak resident size (``VmHWM``, which its tasks report), as a newly forked host starts."""
+    from spark_state.operator import forget_stores
+    from spark_state.resident import forget_all
+
+    forget_all(release_memory=True)
+    forget_stores()
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:  # Linux 4.0+
+        refs.write("5")
+
+
+def _is_spare(address: Path) -> bool:
+    return address.name.startswith(SPARE + "-")
+
+
+def _bound(address: Path) -> socket.socket:
+    """A socket listening at ``address``."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(address))
+        listener.listen(8)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _first_frame_kind(connection: socket.socket) -> bytes:
+    """The kind of the connection's first frame, left unread (empty when the peer closed it)."""
+    return connection.recv(1, socket.MSG_PEEK)
+
+
+def _adoption(connection: socket.socket, served, idle_seconds: float, listener: socket.socket,
+              address: Path) -> tuple[Path, socket.socket] | None:
+    """Answer an ``ADOPT`` frame (``_adopt``): the new address and a socket bound to it, when this host now
+    serves that instance; None when it stays at ``address`` (or, if that is gone, leaves).
+
+    The host agrees (``READY``) only when it is idle long enough, its last
+    task's state is of no more use to the store (``obsolete``) and holds at
+    most ``ADOPT_MAX_KEYS`` keys. On the worker's ``GO`` it stops listening at
+    its address first; a worker that connected there meanwhile (a task of
+    that instance after all) is served, the adoption refused and the host
+    leaves, as an obsolete host does. Otherwise it drops its states and
+    storage clients, as a new host starts, moves its log beside the new
+    address, binds it and answers ``DONE``. A worker that gave up waiting
+    leaves the host as it was.
+    """
+    from spark_state.resident import held_keys
+
+    frame = _receive(connection)
+    if frame is None:
+        return None
+    new_address = Path(frame[1].decode())
+    agreed = _is_spare(address) or (served is not None and idle_seconds >= ADOPT_IDLE_SECONDS
+                                     and held_keys() <= ADOPT_MAX_KEYS and obsolete(served, idle_seconds))
+    try:
+        _send(connection, READY if agreed else REFUSED)
+        if not agreed or (_receive(connection) or (None,))[0] != GO:
+            return None
+    except OSError:  # the worker gave up waiting
+        return None
+    address.unlink(missing_ok=True)
+    if _serve_queued(listener):
+        with contextlib.suppress(OSError):
+            _send(connection, REFUSED)
+        return None
+    listener.close()  # a worker that found the socket a moment ago starts a host
+    _start_afresh()
+    if threading.current_thread() is threading.main_thread():  # a host (a test may serve from a thread)
+        _log_to(new_address.with_suffix(".log"))
+        if _is_spare(address):
+            address.with_suffix(".log").unlink(missing_ok=True)
+    new_listener = _bound(new_address)
+    try:
+        _send(connection, DONE)
+    except OSError:  # the worker is gone: it starts no host of its own while it holds the lock; leave
+        new_listener.close()
+        new_address.unlink(missing_ok=True)
+        return None
+    return new_address, new_listener
+
+
+def _log_to(log: Path) -> None:
+    """Send this process's standard output and error to ``log`` (a host's log is beside its socket)."""
+    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
 
 
 def collect_garbage(since_full: int) -> int:
@@ -563,17 +807,24 @@ def collect_garbage(since_full: int) -> int:
     return since_full + 1
 
 
-def _serve_queued(listener: socket.socket) -> None:
-    """Serve the connections already waiting on ``listener`` (a worker connected just before the host left)."""
+def _serve_queued(listener: socket.socket) -> int:
+    """Serve the tasks already waiting on ``listener`` (a worker connected just before the host left); how many
+    there were. Another worker's request to adopt the host is refused."""
     listener.setblocking(False)
+    served = 0
     while True:
         try:
             connection, _ = listener.accept()
         except (BlockingIOError, socket.timeout):
-            return
+            return served
         with connection:
             connection.setblocking(True)
+            if _first_frame_kind(connection) == ADOPT:
+                with contextlib.suppress(OSError):
+                    _send(connection, REFUSED)
+                continue
             _serve_task(connection)
+            served += 1
 
 
 def obsolete(task, idle_seconds: float) -> bool:
@@ -653,11 +904,12 @@ def _serve_task(connection: socket.socket):
     frame = _receive(connection)
     if frame is None or frame[0] != TASK:
         return None
-    task, instance = pickle.loads(frame[1])
+    task, instance, context = pickle.loads(frame[1])
     batches = _received_batches(connection)
     try:
-        for batch in run_instance(task, instance, batches):
-            _send(connection, BATCH, memoryview(_batch_bytes(batch)))
+        with _task_context(context):
+            for batch in run_instance(task, instance, batches):
+                _send(connection, BATCH, memoryview(_batch_bytes(batch)))
     except (_WorkerGone, BrokenPipeError, ConnectionResetError):
         return task  # the worker is gone: its task failed and will be retried
     except Exception as error:  # noqa: BLE001  (handed to the worker, which raises it in the task)

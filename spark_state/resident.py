@@ -565,10 +565,19 @@ def keep(store: str, component: str, instance: int, state: ResidentState) -> Non
         _RESIDENT.setdefault((store, component), {})[instance] = state
 
 
-def forget_all() -> None:
-    """Drop every state this process holds (a forked instance host starts empty)."""
+def forget_all(*, release_memory: bool = False) -> None:
+    """Drop every state this process holds (a forked instance host starts empty); with ``release_memory``, hand
+    the memory they held back to the system."""
     with _LOCK:
         _RESIDENT.clear()
+    if release_memory:
+        _release_freed_memory()
+
+
+def held_keys() -> int:
+    """How many keys the states this process holds have."""
+    with _LOCK:
+        return sum(len(state) for states in _RESIDENT.values() for state in states.values())
 
 
 _PEERS: Callable[[], int] | None = None

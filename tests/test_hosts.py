@@ -378,7 +378,7 @@ def _serving(host_end: socket.socket) -> tuple[threading.Thread, list]:
 
 
 @contextlib.contextmanager
-def _task_sent(monkeypatch, tmp_path: Path, run_instance):
+def _task_sent(monkeypatch, tmp_path: Path, run_instance, context: dict | None = None):
     """The worker's end of a connection to a host (``_serve_task``, whose instances run ``run_instance``), the
     task sent; on exit, checks that the host finished and returned the task."""
     import pickle
@@ -390,7 +390,7 @@ def _task_sent(monkeypatch, tmp_path: Path, run_instance):
     task = _task(tmp_path, 1, None, 2)
     with worker:
         thread, served = _serving(host_end)
-        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0)))
+        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0, context)))
         yield worker
         thread.join(10)
     assert served == [task]
@@ -438,3 +438,181 @@ def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_
         assert kind == hosts.ERROR
         error = pickle.loads(payload)
         assert isinstance(error, ConfigError) and "refused before the rows" in str(error)
+
+
+# Adoption: a new instance takes an idle host the store no longer needs ---------------------------------------
+
+
+@contextlib.contextmanager
+def _threaded_host(monkeypatch, *, obsolete: bool):
+    """A host serving ``<dir>/q-0.sock`` from a thread, each of its tasks a byte ``T`` (answered with ``K``), whose
+    state the store ``obsolete``-ly no longer needs; yields its directory, address and the (address, byte) of
+    every task it served. Asking to adopt it is possible once it has served a task."""
+    directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
+    address = directory / "q-0.sock"
+    served: list = []
+    task = _task(directory, 1, None, 2)
+
+    def serve_task(connection):
+        served.append(connection.recv(1))
+        connection.sendall(b"K")
+        return task
+
+    monkeypatch.setattr(hosts, "ADOPT_IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(hosts, "_serve_task", serve_task)
+    monkeypatch.setattr(hosts, "obsolete", lambda served_task, idle_seconds: obsolete and served_task is task)
+    results: list = []
+
+    def run():
+        at, listener = address, None
+        while at is not None:
+            at, listener = hosts.serve(at, os.getpid(), idle_seconds=30, listener=listener)
+            results.append(at)
+
+    server = threading.Thread(target=run, daemon=True)
+    server.start()
+    try:
+        _run_task(address)
+        time.sleep(0.1)  # idle past ADOPT_IDLE_SECONDS
+        yield SimpleNamespace(directory=directory, address=address, served=served, thread=server, results=results)
+    finally:
+        monkeypatch.setattr(hosts, "obsolete", lambda served_task, idle_seconds: True)
+        monkeypatch.setattr(hosts, "OBSOLETE_CHECK_SECONDS", 0.0)
+        server.join(timeout=5)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run_task(address: Path) -> None:
+    with _connected(address) as client:
+        client.sendall(b"T")
+        assert client.recv(1) == b"K"
+
+
+def test_an_idle_host_the_store_no_longer_needs_is_adopted_by_a_new_instance_and_serves_it(monkeypatch):
+    with _threaded_host(monkeypatch, obsolete=True) as host:
+        new = host.directory / "r-3.sock"
+        assert hosts._adopt(new)
+        assert new.exists() and not host.address.exists()
+        _run_task(new)  # the same host serves the new instance
+        assert host.served == [b"T", b"T"] and host.thread.is_alive() and host.results == [new]
+
+
+@pytest.mark.parametrize("why", ["needed", "large"])
+def test_a_host_whose_state_is_still_needed_or_large_is_not_adopted_and_stays(monkeypatch, why):
+    if why == "large":
+        monkeypatch.setattr("spark_state.resident.held_keys", lambda: hosts.ADOPT_MAX_KEYS + 1)
+    with _threaded_host(monkeypatch, obsolete=why == "large") as host:
+        new = host.directory / "r-3.sock"
+        assert not hosts._adopt(new)
+        assert host.address.exists() and not new.exists()
+        _run_task(host.address)
+        assert host.served == [b"T", b"T"] and host.results == []
+
+
+def test_a_busy_host_is_skipped_and_a_late_request_to_adopt_it_changes_nothing(monkeypatch):
+    with _threaded_host(monkeypatch, obsolete=True) as host:
+        busy = _connected(host.address)  # a task whose byte has not come: the host waits in it
+        try:
+            started = time.monotonic()
+            assert not hosts._adopt(host.directory / "r-3.sock")
+            assert time.monotonic() - started < 2 * hosts.ADOPT_ANSWER_SECONDS
+            busy.sendall(b"T")
+            assert busy.recv(1) == b"K"
+        finally:
+            busy.close()
+        _run_task(host.address)  # it read the request its asker had given up on, and stayed
+        assert host.address.exists() and host.served == [b"T", b"T", b"T"] and host.results == []
+
+
+def test_a_task_for_a_host_being_adopted_is_served_and_the_adoption_refused(monkeypatch):
+    with _threaded_host(monkeypatch, obsolete=True) as host:
+        new = host.directory / "r-3.sock"
+        with _connected(host.address) as adopter:
+            hosts._send(adopter, hosts.ADOPT, str(new).encode())
+            assert hosts._receive(adopter)[0] == hosts.READY
+            with _connected(host.address) as worker:  # a task of its instance after all, queued
+                worker.sendall(b"T")
+                hosts._send(adopter, hosts.GO)
+                assert hosts._receive(adopter)[0] == hosts.REFUSED
+                assert worker.recv(1) == b"K"
+        host.thread.join(timeout=5)
+        assert not host.thread.is_alive() and host.results == [None]  # it left, as an obsolete host does
+        assert not new.exists() and not host.address.exists() and host.served == [b"T", b"T"]
+
+
+def _peer_pid(connection: socket.socket) -> int:
+    import struct
+
+    return struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+
+
+def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_adopts_it(monkeypatch):
+    def serve_task(connection):  # the forked host inherits these
+        if not connection.recv(1):
+            return None  # ``_forked_host``'s first connection, which sends nothing
+        connection.sendall(b"K")
+        return "its task"
+
+    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(hosts, "OBSOLETE_CHECK_SECONDS", 0.2)
+    monkeypatch.setattr(hosts, "_serve_task", serve_task)
+    monkeypatch.setattr(hosts, "obsolete", lambda served, idle_seconds: served == "its task")
+    with _forked_host() as (address, host):
+        _run_task(address)
+        deadline = time.monotonic() + 10
+        while not list(address.parent.glob("spare-*.sock")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(p.name for p in address.parent.glob("spare-*")) == [f"spare-{host}.log", f"spare-{host}.sock"]
+        assert not address.exists() and not address.with_suffix(".log").exists()
+        new = address.parent / "r-5.sock"
+        assert hosts._adopt(new)
+        assert not list(address.parent.glob("spare-*")), _log(new)
+        with _connected(new) as connection:
+            assert _peer_pid(connection) == host  # the spare, not a new fork
+            connection.sendall(b"T")
+            assert connection.recv(1) == b"K"
+        assert hosts._host_running(host)
+
+
+def test_no_more_spares_than_spare_hosts_stay(monkeypatch, tmp_path):
+    monkeypatch.setattr(hosts, "SPARE_HOSTS", 2)
+    for pid in (1, 2):
+        (tmp_path / f"spare-{pid}.sock").touch()
+    assert hosts._spare(tmp_path / "q-0.sock") == (None, None)
+
+
+def test_a_host_that_held_a_large_state_leaves_rather_than_stay_as_a_spare(monkeypatch, tmp_path):
+    monkeypatch.setattr("spark_state.resident.held_keys", lambda: hosts.ADOPT_MAX_KEYS + 1)
+    assert hosts._spare(tmp_path / "q-0.sock") == (None, None)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_host_runs_each_task_under_its_worker_s_task_context_not_the_one_it_was_forked_or_adopted_in(
+        monkeypatch, tmp_path):
+    """A host is a fork of the worker that ran some earlier task (of another instance, once adopted): a user
+    function asking ``TaskContext.get()`` must see the task it runs in."""
+    import pickle
+
+    from pyspark import TaskContext
+
+    seen = []
+
+    def run_instance(task, instance, batches):
+        context = TaskContext.get()
+        seen.append((context.partitionId(), context.stageId(), context.attemptNumber(),
+                     context.getLocalProperty("spark.job.description")))
+        yield pa.RecordBatch.from_pydict({"rows": [sum(batch.num_rows for batch in batches)]})
+
+    TaskContext._setTaskContext(TaskContext(partitionId=5, stageId=7, attemptNumber=1, taskAttemptId=70,
+                                            localProperties={"spark.job.description": "batch 3"}))
+    try:
+        _, instance, context = pickle.loads(hosts._pickled_task(_task(tmp_path, 1, None, 8), 5))  # as a worker
+        TaskContext._setTaskContext(TaskContext(partitionId=2, stageId=1, attemptNumber=0))  # what it forked in
+        with _task_sent(monkeypatch, tmp_path, run_instance, context) as worker:
+            _send_rows(worker, batches=1, rows=2)
+            assert hosts._receive(worker)[0] == hosts.BATCH and hosts._receive(worker) == (hosts.END, b"")
+        assert instance == 5 and seen == [(5, 7, 1, "batch 3")]
+        assert TaskContext.get() is None  # none between tasks
+    finally:
+        TaskContext._setTaskContext(None)
