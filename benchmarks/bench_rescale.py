@@ -83,7 +83,13 @@ Every system restarts in the same warm session (JVM and Python workers
 already up), which is what an operator changing parallelism of a long-lived
 application sees; state caches do not help because every new instance owns a
 different range (ours) or a different hash class (naive) than any old one,
-and Spark's state store instances are tied to the query run.
+and Spark's state store instances are tied to the query run. Ours takes the
+idle instance hosts that earlier runs left (``hosts._adopt``: hosts of a
+stopped run or a deleted store, and spares), as PySpark gives every system
+its idle workers; a host it adopts starts empty and restores the instance
+from the store like a new one. Each restart's ``hosts`` counts the new
+instances' hosts that were adopted (the rest were forked), from the tasks'
+process ids.
 """
 
 from __future__ import annotations
@@ -377,6 +383,9 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
         if history[-1]["parallelism"] != new or sum(m["keys"] for m in instances) != size:
             raise RuntimeError(f"{system} {old}->{new}: ran at {history[-1]['parallelism']} with "
                                f"{sum(m['keys'] for m in instances)} keys, expected {new} and {size}")
+        if system == "keyed_count":
+            adopted = sum(m["pid"] in cpu_before for m in instances)  # it ran before the restart: adopted
+            result["hosts"] = {"adopted": adopted, "forked": len(instances) - adopted}
         result["instances"] = _instance_reads(system, instances, stores.uri(base), old, new)
         reads = result["instances"]
         result["max_bytes_read_per_instance"] = max(i["bytes_read"] for i in reads)
@@ -577,6 +586,8 @@ def _median_run(repeats: list[dict]) -> dict:
     ordered = sorted(repeats, key=lambda r: r["restart_seconds"])
     chosen = dict(ordered[(len(ordered) - 1) // 2])
     chosen["restart_seconds_repeats"] = [r["restart_seconds"] for r in repeats]
+    if "hosts" in chosen:
+        chosen["hosts_repeats"] = [r["hosts"] for r in repeats]
     return chosen
 
 
@@ -598,6 +609,7 @@ def _summary(runs: list[dict], pairs, systems=SYSTEMS) -> list[dict]:
                                                     / ours["total_bytes_read"], 3),
             "max_requests_per_instance": {s: of[s]["max_requests_per_instance"] for s in stored},
             "python_cpu": {s: of[s]["cpu"].get("python") for s in stored if "cpu" in of[s]},
+            "hosts": ours.get("hosts"),  # ours: new instances' hosts adopted / forked, in the median repeat
         }
         if "spark_repartition" in of:
             row["spark_repartition_seconds"] = of["spark_repartition"]["repartition_seconds"]

@@ -135,6 +135,11 @@ def rescale_section(data: dict, file: str) -> list[str]:
             + " the time of Spark's restart without rescaling (median over pairs of the per-pair ratio), and the "
             "naive store's takes " + ", ".join(f"{_x(h['ours_vs_naive'])}" for h in head.values())
             + " ours (same sizes)."]
+    hosts = [r["hosts"] for size in data["sizes"] for r in size["summary"] if r.get("hosts")]
+    if hosts:
+        out += ["", f"Our new instances, over all pairs and sizes (the median repeats): "
+                f"{sum(h['adopted'] for h in hosts)} took an idle instance host that an earlier run left "
+                f"(`hosts._adopt`), {sum(h['forked'] for h in hosts)} forked a new one."]
     restart = [t for t in data.get("targets", []) if t.get("kind") == "restart"]
     if restart:
         out += ["", _targets(restart)]
@@ -557,15 +562,21 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                          f"and our instance hosts used {ours:.2f} s ({ours_kernel:.0%} of it in the kernel, "
                          f"{ours_faults:,.0f} page faults), {_x(ours / theirs)} the naive store's {theirs:.2f} s "
                          f"({their_kernel:.0%}, {their_faults:,.0f} page faults)")
+            hosts = [r["hosts"] for r in rows if r.get("hosts")]
+            forked = sum(h["forked"] for h in hosts)
+            new = ("each of our new instances is a fork of a Python worker" if not hosts else
+                   f"{sum(h['adopted'] for h in hosts)} of our {forked + sum(h['adopted'] for h in hosts)} new "
+                   f"instances took an idle instance host an earlier run left, and {forked} were forks of a Python "
+                   "worker")
             out.append(
                 f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
                 f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). Our "
                 f"restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s{spent}. "
-                "The benchmark restarts on a copy of the store, so every instance is new: each of our new "
-                "instances is a fork of a Python worker whose first task faults in every page it touches (what it "
-                "shares with the worker, and all it allocates), and its work per key group the batch touches (its "
-                "keys searched in its chain, one entry written) is a few Arrow calls each, where the naive store, "
-                "in workers that keep their memory, does one join over its rows.")
+                f"The benchmark restarts on a copy of the store, so every instance is new: {new} whose first task "
+                "faults in every page it touches (what it shares with the worker, and all it allocates); a task "
+                "passes its rows and output through a Python worker to its host; and its work per key group the "
+                "batch touches (its keys searched in its chain, one entry written) is a few Arrow calls each, "
+                "where the naive store, in workers that keep their memory, does one join over its rows.")
         slower_repartition = [r for r in rows if r["ours_vs_spark_repartition"] < 1]
         if slower_repartition:
             out.append(f"- Rescale at {size['keys']:,} keys: Spark's repartition + restart beats ours in "
