@@ -147,6 +147,8 @@ def test_rescale_smoke(rescale):
     # each restart's CPU, per kind of process: three new hosts fork and fault pages in; the JVM runs the query
     python = row["python_cpu"]["keyed_count"]
     assert python["user_seconds"] + python["system_seconds"] > 0 and python["page_faults"] > 1000
+    hosts = runs["keyed_count"]["hosts"]  # the three new instances' hosts, each adopted or forked
+    assert hosts["adopted"] + hosts["forked"] == 3 and row["hosts"] == hosts
     assert all(r["cpu"]["jvm"]["user_seconds"] > 0 for r in runs.values())
     # a running query changed 2 -> 3 between batches: one change measured, the state read back exact
     (live,) = rescale["live"]
