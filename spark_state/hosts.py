@@ -451,11 +451,13 @@ def _adopt(address: Path) -> bool:
     left by a restart at a new parallelism, has all of those pages of its
     own already. The worker asks up to ``ADOPT_CANDIDATES`` hosts: spares
     (``_spare``) first, then its own query's hosts, then the others, each
-    group the most recently used first (a host marks its socket's time after
-    each task: a stopped run's hosts are the latest idle ones at a restart),
-    each but a spare idle at least ``ADOPT_IDLE_SECONDS``; each decides for
-    itself (``_adoption``). Called with ``address``'s lock held and no host
-    at it.
+    group the most recently used first (a host dates its socket after each
+    task: a stopped run's hosts are the latest idle ones at a restart), each
+    but a spare idle at least ``ADOPT_IDLE_SECONDS``, none running a task (a
+    host dates its socket ahead while it runs one, ``_mark``: asking it would
+    cost ``ADOPT_ANSWER_SECONDS``, as in a live rescale, whose other
+    instances' hosts are busy with the same batch); each decides for itself
+    (``_adoption``). Called with ``address``'s lock held and no host at it.
     """
     now, query, candidates = time.time(), _query(address), []
     for path in address.parent.glob("*.sock"):
@@ -465,7 +467,7 @@ def _adopt(address: Path) -> bool:
             continue
         if _is_spare(path):
             candidates.append((0, idle, path))
-        elif path != address and idle >= ADOPT_IDLE_SECONDS:
+        elif path != address and idle >= ADOPT_IDLE_SECONDS:  # not running a task (``_mark``), nor just done
             candidates.append((1 if _query(path) == query else 2, idle, path))
     for *_, path in sorted(candidates)[:ADOPT_CANDIDATES]:
         connection = _try_connect(path)
@@ -659,18 +661,31 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS,
                 if last_start is not None:
                     gaps.append(started - last_start)
                 last_start = started
+                _mark(address, busy=True)
                 served = _serve_task(connection) or served
             if is_host:
                 since_full = collect_garbage(since_full)
             last_task = time.monotonic()
-            with contextlib.suppress(OSError):
-                os.utime(address)  # the time of its last task, which ``_adopt`` orders idle hosts by
+            _mark(address, busy=False)
     finally:
         listener.close()
         with contextlib.suppress(OSError):
             if os.stat(address).st_ino == inode:  # not the socket of a host started since at this address
                 address.unlink()
     return None, None
+
+
+BUSY_MARK_SECONDS = 365 * 24 * 3600.0
+"""A host running a task dates its socket this far ahead (``_mark``)."""
+
+
+def _mark(address: Path, *, busy: bool) -> None:
+    """Date the socket at ``address``: now, when its host is done with a task (``_adopt`` asks the most recently
+    used idle hosts first), or ``BUSY_MARK_SECONDS`` ahead while it runs one (``_adopt`` asks none of those: it
+    would wait for an answer that comes after the task)."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        os.utime(address, (now, now + BUSY_MARK_SECONDS if busy else now))
 
 
 def _spare(address: Path) -> tuple[Path | None, socket.socket | None]:

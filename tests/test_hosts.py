@@ -445,7 +445,8 @@ def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_
 
 @contextlib.contextmanager
 def _threaded_host(monkeypatch, *, obsolete: bool):
-    """A host serving ``<dir>/q-0.sock`` from a thread, each of its tasks a byte ``T`` (answered with ``K``), whose
+    """A host serving ``<dir>/q-0.sock`` from a thread, each of its tasks a byte ``T`` (answered with ``K``; ``S``
+    runs until one more byte comes), whose
     state the store ``obsolete``-ly no longer needs; yields its directory, address and the (address, byte) of
     every task it served. Asking to adopt it is possible once it has served a task."""
     directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
@@ -455,6 +456,8 @@ def _threaded_host(monkeypatch, *, obsolete: bool):
 
     def serve_task(connection):
         served.append(connection.recv(1))
+        if served[-1] == b"S":  # a slow task: it runs until its worker sends one more byte
+            connection.recv(1)
         connection.sendall(b"K")
         return task
 
@@ -616,3 +619,26 @@ def test_a_host_runs_each_task_under_its_worker_s_task_context_not_the_one_it_wa
         assert TaskContext.get() is None  # none between tasks
     finally:
         TaskContext._setTaskContext(None)
+
+
+def test_a_worker_asks_no_host_that_runs_a_task_so_it_never_waits_for_a_busy_one(monkeypatch):
+    with _threaded_host(monkeypatch, obsolete=True) as host:
+        busy = _connected(host.address)
+        busy.sendall(b"S")  # a task the host runs until it gets one more byte
+        try:
+            deadline = time.monotonic() + 5
+            while host.address.stat().st_mtime < time.time() and time.monotonic() < deadline:
+                time.sleep(0.01)  # it dated its socket ahead as it took the task
+            asked = []
+            monkeypatch.setattr(hosts, "_try_connect", lambda path: asked.append(path))
+            started = time.monotonic()
+            assert not hosts._adopt(host.directory / "r-3.sock")
+            assert asked == [] and time.monotonic() - started < hosts.ADOPT_ANSWER_SECONDS
+            busy.sendall(b".")
+            assert busy.recv(1) == b"K"
+        finally:
+            busy.close()
+        deadline = time.monotonic() + 5
+        while host.address.stat().st_mtime > time.time() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.address.stat().st_mtime <= time.time()  # dated now once done: it may be asked again
