@@ -563,17 +563,22 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                          f"{ours_faults:,.0f} page faults), {_x(ours / theirs)} the naive store's {theirs:.2f} s "
                          f"({their_kernel:.0%}, {their_faults:,.0f} page faults)")
             hosts = [r["hosts"] for r in rows if r.get("hosts")]
-            forked = sum(h["forked"] for h in hosts)
-            new = ("each of our new instances is a fork of a Python worker" if not hosts else
-                   f"{sum(h['adopted'] for h in hosts)} of our {forked + sum(h['adopted'] for h in hosts)} new "
-                   f"instances took an idle instance host an earlier run left, and {forked} were forks of a Python "
-                   "worker")
+            adopted, forked = sum(h["adopted"] for h in hosts), sum(h["forked"] for h in hosts)
+            fork = ("a fork of a Python worker whose first task faults in every page it touches, those it "
+                    "shares with the worker and all it allocates")
+            if not hosts:
+                new = f"each of our new instances is {fork}"
+            elif not forked:
+                new = (f"all {adopted} of our new instances took an idle instance host an earlier run left (a new "
+                       f"host would be {fork})")
+            else:
+                new = (f"{adopted} of our {adopted + forked} new instances took an idle instance host an earlier "
+                       f"run left, and {forked} were each {fork}")
             out.append(
                 f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
                 f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). Our "
                 f"restore reads take at most {restore:.2f} s of a first batch of at least {batch:.2f} s{spent}. "
-                f"The benchmark restarts on a copy of the store, so every instance is new: {new} whose first task "
-                "faults in every page it touches (what it shares with the worker, and all it allocates); a task "
+                f"The benchmark restarts on a copy of the store, so every instance is new: {new}; a task "
                 "passes its rows and output through a Python worker to its host; and its work per key group the "
                 "batch touches (its keys searched in its chain, one entry written) is a few Arrow calls each, "
                 "where the naive store, in workers that keep their memory, does one join over its rows.")
