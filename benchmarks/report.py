@@ -94,6 +94,15 @@ def _python_cpu(size: dict) -> dict[str, tuple[float, float, float]] | None:
     return out
 
 
+def _hosts(rows: list[dict]) -> tuple[int, int] | None:
+    """Over ``bench_rescale`` summary rows: our new instances that adopted a host and that forked one; None for
+    results without the counts."""
+    counts = [r["hosts"] for r in rows if r.get("hosts")]
+    if not counts:
+        return None
+    return sum(c["adopted"] for c in counts), sum(c["forked"] for c in counts)
+
+
 def _span(values: list[float]) -> str:
     low, high = min(values), max(values)
     return f"{low:.2f} for every pair" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}"
@@ -135,11 +144,10 @@ def rescale_section(data: dict, file: str) -> list[str]:
             + " the time of Spark's restart without rescaling (median over pairs of the per-pair ratio), and the "
             "naive store's takes " + ", ".join(f"{_x(h['ours_vs_naive'])}" for h in head.values())
             + " ours (same sizes)."]
-    hosts = [r["hosts"] for size in data["sizes"] for r in size["summary"] if r.get("hosts")]
-    if hosts:
-        out += ["", f"Our new instances, over all pairs and sizes (the median repeats): "
-                f"{sum(h['adopted'] for h in hosts)} took an idle instance host that an earlier run left "
-                f"(`hosts._adopt`), {sum(h['forked'] for h in hosts)} forked a new one."]
+    hosts = _hosts([r for size in data["sizes"] for r in size["summary"]])
+    if hosts is not None:
+        out += ["", f"Our new instances, over all pairs and sizes (the median repeats): {hosts[0]} took an idle "
+                f"instance host that an earlier run left (`hosts._adopt`), {hosts[1]} forked a new one."]
     restart = [t for t in data.get("targets", []) if t.get("kind") == "restart"]
     if restart:
         out += ["", _targets(restart)]
@@ -562,18 +570,17 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
                          f"and our instance hosts used {ours:.2f} s ({ours_kernel:.0%} of it in the kernel, "
                          f"{ours_faults:,.0f} page faults), {_x(ours / theirs)} the naive store's {theirs:.2f} s "
                          f"({their_kernel:.0%}, {their_faults:,.0f} page faults)")
-            hosts = [r["hosts"] for r in rows if r.get("hosts")]
-            adopted, forked = sum(h["adopted"] for h in hosts), sum(h["forked"] for h in hosts)
+            hosts = _hosts(rows)
             fork = ("a fork of a Python worker whose first task faults in every page it touches, those it "
                     "shares with the worker and all it allocates")
-            if not hosts:
+            if hosts is None:
                 new = f"each of our new instances is {fork}"
-            elif not forked:
-                new = (f"all {adopted} of our new instances took an idle instance host an earlier run left (a new "
-                       f"host would be {fork})")
             else:
+                adopted, forked = hosts
                 new = (f"{adopted} of our {adopted + forked} new instances took an idle instance host an earlier "
-                       f"run left, and {forked} were each {fork}")
+                       f"run left, and {forked} were each {fork}" if forked else
+                       f"all {adopted} of our new instances took an idle instance host an earlier run left (a new "
+                       f"host would be {fork})")
             out.append(
                 f"- Rescale at {size['keys']:,} keys: the naive hash-mod store restarts faster in "
                 f"{len(slower_naive)} of {len(rows)} pairs (ours takes up to {1 / worst:.2f}x its time). Our "

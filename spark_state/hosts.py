@@ -38,16 +38,18 @@ a third of a second; the worker reaps it once it has exited). An obsolete
 host that no worker adopted becomes a spare holding nothing (``_spare``,
 at most ``SPARE_HOSTS`` per executor, each leaving after ``IDLE_SECONDS``),
 so that a restart in the same application, or a later rescale, takes
-warm hosts as PySpark's idle workers are taken. The host exits when the executor's Python daemon (its starter's
-parent, which lives as long as the executor) is gone, after ``idle_limit``
+warm hosts as PySpark's idle workers are taken. The host exits when the
+executor's Python daemon (its starter's parent, which lives as long as the
+executor) is gone, after ``idle_limit``
 without a task (``IDLE_SECONDS``, or three times its recent gaps between
 tasks when they are longer, so that a query with a slow trigger keeps its
 state between batches), or as soon as an idle host finds that the store has
 no more use for its state (``obsolete``: the run of its last task was
 stopped, the query was rescaled away from its instance, or the store was
 deleted) and enough spares wait, so that the memory of stopped, rescaled
-or removed queries does not linger. It keeps the worker's process group and environment, and none of
-its descriptors, resident states or storage clients. SIGTERM or SIGHUP make
+or removed queries does not linger. It keeps the worker's process group and
+environment, and none of its descriptors, resident states or storage
+clients. SIGTERM or SIGHUP make
 it leave, its socket removed, even when Python drops the handler's exit (one
 raised inside a finalizer or a garbage-collection hook): the serving loop
 also checks a flag the handler sets.
@@ -190,6 +192,12 @@ def _receive(connection: socket.socket) -> tuple[bytes, bytes] | None:
     return None if payload is None else (kind, payload)
 
 
+def _next_kind(connection: socket.socket) -> bytes | None:
+    """The kind of the next frame (``_receive``, its payload dropped); None when the peer closed the connection."""
+    frame = _receive(connection)
+    return None if frame is None else frame[0]
+
+
 def _batch_bytes(batch: pa.RecordBatch) -> pa.Buffer:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
@@ -264,8 +272,7 @@ def _report_slow_host(connection: socket.socket, instance: int, address: Path, w
         log = address.with_suffix(".log")
         size = log.stat().st_size if log.exists() else 0
         if hasattr(socket, "SO_PEERCRED"):
-            credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid = struct.unpack("3i", credentials)[0]
+            pid = _peer_pid(connection)
             os.kill(pid, STACKS_SIGNAL)
             time.sleep(0.5)  # the host writes them in its signal handler, even when its interpreter is stuck
             with open(log, "rb") as text:
@@ -276,6 +283,12 @@ def _report_slow_host(connection: socket.socket, instance: int, address: Path, w
     print(f"spark-state: the worker of instance {instance} (pid {os.getpid()}) has waited {waited:.1f} s for an "
           f"answer from its host (pid {pid}, {address}); it keeps waiting. The host's threads:\n{stacks}",
           file=sys.stderr, flush=True)
+
+
+def _peer_pid(connection: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket (Linux: ``SO_PEERCRED``)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[0]
 
 
 _WORKER_FROZEN = False
@@ -478,11 +491,11 @@ def _adopt(address: Path) -> bool:
             try:
                 connection.settimeout(ADOPT_ANSWER_SECONDS)
                 _send(connection, ADOPT, str(address).encode())
-                if (_receive(connection) or (None,))[0] != READY:
+                if _next_kind(connection) != READY:
                     continue
                 connection.settimeout(START_SECONDS)
                 _send(connection, GO)
-                if (_receive(connection) or (None,))[0] == DONE:
+                if _next_kind(connection) == DONE:
                     return True
             except OSError:  # busy (timed out), or gone
                 continue
@@ -540,11 +553,9 @@ def _load_host_modules(store_uri: str) -> None:
 def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
     failed = False
     try:
-        output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         nothing = os.open(os.devnull, os.O_RDONLY)
         os.dup2(nothing, 0)
-        os.dup2(output, 1)
-        os.dup2(output, 2)
+        _log_to(log)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         from spark_state.operator import forget_stores
         from spark_state.resident import forget_all
@@ -645,9 +656,7 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS,
                 if served is not None and now - max(last_task, last_check) >= OBSOLETE_CHECK_SECONDS:
                     last_check = now
                     if obsolete(served, now - last_task):
-                        address.unlink(missing_ok=True)  # no new connection finds this host; a queued one is served
-                        if _serve_queued(listener) == 0 and is_host:
-                            listener.close()  # a worker that found the socket a moment ago starts a host
+                        if _vacate(address, listener) and is_host:
                             return _spare(address)
                         break
                 continue
@@ -770,16 +779,14 @@ def _adoption(connection: socket.socket, served, idle_seconds: float, listener: 
                                      and held_keys() <= ADOPT_MAX_KEYS and obsolete(served, idle_seconds))
     try:
         _send(connection, READY if agreed else REFUSED)
-        if not agreed or (_receive(connection) or (None,))[0] != GO:
+        if not agreed or _next_kind(connection) != GO:
             return None
     except OSError:  # the worker gave up waiting
         return None
-    address.unlink(missing_ok=True)
-    if _serve_queued(listener):
+    if not _vacate(address, listener):
         with contextlib.suppress(OSError):
             _send(connection, REFUSED)
         return None
-    listener.close()  # a worker that found the socket a moment ago starts a host
     _start_afresh()
     if threading.current_thread() is threading.main_thread():  # a host (a test may serve from a thread)
         _log_to(new_address.with_suffix(".log"))
@@ -821,6 +828,17 @@ def collect_garbage(since_full: int) -> int:
     gc.collect(1)
     gc.freeze()
     return since_full + 1
+
+
+def _vacate(address: Path, listener: socket.socket) -> bool:
+    """Stop serving ``address``: whether no task was waiting there. Its socket is removed first, so no new
+    connection finds this host; tasks already queued are served (``_serve_queued``); with none, the listener is
+    closed at once, so that a worker that found the socket a moment before starts a host of its own."""
+    address.unlink(missing_ok=True)
+    if _serve_queued(listener):
+        return False
+    listener.close()
+    return True
 
 
 def _serve_queued(listener: socket.socket) -> int:

@@ -544,12 +544,6 @@ def test_a_task_for_a_host_being_adopted_is_served_and_the_adoption_refused(monk
         assert not new.exists() and not host.address.exists() and host.served == [b"T", b"T"]
 
 
-def _peer_pid(connection: socket.socket) -> int:
-    import struct
-
-    return struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-
-
 def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_adopts_it(monkeypatch):
     def serve_task(connection):  # the forked host inherits these
         if not connection.recv(1):
@@ -572,7 +566,7 @@ def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_ad
         assert hosts._adopt(new)
         assert not list(address.parent.glob("spare-*")), _log(new)
         with _connected(new) as connection:
-            assert _peer_pid(connection) == host  # the spare, not a new fork
+            assert hosts._peer_pid(connection) == host  # the spare, not a new fork
             connection.sendall(b"T")
             assert connection.recv(1) == b"K"
         assert hosts._host_running(host)
