@@ -98,34 +98,70 @@ def interrupted_first_batch(offsets: Iterable[str], commits: Iterable[str], wher
     return offsets
 
 
+class _Jvm:
+    """The JVM classes and methods a ``SparkCheckpoint`` calls, looked up once per driver JVM: each dotted lookup
+    of a JVM class costs a py4j round trip per name (``org``, ``apache``, ...), and a query's start looked up
+    about twenty."""
+
+    def __init__(self, jvm, gateway):
+        self.path = jvm.org.apache.hadoop.fs.Path
+        self.checksummed = jvm.java.lang.Class.forName("org.apache.hadoop.fs.ChecksumFileSystem")
+        self.not_found = jvm.java.lang.Class.forName("java.io.FileNotFoundException")
+        self.to_bytes = jvm.org.apache.commons.io.IOUtils.toByteArray
+        self.to_paths = jvm.org.apache.hadoop.fs.FileUtil.stat2Paths
+        self.copy = jvm.java.lang.System.arraycopy
+        self.join = jvm.org.apache.commons.lang3.StringUtils.join
+        self.objects = lambda n, kind=jvm.java.lang.Object: gateway.new_array(kind, n)
+
+
+_JVMS: dict[Any, _Jvm] = {}
+"""Per py4j gateway client (one per driver, kept across Spark contexts of the process)."""
+
+
+def _jvm_of(session) -> _Jvm:
+    context = session.sparkContext
+    client = context._gateway._gateway_client
+    found = _JVMS.get(client)
+    if found is None:
+        found = _JVMS[client] = _Jvm(context._jvm, context._gateway)
+    return found
+
+
 class SparkCheckpoint:
     """Spark's checkpoint at ``location`` (see the module docstring), through the session's Hadoop conf."""
 
     def __init__(self, session, location: str):
-        jvm = session.sparkContext._jvm
+        self._jvm = jvm = _jvm_of(session)
         conf = session._jsparkSession.sessionState().newHadoopConf()
-        path = jvm.org.apache.hadoop.fs.Path(location)
+        path = jvm.path(location)
         fs = path.getFileSystem(conf)
         self._root = fs.makeQualified(path)
-        checksummed = jvm.java.lang.Class.forName("org.apache.hadoop.fs.ChecksumFileSystem")
         # A checksummed (local) file system hides ``.crc`` files from listings: look at the raw one.
-        self._fs = fs.getRawFileSystem() if checksummed.isInstance(fs) else fs
+        self._fs = fs.getRawFileSystem() if jvm.checksummed.isInstance(fs) else fs
         self.uri = self._root.toString()
-        # Looked up once: each dotted lookup of a JVM class costs py4j round trips (a read took 20 of them).
-        self._new_path = jvm.org.apache.hadoop.fs.Path
-        self._to_bytes = jvm.org.apache.commons.io.IOUtils.toByteArray
-        self._not_found = jvm.java.lang.Class.forName("java.io.FileNotFoundException")
         self._entries: dict[int, tuple[dict[str, Any], int]] = {}
         """The offsets entries read lately, by batch id (Spark never rewrites one)."""
 
     def _path(self, *parts: str):
-        return self._new_path(self._root, "/".join(parts)) if parts else self._root
+        return self._jvm.path(self._root, "/".join(parts)) if parts else self._root
 
     def _names(self, directory: str) -> list[str]:
+        """The names of the files in ``directory``, in a few py4j round trips however many there are (one or
+        more per file otherwise: a query keeps a hundred batches' files in each directory by default)."""
         path = self._path(directory)
         if not self._fs.exists(path):
             return []
-        return [status.getPath().getName() for status in self._fs.listStatus(path)]
+        jvm = self._jvm
+        paths = jvm.to_paths(self._fs.listStatus(path))
+        count = len(paths)
+        if not count:
+            return []
+        objects = jvm.objects(count)  # py4j passes a Path[] to no Object[] parameter, but copies it into one
+        jvm.copy(paths, 0, objects, 0, count)
+        names = [line.rsplit("/", 1)[-1] for line in jvm.join(objects, "\n").split("\n")]
+        if len(names) != count:  # a name holding a line break: one round trip per name
+            names = [p.getName() for p in paths]
+        return names
 
     def _read(self, *parts: str) -> str | None:
         from py4j.protocol import Py4JJavaError
@@ -133,11 +169,11 @@ class SparkCheckpoint:
         try:
             stream = self._fs.open(self._path(*parts))
         except Py4JJavaError as error:
-            if self._not_found.isInstance(error.java_exception):
+            if self._jvm.not_found.isInstance(error.java_exception):
                 return None
             raise
         try:
-            data = self._to_bytes(stream)
+            data = self._jvm.to_bytes(stream)
         finally:
             stream.close()
         return bytes(data).decode("utf-8")

@@ -89,3 +89,29 @@ def test_a_checkpoint_reads_its_metadata_offsets_and_commits_through_hadoop_and_
     entry["log"]["splits"]["0"] = 99  # a caller's change
     assert checkpoint.offsets(0) == {"log": {"source_id": "log", "splits": {"0": 0}}}
     assert SparkCheckpoint(spark, str(tmp_path / "elsewhere")).query_id() is None
+
+
+@pytest.mark.spark
+def test_listings_name_every_file_whatever_its_name_and_however_many(spark, tmp_path):
+    """A listing is a few JVM calls however many files there are; names with spaces, commas, escapes or a line
+    break come back whole."""
+    for directory in ("offsets", "commits"):
+        (tmp_path / directory).mkdir()
+    odd = ["a, b", "x y", "p%20q", "line\nbreak", "120"]
+    for name in [str(batch) for batch in range(100)] + odd:
+        (tmp_path / "commits" / name).write_text("v1\n{}\n")
+    tmp, crc = temp(0)
+    for name in (tmp, crc):
+        (tmp_path / "offsets" / name).write_text("x")
+    checkpoint = SparkCheckpoint(spark, str(tmp_path))
+    assert sorted(checkpoint._names("commits")) == sorted([str(batch) for batch in range(100)] + odd)
+    assert checkpoint.last_committed_batch() == 120
+    (tmp_path / "commits" / "line\nbreak").unlink()
+    assert sorted(checkpoint._names("commits")) == sorted([str(batch) for batch in range(100)] + odd[:3] + ["120"])
+    assert checkpoint._names("nowhere") == []
+    (tmp_path / "empty").mkdir()
+    assert checkpoint._names("empty") == []
+    for name in list((tmp_path / "commits").iterdir()):
+        name.unlink()
+    assert checkpoint.clear_interrupted_first_batch() == sorted([tmp, crc])  # the listing found both
+    assert checkpoint._names("offsets") == []
