@@ -31,6 +31,8 @@ corrupted state raises ``CorruptBlobError``, it is never returned.
 
 from __future__ import annotations
 
+import functools
+
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Literal, Mapping, NamedTuple
@@ -81,16 +83,13 @@ class BlobIndex:
 
     def entry_for(self, key_group: int) -> BlobEntry | None:
         """Return the entry of ``key_group`` or None if the blob holds none for it."""
-        lo, hi = 0, len(self.entries)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.entries[mid].key_group < key_group:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < len(self.entries) and self.entries[lo].key_group == key_group:
-            return self.entries[lo]
-        return None
+        return self._by_key_group.get(key_group)
+
+    @functools.cached_property
+    def _by_key_group(self) -> dict[int, BlobEntry]:
+        """The entries by key group, made at the first lookup: a restore looks up an entry per key group it
+        reads, several times (a binary search in Python cost more than the rest of finding the entry)."""
+        return {entry.key_group: entry for entry in self.entries}
 
     def to_json(self) -> dict:
         """Columnar JSON form. Entries are contiguous in a blob as ``encode_blob`` writes it, so the

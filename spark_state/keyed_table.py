@@ -167,7 +167,8 @@ def keys_ascending(batches: Sequence[pa.RecordBatch], key: str) -> list[bool]:
     of key groups, and a batch after a restore touches the chains of as many."""
     if not batches:
         return []
-    columns = [batch.column(key) for batch in batches]
+    at = batches[0].schema.get_field_index(key)  # one schema: by position, a name lookup per batch costs more
+    columns = [batch.column(at) for batch in batches]
     keys = pa.chunked_array(columns, columns[0].type)  # not combined: a copy of every key, in a new allocation
     n = len(keys)
     ends = np.cumsum([len(column) for column in columns])
@@ -189,7 +190,8 @@ class FetchedChain:
         check_chain([kind for kind, _ in batches], f"key group {key_group}")
         self.batches = list(batches)
         self.schema = schema
-        possible = live is not None and 0 <= live <= sum(batch.num_rows for _, batch in self.batches)
+        possible = live is not None and 0 <= live <= (self.batches[0][1].num_rows if len(self.batches) == 1
+                                                      else sum(batch.num_rows for _, batch in self.batches))
         self._live: int | None = live if possible else None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
@@ -225,8 +227,8 @@ class FetchedChain:
         for chain in unchecked:
             chain._search = None
         for chain in eligible:
-            if all([next(flags) for _ in chain.batches]):
-                chain._search = [(batch, batch.column(key)) for _, batch in reversed(chain.batches)]
+            if all([next(flags) for _ in chain.batches]):  # the sorted key: the blob schema's first column
+                chain._search = [(batch, batch.column(0)) for _, batch in reversed(chain.batches)]
         return [chain._search for chain in chains]
 
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
@@ -281,7 +283,7 @@ class FetchedChain:
         self.pending += 1
         self._folded, self._nbytes, self._live = None, None, live + new_keys
         if self._search:  # every entry known sorted, and so is this one
-            self._search = [(batch, batch.column(self.schema.sorted_key)), *self._search]
+            self._search = [(batch, batch.column(0)), *self._search]  # the sorted key: the blob schema's first
 
     def whole_pending(self) -> pa.RecordBatch | None:
         """The one pending entry when it holds every live key of the chain, else None. Then it is the chain's
@@ -322,8 +324,7 @@ class FetchedChain:
         else:
             self.batches = [*committed, (kind, written)]
             if self._search:  # as ``searchable``: keys not strictly ascending, no search
-                key = self.schema.sorted_key  # its column of the batch as kept
-                self._search = [(written, written.column(key)), *self._search[pending:]] if ascending else None
+                self._search = [(written, written.column(0)), *self._search[pending:]] if ascending else None
 
     def extend(self, batches: Entries) -> None:
         """Append committed entries a catch-up fetched (the chain has no pending entry)."""

@@ -142,7 +142,7 @@ class KeyedSchema:
                 return index
         raise ConfigError(f"no state variable {name!r}; this component has {[v.name for v in self.variables]}")
 
-    @property
+    @functools.cached_property
     def blob_schema(self) -> pa.Schema:
         """The schema of every blob entry: keys, one struct per variable, ``_deleted``."""
         fields = list(self.keys) + [pa.field(v.column_name, v.arrow_type, nullable=True) for v in self.variables]

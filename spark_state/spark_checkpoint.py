@@ -216,7 +216,10 @@ class SparkCheckpoint:
 
     def clear_interrupted_first_batch(self) -> list[str]:
         """Delete the leftovers of a first ``offsets/0`` write that a killed driver interrupted; return them."""
-        doomed = interrupted_first_batch(self._names("offsets"), self._names("commits"), self.uri)
+        offsets = self._names("offsets")
+        if not offsets or any(name.isdigit() for name in offsets):  # nothing to clear: commits/ need not be listed
+            return []
+        doomed = interrupted_first_batch(offsets, self._names("commits"), self.uri)
         for name in doomed:
             self._fs.delete(self._path("offsets", name), False)
         if doomed:
