@@ -149,6 +149,7 @@ class MicroBatch:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
     _task_plans: dict[tuple[int, int], "_TaskPlan"] = field(default_factory=dict)
+    _preparing: dict[tuple[int, int], tuple[threading.Thread, list]] = field(default_factory=dict)
     _reports: Any = None  # the accumulator the tasks send their reports through (``_Reports``)
     _stopper: threading.Thread | None = None
     _stops_recorded: set[str] = field(default_factory=set)
@@ -367,11 +368,55 @@ class MicroBatch:
                          self.stream.keyed.name)
 
     def _task_plan(self, task: TaskSpec) -> "_TaskPlan":
-        """The Spark expressions of step 3 for ``task``'s parallelism, built once (each costs JVM round trips)."""
+        """The Spark expressions of step 3 for ``task``'s parallelism, built once (each costs JVM round trips):
+        by ``prepare_plan``'s thread when it was asked for, else now."""
         key = (task.parallelism, task.max_parallelism)
         plan = self._task_plans.get(key)
         if plan is None:
-            plan = self._task_plans[key] = _TaskPlan.build(self.stream, task)
+            plan = self._prepared(key) or _TaskPlan.build(self.stream, task.parallelism, task.max_parallelism)
+            self._task_plans[key] = plan
+        return plan
+
+    def prepare_plan(self, parallelism: int, max_parallelism: int) -> None:
+        """Build step 3's plan for a parallelism the next batch will likely run at, in a thread of its own.
+
+        The query's start asks for its first batch's, and ``set_parallelism``
+        for the new one: their 40-120 ms of py4j calls (the expressions, their
+        Java sequences, the names of the routed columns, from the stream's
+        own plan) then run while Spark starts the query or finishes a batch,
+        when the driver's Python waits, instead of on the first batch's
+        critical path. A batch at another parallelism builds its own; one
+        that fails leaves the batch to build it (``_prepared``).
+        """
+        key = (parallelism, max_parallelism)
+        if key in self._task_plans or key in self._preparing:
+            return
+        stream, context, result = self.stream, self.session.sparkContext, []
+
+        def build() -> None:
+            try:
+                plan = _TaskPlan.build(stream, parallelism, max_parallelism)
+                plan.java(context).prepare_first(stream.keyed.df, parallelism)
+                result.append(plan)
+            except Exception as error:  # noqa: BLE001  (handed to ``_prepared``)
+                result.append(error)
+
+        thread = threading.Thread(target=build, name="spark-state plan", daemon=True)
+        thread.start()
+        self._preparing[key] = (thread, result)
+
+    def _prepared(self, key: tuple[int, int]) -> "_TaskPlan | None":
+        """The plan ``prepare_plan`` built for ``key`` (waiting for its thread), or None."""
+        preparing = self._preparing.pop(key, None)
+        if preparing is None:
+            return None
+        thread, result = preparing
+        thread.join()
+        plan = result[0] if result else None
+        if isinstance(plan, Exception):
+            _LOG.warning("spark-state: could not prepare the plan of parallelism %s (%s: %s); the batch builds it",
+                         key[0], type(plan).__name__, plan)
+            return None
         return plan
 
     def _fault(self, stage: str, batch_id: int) -> None:
@@ -408,25 +453,28 @@ class _TaskPlan:
         return self._java[0]
 
     @classmethod
-    def build(cls, stream, task: TaskSpec) -> "_TaskPlan":
+    def build(cls, stream, parallelism: int, max_parallelism: int) -> "_TaskPlan":
+        """The plan of ``stream`` (a ``streaming.StatefulStream``, whose schema, function and event time every
+        ``TaskSpec`` of the query repeats) at ``parallelism`` instances of ``max_parallelism`` key groups."""
         from spark_state.routing import routing_columns
 
         jf = _JvmColumns(stream.keyed.df.sparkSession.sparkContext)
-        key_columns = list(task.schema.key_columns)
+        key_columns = list(stream.schema.key_columns)
+        event_time = stream.keyed.event_time
         # The key types from the stream (its schema is resolved once), not from analysing every batch.
-        key_group, instance = routing_columns(stream.keyed.df, key_columns, task.parallelism, task.max_parallelism)
-        event_column = [task.event_time.column] if task.event_time is not None else []
+        key_group, instance = routing_columns(stream.keyed.df, key_columns, parallelism, max_parallelism)
+        event_column = [event_time.column] if event_time is not None else []
         inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
         needed = list(dict.fromkeys(key_columns + inputs + event_column))
         partials = None
-        function = task.function
-        if isinstance(function, Aggregate) and task.event_time is None and function.partials_in_jvm():
+        function = stream.function
+        if isinstance(function, Aggregate) and event_time is None and function.partials_in_jvm():
             partials = _spark_partials(function, jf)
         # Columns, not names: a name becomes a Column (a JVM round trip) every time a batch's plan names it.
         return cls(
             routed=(*map(jf.col, needed), jf.alias(key_group, KEY_GROUP_COLUMN), jf.alias(instance, INSTANCE_COLUMN)),
             by=jf.col(INSTANCE_COLUMN),
-            output_schema=to_spark_schema(task_output_schema(task.output_schema)),
+            output_schema=to_spark_schema(task_output_schema(stream.output_schema)),
             partials_keys=tuple(map(jf.col, (INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns)))
             if partials is not None else None,
             partials=partials,
@@ -514,12 +562,9 @@ class _JavaPlan:
 
     def tasks(self, batch_df, parallelism: int, process: Callable):
         """``batch_df`` routed to ``parallelism`` instances, each running ``process`` (``MicroBatch._run_tasks``)."""
-        from pyspark.sql.classic.column import _to_java_column, _to_seq
         from pyspark.sql.classic.dataframe import DataFrame
         from pyspark.sql.pandas.functions import pandas_udf
         from pyspark.util import PythonEvalType
-
-        from spark_state.routing import quoted_identifier
 
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
@@ -533,20 +578,56 @@ class _JavaPlan:
                 self.declined = True  # so will every batch's function: no more templates to build and drop
             self.template = None  # the plan built next takes its place (and holds this batch's rows, not older ones)
         # The first batch, one whose rows or context changed, or a function the template declines: PySpark's calls.
-        routed = batch_df._jdf.select(self.routed).repartitionById(parallelism, self.by)
-        if self.keys is not None:
-            routed = routed.groupBy(self.keys).agg(self.first, self.rest)
+        mapped, return_type = self._mapped(self._routed(batch_df._jdf, parallelism), session, process)
+        if not self.declined:
+            self.pending = (session, rows, mapped, return_type, _PlanTemplate.settings_of(self.context))
+        return DataFrame(mapped, session)
+
+    def _mapped(self, routed, session, process: Callable):
+        """``routed`` (a Java ``Dataset``) mapped by ``process`` in ``mapInArrow``, and the UDF's return type."""
+        from pyspark.sql.classic.dataframe import DataFrame
+        from pyspark.sql.pandas.functions import pandas_udf
+        from pyspark.util import PythonEvalType
+
         if self.inputs is None:
-            names = DataFrame(routed, session).columns
-            jf = _JvmColumns(self.context)
-            quoted = [jf.col(quoted_identifier(name)) for name in names]
-            self.inputs = _to_seq(self.context, quoted, _to_java_column)
+            self._name_inputs(DataFrame(routed, session).columns)
         udf = pandas_udf(process, returnType=self.plan.output_schema,
                          functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
-        mapped = routed.mapInArrow(udf._judf.apply(self.inputs), False, None)
-        if not self.declined:
-            self.pending = (session, rows, mapped, udf.returnType, _PlanTemplate.settings_of(self.context))
-        return DataFrame(mapped, session)
+        return routed.mapInArrow(udf._judf.apply(self.inputs), False, None), udf.returnType
+
+    def _routed(self, frame, parallelism: int):
+        """The Java ``Dataset`` of ``frame``'s rows routed to ``parallelism`` instances (and their JVM partials)."""
+        routed = frame.select(self.routed).repartitionById(parallelism, self.by)
+        return routed.groupBy(self.keys).agg(self.first, self.rest) if self.keys is not None else routed
+
+    def _name_inputs(self, names: list[str]) -> None:
+        """``mapInArrow``'s input columns: every column of the routed rows, by name."""
+        from pyspark.sql.classic.column import _to_java_column, _to_seq
+
+        from spark_state.routing import quoted_identifier
+
+        jf = _JvmColumns(self.context)
+        self.inputs = _to_seq(self.context, [jf.col(quoted_identifier(name)) for name in names], _to_java_column)
+
+    def prepare_first(self, stream_df, parallelism: int) -> None:
+        """Before the first batch, make the template its plan takes (``_PlanTemplate``) from ``stream_df``, the
+        stream itself, routed and mapped as a batch's rows are.
+
+        Spark gives each batch's rows the attributes of the stream's own
+        (its ``foreachBatch`` frame is the query's plan over the batch's
+        data), so the plan of the stream holds over them as the plan of an
+        earlier batch does (``_PlanTemplate.fits`` checks it), with the
+        batch's function in place of a placeholder. The first batch then
+        costs a dozen py4j calls instead of Spark's analysis of each step.
+        """
+        def process(batches):  # named as the batches' own function (``MicroBatch._run_tasks``): the plan names it
+            raise AssertionError("a plan made for no batch ran (a defect of spark-state, please report it)")
+
+        session = stream_df.sparkSession
+        mapped, return_type = self._mapped(self._routed(stream_df._jdf, parallelism), session, process)
+        rows = stream_df._jdf.queryExecution().analyzed()
+        self.template = _PlanTemplate.build(self.context, session, rows, mapped, return_type,
+                                            _PlanTemplate.settings_of(self.context))
 
     def prepare(self) -> None:
         """Start making the template of the plan ``tasks`` made last, if any, in a thread (``_built`` waits)."""

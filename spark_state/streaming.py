@@ -361,6 +361,7 @@ class StatefulStreamWriter:
             start_from_savepoint(manifests, savepoint, batch.component_spec(conf), allow_non_restored=allow,
                                  key_space_set=conf.max_parallelism is not None)
         query_id = spark_checkpoint.query_id()
+        stored = None
         if conf.restore_from is None or query_id is not None:  # restoring: the latest record may be the damaged one
             latest = manifests.latest()
             stored = latest.components.get(self._stream.keyed.name) if latest is not None else None
@@ -373,6 +374,8 @@ class StatefulStreamWriter:
                 checkpoint_location=name,
                 store=conf.store,
             )
+        # The first batch's plan, built while Spark starts the query and plans that batch (``prepare_plan``).
+        batch.prepare_plan(conf.parallelism, batch.component_spec(conf, stored).max_parallelism)
         writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
             "checkpointLocation", checkpoint_location
         )
@@ -401,8 +404,9 @@ class StatefulQuery:
                 f"like {PARALLELISM}"
             )
         conf = self._batch.conf()
-        replace(conf, parallelism=parallelism).key_space(self._batch.key_space)
+        key_space = replace(conf, parallelism=parallelism).key_space(self._batch.key_space)
         self._batch.parallelism_override = parallelism
+        self._batch.prepare_plan(parallelism, key_space)  # built while the current batch runs
 
     def drain(self, timeout: float | None = None) -> bool:
         """Drain the query at its next micro-batch and stop it (see ``spark_state.drain``).

@@ -224,7 +224,29 @@ def test_a_foreach_batch_function_may_run_the_output_any_number_of_times(spark, 
     assert _state_counts(tmp_path / "state", "clicks", parallelism=2) == dict(totals)
 
 
-def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_path):
+def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_path, monkeypatch):
+    """A parallelism set in the session applies at the next batch; one set with ``set_parallelism`` also has
+    its plan made meanwhile (``MicroBatch.prepare_plan``), as the query's start makes the first batch's: those
+    batches take a template (``_PlanTemplate.rebase``), the other one's plan is PySpark's."""
+    from spark_state import microbatch
+
+    prepared: list[int] = []  # the parallelisms whose plan a batch found made
+    templated: list[bool] = []  # whether each batch given a template took it
+    found, rebase = microbatch.MicroBatch._prepared, microbatch._PlanTemplate.rebase
+
+    def recorded_prepared(self, key):
+        plan = found(self, key)
+        if plan is not None:
+            prepared.append(key[0])
+        return plan
+
+    def recorded_rebase(self, rows, process):
+        mapped = rebase(self, rows, process)
+        templated.append(mapped is not None)
+        return mapped
+
+    monkeypatch.setattr(microbatch.MicroBatch, "_prepared", recorded_prepared)
+    monkeypatch.setattr(microbatch._PlanTemplate, "rebase", recorded_rebase)
     job = Job(spark, tmp_path)
     spark.conf.set("spark.state.parallelism", "2")
     spark.conf.set("spark.state.store", str(tmp_path / "state"))
@@ -248,6 +270,7 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
         query.stop()
     assert [b["parallelism"] for b in query.batches] == [2, 5, 3]
     assert job.outputs == job.expected()
+    assert prepared == [2, 3] and templated == [True, True]  # the batch at 5 had PySpark build its plan
 
 
 def test_the_key_space_is_the_store_s_unless_set_and_another_is_refused(spark, tmp_path):
@@ -329,11 +352,12 @@ def test_a_built_in_shuffles_each_batch_once_and_only_the_columns_it_needs(spark
 
 def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_function_may_read_a_broadcast(
         spark, tmp_path, monkeypatch, caplog):
-    """Each batch after the first takes the analysed plan of the first (``_PlanTemplate``) over its own rows and
-    function: the plan Spark's analysis gives, node for node. A context whose includes changed makes the next
-    plan PySpark's (and that one the template); a function that reads a broadcast variable has every plan
-    built by PySpark, which ships the broadcast, and the instance hosts get its value. A template is built by a
-    thread of its own once the batch whose plan it copies is committed, so on no batch's critical path."""
+    """The first batch takes the analysed plan of the stream itself, made while the query started, and each
+    later batch the plan of the one before (``_PlanTemplate``), over its own rows and function: the plan Spark's
+    analysis gives, node for node. A context whose includes changed makes the next plan PySpark's (and that one
+    the template); a function that reads a broadcast variable has every plan built by PySpark, which ships the
+    broadcast, and the instance hosts get its value. A template is built by a thread of its own, while the
+    query starts or once the batch whose plan it copies is committed, so on no batch's critical path."""
     import re
     import threading
 
@@ -383,9 +407,10 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
 
     job.sink = sink
     job.run(2)
-    assert job.outputs == job.expected() and templated == [True, True]  # batch 1 is PySpark's: new includes
-    assert built == [True, True]  # from the plans of batches 0 and 1 (PySpark's): batches 2 and 3 had a template
-    assert build_threads == {"spark-state plan template"}  # its own thread, never the one running a batch
+    # Batch 0 takes the stream's plan, batch 1 is PySpark's (new includes), batches 2 and 3 take batch 1's.
+    assert job.outputs == job.expected() and templated == [True, True, True]
+    assert built == [True, True]  # from the stream's plan and from batch 1's
+    assert build_threads == {"spark-state plan", "spark-state plan template"}  # never the thread running a batch
     assert java_plans[-1].pending is None and java_plans[-1].building is None
     assert len(plans) == 12 and plans[:3] * 4 == plans, plans
     # The template holds the last batch's rows (its nodes copy next), no older batch's (their RDDs are released).
