@@ -254,23 +254,30 @@ class StateConf:
 
         The parallelism defaults to ``spark.sql.shuffle.partitions``.
         """
-        conf = session.conf
-        settings = {key: conf.get(key, None) for key in _set_keys(session) if key.startswith(PREFIX)}
+        every = _settings(session)
+        settings = {key: value for key, value in every.items() if key.startswith(PREFIX)}
         check_known(settings)
-        return cls.parse(
-            settings.get,
-            default_store=default_store,
-            default_parallelism=int(conf.get("spark.sql.shuffle.partitions", "200")),
-        )
+        partitions = every.get(SHUFFLE_PARTITIONS) or session.conf.get(SHUFFLE_PARTITIONS, "200")
+        return cls.parse(settings.get, default_store=default_store, default_parallelism=int(partitions))
 
 
-def _set_keys(session: Any) -> list[str]:
-    """The keys set in the session's conf, in one JVM call (``spark.conf.getAll`` costs a call per setting,
-    about 15 ms a batch); through ``getAll`` where there is no JVM in this process (Spark Connect)."""
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+
+
+def _settings(session: Any) -> dict[str, str]:
+    """The settings set in the session's conf, in four JVM calls (``spark.conf.getAll`` costs one per setting,
+    about 15 ms a batch, and reading each key one more); through ``getAll`` where there is no JVM in this
+    process (Spark Connect)."""
     jsession = getattr(session, "_jsparkSession", None)
     if jsession is None:
-        return list(session.conf.getAll)
-    return str(jsession.conf().getAll().keySet().mkString("\n")).split("\n")
+        return dict(session.conf.getAll)
+    # A Scala map's entries print as ``key -> value``, here separated by NUL, which no setting holds in practice.
+    every = jsession.conf().getAll()
+    entries = [entry for entry in str(every.mkString("\0")).split("\0") if entry]
+    if len(entries) != every.size() or not all(" -> " in entry for entry in entries):
+        conf = session.conf  # a value holding a NUL after all: a call per key
+        return {key: conf.get(key, None) for key in str(every.keySet().mkString("\n")).split("\n")}
+    return dict(entry.split(" -> ", 1) for entry in entries)
 
 
 def _with_s3_settings(store: str, settings: dict[str, str | None]) -> str:

@@ -1,4 +1,5 @@
-"""Settings: parsed once, validated, unknown keys refused with a suggestion (no Spark)."""
+"""Settings: parsed once, validated, unknown keys refused with a suggestion (no Spark but in the last test, which
+reads a session's settings)."""
 
 from __future__ import annotations
 
@@ -182,3 +183,23 @@ def test_a_query_start_advises_unix_sockets_once_when_python_tasks_use_tcp(monke
     assert streaming.advise_unix_sockets(session(None))  # unset: TCP
     assert "spark.python.unix.domain.socket.enabled is off" in caplog.text
     assert not streaming.advise_unix_sockets(session("false"))  # once per driver
+
+
+@pytest.mark.spark
+def test_a_session_s_settings_are_read_whole_whatever_their_values_hold(spark):
+    """The session's settings come in one string of ``key -> value`` entries: values with commas, brackets or
+    line breaks are read whole, and a NUL in one (which would split the string wrongly) makes them read a key
+    at a time. The parallelism defaults to the session's shuffle partitions."""
+    for store in ("/tmp/a,b (c)\nd", "/tmp/nul\0here"):
+        spark.conf.set("spark.state.store", store)
+        try:
+            conf = StateConf.from_session(spark, default_store="/unused")
+        finally:
+            spark.conf.unset("spark.state.store")
+        assert (conf.store, conf.parallelism) == (store, int(spark.conf.get("spark.sql.shuffle.partitions")))
+    spark.conf.set("spark.state.paralelism", "3")
+    try:
+        with pytest.raises(ConfigError, match="did you mean spark.state.parallelism"):
+            StateConf.from_session(spark, default_store="/unused")
+    finally:
+        spark.conf.unset("spark.state.paralelism")
