@@ -374,8 +374,6 @@ class StatefulStreamWriter:
                 checkpoint_location=name,
                 store=conf.store,
             )
-        # The first batch's plan, built while Spark starts the query and plans that batch (``prepare_plan``).
-        batch.prepare_plan(conf.parallelism, batch.component_spec(conf, stored).max_parallelism)
         writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
             "checkpointLocation", checkpoint_location
         )
@@ -385,6 +383,8 @@ class StatefulStreamWriter:
             writer = writer.queryName(self._query_name)
         query = writer.start()
         batch.query = query
+        # The first batch's plan, built while Spark plans that batch (``prepare_plan``).
+        batch.prepare_plan(conf.parallelism, batch.component_spec(conf, stored).max_parallelism)
         watch_stops(query, batch)
         return StatefulQuery(query, batch)
 
