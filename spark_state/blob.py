@@ -32,7 +32,6 @@ corrupted state raises ``CorruptBlobError``, it is never returned.
 from __future__ import annotations
 
 import functools
-
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Literal, Mapping, NamedTuple

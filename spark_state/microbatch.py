@@ -529,7 +529,9 @@ class _JavaPlan:
     parallelism, so they are built here once and the plan is made with one
     call per step on the batch's Java ``Dataset``. Spark analyses each step
     again (17-45 ms a batch), so later batches take that plan from the last
-    one built this way (``_PlanTemplate``). The template of a batch's plan is
+    one built this way (``_PlanTemplate``), and the first batch of a query
+    run (or of a parallelism set with ``set_parallelism``) from the stream's
+    own plan, made before it (``prepare_first``, ``MicroBatch.prepare_plan``). The template of a batch's plan is
     made by a thread of its own once the batch is committed (``prepare``;
     ``pending`` until then, ``building`` while it runs), while Spark commits
     the batch and plans the next, and the next batch waits for it: its
