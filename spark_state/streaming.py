@@ -383,9 +383,10 @@ class StatefulStreamWriter:
             writer = writer.queryName(self._query_name)
         query = writer.start()
         batch.query = query
-        # The first batch's plan, built while Spark plans that batch (``prepare_plan``).
-        batch.prepare_plan(conf.parallelism, batch.component_spec(conf, stored).max_parallelism)
         watch_stops(query, batch)
+        # The first batch's plan, built while Spark plans that batch (``prepare_plan``); last, as its thread takes
+        # the interpreter from this one for a while.
+        batch.prepare_plan(conf.parallelism, batch.component_spec(conf, stored).max_parallelism)
         return StatefulQuery(query, batch)
 
 
