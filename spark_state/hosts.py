@@ -865,14 +865,16 @@ def obsolete(task, idle_seconds: float) -> bool:
     """Whether the store has no more use for the state a host holds after running ``task``.
 
     True when the task's run was stopped (``stops``); when the store holds
-    no checkpoint although the task had a base (the store was deleted), or
-    still none ``UNCOMMITTED_SECONDS`` after a first task (its checkpoint
-    was never committed); or when a checkpoint at
+    no checkpoint although the task had a base, or no blob either after a
+    first task (the store was deleted), or still no checkpoint
+    ``UNCOMMITTED_SECONDS`` after a first task (its checkpoint was never
+    committed); or when a checkpoint at
     least as new as the task's runs the component at another parallelism
     (the instance was rescaled away: a task at another parallelism builds
     its state anew from the store). Never when the store cannot be read:
     the idle timeout still ends the host.
     """
+    from spark_state.blobstore import BLOBS_DIR
     from spark_state.operator import manifest_reader
     from spark_state.stops import stopped_run
 
@@ -881,12 +883,14 @@ def obsolete(task, idle_seconds: float) -> bool:
         reader = manifest_reader(task.store_uri)
         latest = reader.latest()
         stopped = stopped_run(reader.storage) if run_id is not None else None
+        # No checkpoint and no blob: a first task's blob (written before its commit) is gone with the store.
+        emptied = latest is None and task.base_checkpoint_id is None and not reader.storage.exists(BLOBS_DIR)
     except Exception:  # noqa: BLE001  (a store unreachable now may come back)
         return False
     if stopped is not None and stopped == run_id:
         return True
     if latest is None:
-        return task.base_checkpoint_id is not None or idle_seconds >= UNCOMMITTED_SECONDS
+        return task.base_checkpoint_id is not None or emptied or idle_seconds >= UNCOMMITTED_SECONDS
     if latest.checkpoint_id < task.checkpoint_id:
         return False  # the task's checkpoint is not committed yet
     component = latest.components.get(task.component)

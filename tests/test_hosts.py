@@ -63,9 +63,12 @@ def test_a_host_rescaled_away_from_leaves_once_a_newer_checkpoint_runs_another_p
 
 def test_a_host_of_a_deleted_store_leaves_and_one_of_a_first_batch_waits_for_its_commit(tmp_path):
     store = tmp_path / "state"
-    store.mkdir()
+    (store / "blobs" / "c").mkdir(parents=True)
+    (store / "blobs" / "c" / "first.arrow").write_bytes(b"its first task's blob")
     assert not hosts.obsolete(_task(store, 1, None, 2), idle_seconds=1)  # the driver commits after the tasks
     assert hosts.obsolete(_task(store, 1, None, 2), idle_seconds=hosts.UNCOMMITTED_SECONDS)
+    shutil.rmtree(store)  # deleted before its first checkpoint committed (or with it): its state is of no use
+    assert hosts.obsolete(_task(store, 1, None, 2), idle_seconds=1)
     _commit(store, 1, 2)
     assert not hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
     shutil.rmtree(store)
