@@ -391,33 +391,21 @@ class MicroBatch:
         key = (parallelism, max_parallelism)
         if key in self._task_plans or key in self._preparing:
             return
-        stream, context, result = self.stream, self.session.sparkContext, []
+        stream, context = self.stream, self.session.sparkContext
 
-        def build() -> None:
-            try:
-                plan = _TaskPlan.build(stream, parallelism, max_parallelism)
-                plan.java(context).prepare_first(stream.keyed.df, parallelism)
-                result.append(plan)
-            except Exception as error:  # noqa: BLE001  (handed to ``_prepared``)
-                result.append(error)
+        def build() -> "_TaskPlan":
+            plan = _TaskPlan.build(stream, parallelism, max_parallelism)
+            plan.java(context).prepare_first(stream.keyed.df, parallelism)
+            return plan
 
-        thread = threading.Thread(target=build, name="spark-state plan", daemon=True)
-        thread.start()
-        self._preparing[key] = (thread, result)
+        self._preparing[key] = _in_thread("spark-state plan", build)
 
     def _prepared(self, key: tuple[int, int]) -> "_TaskPlan | None":
         """The plan ``prepare_plan`` built for ``key`` (waiting for its thread), or None."""
         preparing = self._preparing.pop(key, None)
         if preparing is None:
             return None
-        thread, result = preparing
-        thread.join()
-        plan = result[0] if result else None
-        if isinstance(plan, Exception):
-            _LOG.warning("spark-state: could not prepare the plan of parallelism %s (%s: %s); the batch builds it",
-                         key[0], type(plan).__name__, plan)
-            return None
-        return plan
+        return _joined(preparing, f"prepare the plan of parallelism {key[0]}", "the batch builds it")
 
     def _fault(self, stage: str, batch_id: int) -> None:
         if self.fault_hook is not None:
@@ -636,29 +624,41 @@ class _JavaPlan:
         if self.pending is None:
             return
         arguments, self.pending = (self.context, *self.pending), None
-        result: list = []
-
-        def build() -> None:
-            try:
-                result.append(_PlanTemplate.build(*arguments))
-            except Exception as error:  # noqa: BLE001  (handed to ``_built``)
-                result.append(error)
-
-        thread = threading.Thread(target=build, name="spark-state plan template", daemon=True)
-        thread.start()
-        self.building = (thread, result)
+        self.building = _in_thread("spark-state plan template", lambda: _PlanTemplate.build(*arguments))
 
     def _built(self) -> "_PlanTemplate | None":
         """The template the thread ``prepare`` started made (waiting for it), or None."""
-        thread, result = self.building
-        self.building = None
-        thread.join()
-        template = result[0] if result else None
-        if isinstance(template, Exception):
-            _LOG.warning("spark-state: could not make the plan template of the last batch (%s: %s); this batch's plan "
-                         "is made by PySpark's calls", type(template).__name__, template)
-            return None
-        return template
+        building, self.building = self.building, None
+        return _joined(building, "make the plan template of the last batch",
+                       "this batch's plan is made by PySpark's calls")
+
+
+def _in_thread(name: str, make: Callable[[], Any]) -> tuple[threading.Thread, list]:
+    """Start ``make`` in a daemon thread named ``name``; the list receives what it returns or the exception it
+    raised (``_joined``)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(make())
+        except Exception as error:  # noqa: BLE001  (handed to ``_joined``)
+            result.append(error)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _joined(started: tuple[threading.Thread, list], failed: str, instead: str) -> Any:
+    """What ``_in_thread``'s thread made (waiting for it); None when it raised, with a warning that it could not
+    ``failed`` and what happens ``instead``."""
+    thread, result = started
+    thread.join()
+    made = result[0] if result else None
+    if isinstance(made, Exception):
+        _LOG.warning("spark-state: could not %s (%s: %s); %s", failed, type(made).__name__, made, instead)
+        return None
+    return made
 
 
 class _PlanTemplate:

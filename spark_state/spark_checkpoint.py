@@ -69,6 +69,13 @@ def batch_timestamp_ms(text: str) -> int:
         raise CheckpointLocationError(f"Spark's offsets entry has no readable batchTimestampMs: {exc!r}") from exc
 
 
+def _nothing_to_clear(offsets: Iterable[str]) -> bool:
+    """Whether the names listed in ``offsets/`` leave ``interrupted_first_batch`` nothing to clear: there are
+    none, or a complete entry (a name of digits) is among them."""
+    offsets = list(offsets)
+    return not offsets or any(name.isdigit() for name in offsets)
+
+
 def interrupted_first_batch(offsets: Iterable[str], commits: Iterable[str], where: str) -> list[str]:
     """Names in ``offsets/`` to delete so that Spark can start batch 0; ``[]`` when nothing needs doing.
 
@@ -79,7 +86,7 @@ def interrupted_first_batch(offsets: Iterable[str], commits: Iterable[str], wher
     ``CheckpointLocationError`` names the first file it does not recognise.
     """
     offsets, commits = sorted(offsets), sorted(commits)
-    if not offsets or any(name.isdigit() for name in offsets):
+    if _nothing_to_clear(offsets):
         return []
     if any(name.isdigit() for name in commits):
         raise CheckpointLocationError(
@@ -217,7 +224,7 @@ class SparkCheckpoint:
     def clear_interrupted_first_batch(self) -> list[str]:
         """Delete the leftovers of a first ``offsets/0`` write that a killed driver interrupted; return them."""
         offsets = self._names("offsets")
-        if not offsets or any(name.isdigit() for name in offsets):  # nothing to clear: commits/ need not be listed
+        if _nothing_to_clear(offsets):  # nothing to clear: commits/ need not be listed
             return []
         doomed = interrupted_first_batch(offsets, self._names("commits"), self.uri)
         for name in doomed:

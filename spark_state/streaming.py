@@ -361,7 +361,6 @@ class StatefulStreamWriter:
             start_from_savepoint(manifests, savepoint, batch.component_spec(conf), allow_non_restored=allow,
                                  key_space_set=conf.max_parallelism is not None)
         query_id = spark_checkpoint.query_id()
-        stored = None
         if conf.restore_from is None or query_id is not None:  # restoring: the latest record may be the damaged one
             latest = manifests.latest()
             stored = latest.components.get(self._stream.keyed.name) if latest is not None else None
@@ -386,7 +385,7 @@ class StatefulStreamWriter:
         watch_stops(query, batch)
         # The first batch's plan, built while Spark plans that batch (``prepare_plan``); last, as its thread takes
         # the interpreter from this one for a while.
-        batch.prepare_plan(conf.parallelism, batch.component_spec(conf, stored).max_parallelism)
+        batch.prepare_plan(conf.parallelism, conf.key_space(batch.key_space))
         return StatefulQuery(query, batch)
 
 
