@@ -53,6 +53,10 @@ value and searches after a restore.
    steady batch rewrites some key groups in full). Targets: the largest state's steady
    batch at most 1.2x the 10k one, no steady batch reloading state, and no
    steady batch above 1.5x the median at the largest state (compaction).
+   Each batch records the CPU seconds the hypervisor took while it ran
+   (``cpu_steal_seconds``), and ``slowest_batch`` sets the slowest steady
+   batch's beside the median: a slow batch that wrote no key group in full
+   and lost the machine was slowed by the host.
 3. ``memory``: resident bytes per key of state, the RSS growth of the
    processes that hold the instances (the instance hosts) over the smallest
    state's, per extra key, and the stored bytes per key; beside it
@@ -379,9 +383,14 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
 
 def _steady_summary(reports: list[dict]) -> dict:
     seconds = [r["seconds"] for r in reports]
+    slowest = max(reports, key=lambda r: r["seconds"])
+    stolen = [r["cpu_steal_seconds"] for r in reports if r.get("cpu_steal_seconds") is not None]
     return {
         "batch_seconds": common.summary(seconds),
         "max_over_median": round(max(seconds) / statistics.median(seconds), 3),
+        "slowest_batch": {"batch_id": slowest["batch_id"], "seconds": slowest["seconds"],
+                          "cpu_steal_seconds": slowest.get("cpu_steal_seconds"),
+                          "median_cpu_steal_seconds": round(statistics.median(stolen), 3) if stolen else None},
         "max_task_seconds": common.summary([r["max_task_seconds"] for r in reports]),
         "batches_that_reloaded_state": [r["batch_id"] for r in reports if r["reloaded_state"]],
         "batches_with_full_entries": [r["batch_id"] for r in reports if r["full_entries"]],
@@ -463,12 +472,16 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
     schedules = {label: list(range(1 + len(steady))) for label in inputs}
     steady_ids = list(range(1, 1 + len(steady)))
     work = WORK / "state"
-    queries, wall = common.timed(lambda: common.run_keyed_interleaved(spark, inputs, schedules, parallelism, work))
+    steal: dict[str, dict[int, float]] = {}
+    queries, wall = common.timed(
+        lambda: common.run_keyed_interleaved(spark, inputs, schedules, parallelism, work, steal=steal))
     runs = {}
     for label, query in queries.items():
         reports = common.batch_reports(query, common.batch_progress(query))
         if [r["batch_id"] for r in reports] != list(range(len(inputs[label].rows))):
             raise RuntimeError(f"state_size {label}: batches {[r['batch_id'] for r in reports]}")
+        for report in reports:  # file i is batch i
+            report["cpu_steal_seconds"] = steal.get(label, {}).get(report["batch_id"])
         runs[label] = {
             "state_keys": int(label),
             "resident_bytes": _resident_bytes(reports[-1]),

@@ -158,6 +158,23 @@ def summary(values: Sequence[float]) -> dict:
     }
 
 
+def cpu_steal_seconds() -> float | None:
+    """CPU seconds the hypervisor has run other machines on this one's CPUs since boot (``steal`` in
+    ``/proc/stat``, summed over CPUs); None where there is no such file.
+
+    The difference over a batch says how much of the machine was taken away
+    while it ran: a batch slower than its peers with a large difference was
+    slowed by the host, not by the code under test.
+    """
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if fields[0] != "cpu" or len(fields) < 9:
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(action: Callable[[], Any]) -> tuple[Any, float]:
     started = time.perf_counter()
     result = action()
@@ -267,6 +284,7 @@ def run_keyed_interleaved(
     parallelism: int,
     work: Path,
     confs: dict[str, dict[str, str]] | None = None,
+    steal: dict[str, dict[int, float]] | None = None,
 ) -> dict:
     """One keyed-count query per input, run side by side, one batch each in turn (order alternating per step).
 
@@ -277,7 +295,9 @@ def run_keyed_interleaved(
     ``<checkpointLocation>/state`` unless ``confs`` say otherwise: ``confs[label]``
     is set in ``spark.conf`` while that query starts and while it runs its
     batch (the driver reads ``spark.state.*`` at every batch). Returns the
-    stopped queries by label.
+    stopped queries by label. ``steal``, when given, is filled with the CPU
+    seconds the hypervisor took while each batch ran (``cpu_steal_seconds``),
+    by label and file index.
     """
     from spark_state import keyed
 
@@ -306,9 +326,12 @@ def run_keyed_interleaved(
                 if index is not None:
                     for key, value in confs.get(label, {}).items():
                         spark.conf.set(key, value)
+                    stolen = cpu_steal_seconds()
                     release_file(inputs[label], index, live[label])
                     released[label] += 1
                     await_batches(queries[label], released[label])
+                    if steal is not None and stolen is not None:
+                        steal.setdefault(label, {})[index] = round(cpu_steal_seconds() - stolen, 3)
                     for key in confs.get(label, {}):
                         spark.conf.unset(key)
     finally:

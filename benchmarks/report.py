@@ -503,6 +503,19 @@ def parts_section(keygroups: tuple[dict, str], source: tuple[dict, str], restore
     ]
 
 
+def _spread_line(keys: int, steady: dict, batches: int) -> str:
+    """The "behind" line of a steady batch above 1.5x the median: how many batches compacted, and how much CPU
+    the hypervisor took during the slowest (results before it was recorded have no ``slowest_batch``)."""
+    slowest = steady.get("slowest_batch") or {}
+    stolen = ""
+    if slowest.get("cpu_steal_seconds") is not None:
+        stolen = (f"; the hypervisor took {slowest['cpu_steal_seconds']:.2f} s of CPU while the slowest ran, "
+                  f"against a median of {slowest['median_cpu_steal_seconds']:.2f} s per steady batch")
+    return (f"- With {keys:,} keys of state, the slowest steady batch took {_x(steady['max_over_median'])} the median "
+            f"steady batch ({len(steady['batches_with_full_entries'])} of {batches} steady batches wrote key groups "
+            f"in full: compaction, or at least half of a key group's keys changed{stolen}).")
+
+
 def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, reader: dict | None = None,
                    rescale_s3: dict | None = None, commit: dict | None = None, time: dict | None = None,
                    keyed_long: dict | None = None, rescale_long: dict | None = None) -> list[str]:
@@ -604,10 +617,7 @@ def behind_section(rescale: dict, keyed: dict, checkpoint: dict, source: dict, r
     grown = int(largest) > int(min(state["versus_smallest"], key=int))
     spread = state["runs"][largest]["steady"].get("max_over_median")
     if spread is not None and spread > 1.5 and grown:
-        compacted = state["runs"][largest]["steady"]["batches_with_full_entries"]
-        out.append(f"- With {int(largest):,} keys of state, the slowest steady batch took {_x(spread)} the median "
-                   f"steady batch ({len(compacted)} of {len(ratios)} steady batches wrote key groups in full: "
-                   "compaction, or at least half of a key group's keys changed).")
+        out.append(_spread_line(int(largest), state["runs"][largest]["steady"], len(ratios)))
     if reloaded and grown:
         out.append(f"- With {int(largest):,} keys of state, {len(reloaded)} of {len(ratios)} steady batches "
                    f"reloaded an instance from the store; those batches took up to "
