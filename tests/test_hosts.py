@@ -180,6 +180,35 @@ def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkey
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_host_leaving_removes_its_own_socket_but_never_that_of_a_host_started_since_at_its_address(monkeypatch):
+    directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
+    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
+    try:
+        addresses = [directory / "q-0.sock", directory / "q-1.sock"]
+        servers = [threading.Thread(target=hosts.serve, args=(a, os.getpid()), kwargs={"idle_seconds": 0.5},
+                                    daemon=True) for a in addresses]
+        for server in servers:
+            server.start()
+        deadline = time.monotonic() + 5
+        while not all(a.exists() for a in addresses) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # q-1's socket was removed and a newer host bound its address meanwhile (a worker found it gone)
+        addresses[1].unlink()
+        newer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        newer.bind(str(addresses[1]))
+        inode = addresses[1].stat().st_ino
+        try:
+            for server in servers:
+                server.join(timeout=5)
+                assert not server.is_alive()
+            assert not addresses[0].exists()  # its own socket goes with a host
+            assert addresses[1].exists() and addresses[1].stat().st_ino == inode
+        finally:
+            newer.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _forked_host():
     """A host ``_connect`` forked, as a worker forks it: its socket's address and its pid; killed if it still runs,
