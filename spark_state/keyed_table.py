@@ -181,6 +181,14 @@ def keys_ascending(batches: Sequence[pa.RecordBatch], key: str) -> list[bool]:
     return [not column.null_count and i not in unsorted for i, column in enumerate(columns)]
 
 
+def _keys_ascending_each(batches: Sequence[pa.RecordBatch], key: str) -> list[bool]:
+    """``keys_ascending`` of batches whose key columns may differ in type (a chain read from an older blob):
+    one pass when they share one, else one per batch."""
+    if len({batch.schema.field(key).type for batch in batches}) > 1:
+        return [flag for batch in batches for flag in keys_ascending([batch], key)]
+    return keys_ascending(batches, key)
+
+
 class FetchedChain:
     """A key group's chain as fetched (oldest entry first, starting with a full one), not yet folded."""
 
@@ -219,11 +227,7 @@ class FetchedChain:
         unchecked = [chain for chain in chains if chain._search is False]
         key = unchecked[0].schema.sorted_key if unchecked else None
         eligible = [chain for chain in unchecked if not chain.released] if key is not None else []
-        batches = [batch for chain in eligible for _, batch in chain.batches]
-        if len({batch.schema.field(key).type for batch in batches}) > 1:  # one pass needs one key type
-            flags = iter([flag for batch in batches for flag in keys_ascending([batch], key)])
-        else:
-            flags = iter(keys_ascending(batches, key))
+        flags = iter(_keys_ascending_each([batch for chain in eligible for _, batch in chain.batches], key))
         for chain in unchecked:
             chain._search = None
         for chain in eligible:
@@ -301,7 +305,9 @@ class FetchedChain:
         key changed since the chain's full entry) follows that full entry;
         a ``delta`` follows the written entries. The content is unchanged.
         ``ascending``: the entry's keys are in strictly ascending order, no
-        null among them (``keys_ascending``). ``live``: the keys the chain
+        null among them (``keys_ascending``); the chain is then searchable
+        without checking its entries again, when its older entries were (a
+        merge keeps the full entry's check). ``live``: the keys the chain
         holds with the entry, when it also wrote changes the pending entries
         do not hold (an overlay's); the pending entries' count is then short
         of the keys new to the chain there, and a count short of the chain's
@@ -317,10 +323,13 @@ class FetchedChain:
         if kind == "full" or not committed:  # a new key group's first entry holds all of it
             self.batches = [("full", written)]
             self._live = written.num_rows - written.column(DELETED_COLUMN).true_count
-            self._search = False  # checked when next searched: one pass over one entry
+            self._search = [(written, written.column(0))] if ascending else None
         elif kind == "merge":
             self.batches = [*committed[:1], ("merge", written)]
-            self._search = False
+            if self._search:  # the full entry's keys known ascending (the oldest searched): the merge's decide
+                self._search = [(written, written.column(0)), self._search[-1]] if ascending else None
+            elif self._search is not None:
+                self._search = False  # not checked yet: both entries are, when next searched
         else:
             self.batches = [*committed, (kind, written)]
             if self._search:  # as ``searchable``: keys not strictly ascending, no search
@@ -1086,12 +1095,13 @@ class KeyGroupTable:
 
     def settle(self, entries: Sequence[tuple[int, EntryKind, pa.RecordBatch]]) -> None:
         """After a checkpoint wrote ``entries`` (``(key_group, kind, rows)``): keep their key groups as Arrow
-        (``_settle``). Their delta entries' keys are checked sorted once, all together."""
+        (``_settle``). The entries' keys are checked sorted once, all together: a chain's next search then
+        checks none of them (a first batch of millions of keys otherwise made the next one check them all,
+        and each compaction the whole chain it compacted)."""
         key = self.schema.sorted_key
-        deltas = [i for i, (_, kind, _) in enumerate(entries) if kind == "delta"] if key is not None else []
-        ascending = dict(zip(deltas, keys_ascending([entries[i][2] for i in deltas], key)))
+        ascending = _keys_ascending_each([written for _, _, written in entries], key) if key is not None else []
         for i, (key_group, kind, written) in enumerate(entries):
-            self._settle(key_group, kind, written, ascending.get(i, False))
+            self._settle(key_group, kind, written, ascending[i] if ascending else False)
 
     def _settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch, ascending: bool) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.

@@ -547,6 +547,39 @@ def test_full_entries_of_native_key_groups_are_their_folds_whether_a_batch_rewro
         assert {key[0]: value[0] for _, key, value in restored.table.items()} == model
 
 
+def test_a_checkpoint_checks_the_key_order_of_what_it_writes_so_later_searches_check_no_full_entry_again(
+        monkeypatch):
+    """``settle`` checks every written entry's key order in one pass: the search after a first batch of many
+    keys, and after a compaction, checks none of the full entries' keys (it checked them all before), and
+    finds what a dict model holds."""
+    agg = Aggregate("count", None, "count")
+    schema = KeyedSchema.of_values([pa.field("key", pa.string())], agg.state_fields())
+    store = Store(MemoryStorage(), retained=3)
+    state = ResidentState(schema, key_group_range(0, 1, M), native=True)
+    checked: list[int] = []
+    real = keyed_table.keys_ascending
+    monkeypatch.setattr(keyed_table, "keys_ascending", lambda batches, key: (
+        checked.append(sum(batch.num_rows for batch in batches)), real(batches, key))[1])
+    universe = [f"k{n:04d}" for n in range(2_000)]
+    model: dict[str, int] = {}
+    rng = random.Random(3)
+    for checkpoint_id in range(1, 9):
+        keys = universe if checkpoint_id == 1 else rng.sample(universe, 12)
+        ordered = sorted(keys, key=lambda k: key_group_for(k, M))
+        groups = [key_group_for(k, M) for k in ordered]
+        checked.clear()
+        found = state.table.look_up(np.asarray(groups), pa.array(ordered))
+        assert [None if v is None else v["count"] for v in found.to_pylist()] == [model.get(k) for k in ordered]
+        assert sum(checked) == 0, checkpoint_id  # no key checked: every entry's order known since it was written
+        agg.apply(state.table, pa.table({KEY_GROUP_COLUMN: pa.array(groups, pa.int32()), "key": ordered,
+                                         PARTIAL_PREFIX + "0": pa.array([1] * len(ordered), pa.int64())}), ("key",))
+        for k in ordered:
+            model[k] = model.get(k, 0) + 1
+        state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=3)
+    kinds = {kind for g in range(M) for kind, _ in state.table._unloaded[g].batches}
+    assert kinds == {"full", "merge", "delta"}  # compactions happened: the searches after them checked nothing
+
+
 def test_integer_keys_are_written_in_ascending_order_in_every_entry(store):
     """Full entries from the dicts, deltas from a put_many's columns or from the dicts, compacted full entries."""
     rng = random.Random(5)
