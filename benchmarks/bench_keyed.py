@@ -54,9 +54,12 @@ value and searches after a restore.
    batch at most 1.2x the 10k one, no steady batch reloading state, and no
    steady batch above 1.5x the median at the largest state (compaction).
    Each batch records the CPU seconds the hypervisor took while it ran
-   (``cpu_steal_seconds``), and ``slowest_batch`` sets the slowest steady
-   batch's beside the median: a slow batch that wrote no key group in full
-   and lost the machine was slowed by the host.
+   (``cpu_steal_seconds``), the seconds some task of the machine waited for
+   I/O (``io_stall_seconds``) and the JVM's garbage-collection seconds
+   (``jvm_gc_seconds``; in local mode they pause the tasks), and
+   ``slowest_batch`` sets the slowest steady batch's beside their medians: a
+   slow batch that wrote no key group in full, with a slowest task no slower
+   than usual, was slowed by something other than its state.
 3. ``memory``: resident bytes per key of state, the RSS growth of the
    processes that hold the instances (the instance hosts) over the smallest
    state's, per extra key, and the stored bytes per key; beside it
@@ -381,16 +384,23 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
 # 2. Batch time vs state size -----------------------------------------------
 
 
+INTERFERENCE = ("cpu_steal_seconds", "io_stall_seconds", "jvm_gc_seconds")
+"""What ``common.interference`` counts, per batch: None where the machine does not count it."""
+
+
 def _steady_summary(reports: list[dict]) -> dict:
     seconds = [r["seconds"] for r in reports]
     slowest = max(reports, key=lambda r: r["seconds"])
-    stolen = [r["cpu_steal_seconds"] for r in reports if r.get("cpu_steal_seconds") is not None]
+    taken = {}
+    for counter in INTERFERENCE:
+        values = [r[counter] for r in reports if r.get(counter) is not None]
+        taken[counter] = slowest.get(counter)
+        taken[f"median_{counter}"] = round(statistics.median(values), 3) if values else None
     return {
         "batch_seconds": common.summary(seconds),
         "max_over_median": round(max(seconds) / statistics.median(seconds), 3),
         "slowest_batch": {"batch_id": slowest["batch_id"], "seconds": slowest["seconds"],
-                          "cpu_steal_seconds": slowest.get("cpu_steal_seconds"),
-                          "median_cpu_steal_seconds": round(statistics.median(stolen), 3) if stolen else None},
+                          "max_task_seconds": slowest["max_task_seconds"], **taken},
         "max_task_seconds": common.summary([r["max_task_seconds"] for r in reports]),
         "batches_that_reloaded_state": [r["batch_id"] for r in reports if r["reloaded_state"]],
         "batches_with_full_entries": [r["batch_id"] for r in reports if r["full_entries"]],
@@ -472,16 +482,16 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
     schedules = {label: list(range(1 + len(steady))) for label in inputs}
     steady_ids = list(range(1, 1 + len(steady)))
     work = WORK / "state"
-    steal: dict[str, dict[int, float]] = {}
+    taken: dict[str, dict[int, dict[str, float]]] = {}
     queries, wall = common.timed(
-        lambda: common.run_keyed_interleaved(spark, inputs, schedules, parallelism, work, steal=steal))
+        lambda: common.run_keyed_interleaved(spark, inputs, schedules, parallelism, work, taken=taken))
     runs = {}
     for label, query in queries.items():
         reports = common.batch_reports(query, common.batch_progress(query))
         if [r["batch_id"] for r in reports] != list(range(len(inputs[label].rows))):
             raise RuntimeError(f"state_size {label}: batches {[r['batch_id'] for r in reports]}")
         for report in reports:  # file i is batch i
-            report["cpu_steal_seconds"] = steal.get(label, {}).get(report["batch_id"])
+            report.update({**dict.fromkeys(INTERFERENCE), **taken.get(label, {}).get(report["batch_id"], {})})
         runs[label] = {
             "state_keys": int(label),
             "resident_bytes": _resident_bytes(reports[-1]),

@@ -175,6 +175,33 @@ def cpu_steal_seconds() -> float | None:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
+def jvm_gc_seconds(spark) -> float:
+    """Seconds the driver JVM's garbage collectors have spent since it started (their MXBeans' collection
+    time); in local mode the executors' tasks run in that JVM, so its pauses stall them too."""
+    beans = spark._jvm.java.lang.management.ManagementFactory.getGarbageCollectorMXBeans()
+    return sum(bean.getCollectionTime() for bean in beans) / 1000.0
+
+
+def io_stall_seconds() -> float | None:
+    """Seconds in which at least one task of this machine waited for I/O since boot (the kernel's pressure
+    stall information, ``some`` in ``/proc/pressure/io``); None where the kernel does not count it."""
+    try:
+        some = Path("/proc/pressure/io").read_text().split("\n", 1)[0]
+    except OSError:
+        return None
+    total = dict(field.split("=", 1) for field in some.split()[1:]).get("total")
+    return int(total) / 1e6 if total is not None else None
+
+
+def interference(spark) -> dict[str, float]:
+    """What was taken from the code under test so far: ``jvm_gc_seconds``, and where the machine counts
+    them ``cpu_steal_seconds`` and ``io_stall_seconds``. The difference over a batch, beside its time, says
+    whether the machine or the JVM rather than the code under test made it slow."""
+    taken = {"jvm_gc_seconds": jvm_gc_seconds(spark), "cpu_steal_seconds": cpu_steal_seconds(),
+             "io_stall_seconds": io_stall_seconds()}
+    return {name: value for name, value in taken.items() if value is not None}
+
+
 def timed(action: Callable[[], Any]) -> tuple[Any, float]:
     started = time.perf_counter()
     result = action()
@@ -284,7 +311,7 @@ def run_keyed_interleaved(
     parallelism: int,
     work: Path,
     confs: dict[str, dict[str, str]] | None = None,
-    steal: dict[str, dict[int, float]] | None = None,
+    taken: dict[str, dict[int, dict[str, float]]] | None = None,
 ) -> dict:
     """One keyed-count query per input, run side by side, one batch each in turn (order alternating per step).
 
@@ -295,9 +322,9 @@ def run_keyed_interleaved(
     ``<checkpointLocation>/state`` unless ``confs`` say otherwise: ``confs[label]``
     is set in ``spark.conf`` while that query starts and while it runs its
     batch (the driver reads ``spark.state.*`` at every batch). Returns the
-    stopped queries by label. ``steal``, when given, is filled with the CPU
-    seconds the hypervisor took while each batch ran (``cpu_steal_seconds``),
-    by label and file index.
+    stopped queries by label. ``taken``, when given, is filled with what the
+    machine and the JVM took while each batch ran (``interference``'s
+    differences), by label and file index.
     """
     from spark_state import keyed
 
@@ -326,12 +353,13 @@ def run_keyed_interleaved(
                 if index is not None:
                     for key, value in confs.get(label, {}).items():
                         spark.conf.set(key, value)
-                    stolen = cpu_steal_seconds()
+                    before = interference(spark) if taken is not None else {}
                     release_file(inputs[label], index, live[label])
                     released[label] += 1
                     await_batches(queries[label], released[label])
-                    if steal is not None and stolen is not None:
-                        steal.setdefault(label, {})[index] = round(cpu_steal_seconds() - stolen, 3)
+                    if taken is not None:
+                        after = interference(spark)
+                        taken.setdefault(label, {})[index] = {k: round(after[k] - v, 3) for k, v in before.items()}
                     for key in confs.get(label, {}):
                         spark.conf.unset(key)
     finally:

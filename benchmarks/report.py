@@ -504,13 +504,16 @@ def parts_section(keygroups: tuple[dict, str], source: tuple[dict, str], restore
 
 
 def _spread_line(keys: int, steady: dict, batches: int) -> str:
-    """The "behind" line of a steady batch above 1.5x the median: how many batches compacted, and how much CPU
-    the hypervisor took during the slowest (results before it was recorded have no ``slowest_batch``)."""
+    """The "behind" line of a steady batch above 1.5x the median: how many batches compacted, and what the
+    hypervisor and the JVM took during the slowest (results from before they were recorded have none)."""
     slowest = steady.get("slowest_batch") or {}
-    stolen = ""
-    if slowest.get("cpu_steal_seconds") is not None:
-        stolen = (f"; the hypervisor took {slowest['cpu_steal_seconds']:.2f} s of CPU while the slowest ran, "
-                  f"against a median of {slowest['median_cpu_steal_seconds']:.2f} s per steady batch")
+    taken = [f"{what} {slowest[counter]:.2f} s (median {slowest[f'median_{counter}']:.2f} s)"
+             for counter, what in (("cpu_steal_seconds", "the hypervisor took"),
+                                   ("io_stall_seconds", "tasks waited for I/O for"),
+                                   ("jvm_gc_seconds", "the JVM collected garbage for"))
+             if slowest.get(counter) is not None]
+    listed = ", ".join(taken[:-1]) + (" and " if len(taken) > 1 else "") + (taken[-1] if taken else "")
+    stolen = f"; while the slowest ran, {listed}" if taken else ""
     return (f"- With {keys:,} keys of state, the slowest steady batch took {_x(steady['max_over_median'])} the median "
             f"steady batch ({len(steady['batches_with_full_entries'])} of {batches} steady batches wrote key groups "
             f"in full: compaction, or at least half of a key group's keys changed{stolen}).")
