@@ -384,15 +384,11 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
 # 2. Batch time vs state size -----------------------------------------------
 
 
-INTERFERENCE = ("cpu_steal_seconds", "io_stall_seconds", "jvm_gc_seconds")
-"""What ``common.interference`` counts, per batch: None where the machine does not count it."""
-
-
 def _steady_summary(reports: list[dict]) -> dict:
     seconds = [r["seconds"] for r in reports]
     slowest = max(reports, key=lambda r: r["seconds"])
     taken = {}
-    for counter in INTERFERENCE:
+    for counter in common.INTERFERENCE:
         values = [r[counter] for r in reports if r.get(counter) is not None]
         taken[counter] = slowest.get(counter)
         taken[f"median_{counter}"] = round(statistics.median(values), 3) if values else None
@@ -491,7 +487,7 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
         if [r["batch_id"] for r in reports] != list(range(len(inputs[label].rows))):
             raise RuntimeError(f"state_size {label}: batches {[r['batch_id'] for r in reports]}")
         for report in reports:  # file i is batch i
-            report.update({**dict.fromkeys(INTERFERENCE), **taken.get(label, {}).get(report["batch_id"], {})})
+            report.update({**dict.fromkeys(common.INTERFERENCE), **taken.get(label, {}).get(report["batch_id"], {})})
         runs[label] = {
             "state_keys": int(label),
             "resident_bytes": _resident_bytes(reports[-1]),

@@ -193,6 +193,10 @@ def io_stall_seconds() -> float | None:
     return int(total) / 1e6 if total is not None else None
 
 
+INTERFERENCE = ("cpu_steal_seconds", "io_stall_seconds", "jvm_gc_seconds")
+"""The counters ``interference`` reads, by name."""
+
+
 def interference(spark) -> dict[str, float]:
     """What was taken from the code under test so far: ``jvm_gc_seconds``, and where the machine counts
     them ``cpu_steal_seconds`` and ``io_stall_seconds``. The difference over a batch, beside its time, says

@@ -512,7 +512,7 @@ def _spread_line(keys: int, steady: dict, batches: int) -> str:
                                    ("io_stall_seconds", "tasks waited for I/O for"),
                                    ("jvm_gc_seconds", "the JVM collected garbage for"))
              if slowest.get(counter) is not None]
-    listed = ", ".join(taken[:-1]) + (" and " if len(taken) > 1 else "") + (taken[-1] if taken else "")
+    listed = ", ".join(taken[:-1]) + " and " + taken[-1] if len(taken) > 1 else "".join(taken)
     stolen = f"; while the slowest ran, {listed}" if taken else ""
     return (f"- With {keys:,} keys of state, the slowest steady batch took {_x(steady['max_over_median'])} the median "
             f"steady batch ({len(steady['batches_with_full_entries'])} of {batches} steady batches wrote key groups "

@@ -1099,9 +1099,10 @@ class KeyGroupTable:
         checks none of them (a first batch of millions of keys otherwise made the next one check them all,
         and each compaction the whole chain it compacted)."""
         key = self.schema.sorted_key
-        ascending = _keys_ascending_each([written for _, _, written in entries], key) if key is not None else []
-        for i, (key_group, kind, written) in enumerate(entries):
-            self._settle(key_group, kind, written, ascending[i] if ascending else False)
+        ascending = (_keys_ascending_each([written for _, _, written in entries], key) if key is not None
+                     else [False] * len(entries))
+        for (key_group, kind, written), sorted_keys in zip(entries, ascending):
+            self._settle(key_group, kind, written, sorted_keys)
 
     def _settle(self, key_group: int, kind: EntryKind, written: pa.RecordBatch, ascending: bool) -> None:
         """After a checkpoint wrote ``written`` (a ``kind`` entry) for ``key_group``: keep the group as Arrow.

@@ -192,7 +192,7 @@ def test_keyed_smoke(keyed):
     # each batch records what the machine and the JVM took while it ran (a number, 0 when nothing: small runs often
     # collect no garbage in a batch); the slowest steady batch is named with them
     for run in keyed["state_size"]["runs"].values():
-        for counter in bench_keyed.INTERFERENCE:
+        for counter in common.INTERFERENCE:
             taken = [b[counter] for b in run["batches"]]
             assert all(isinstance(s, float) and s >= 0 for s in taken), (counter, taken)
         steady = [run["batches"][i] for i in keyed["state_size"]["steady_batch_ids"]]
