@@ -179,7 +179,7 @@ class StandaloneCluster:
             try:
                 with urllib.request.urlopen(f"http://{LOOPBACK}:{self.master_ui_port}/json/", timeout=2) as reply:
                     status = json.load(reply)
-            except OSError:
+            except (OSError, ValueError):  # not up yet, or a page that is not the status (HTML while it starts)
                 status = {}
             if ready(status):
                 return
