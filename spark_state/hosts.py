@@ -11,8 +11,9 @@ instance) over a Unix socket, and relays the output rows the host's
 between batches, whichever worker carries the next task.
 
 Protocol (one connection per task; a host serves one connection at a time,
-so two attempts of one instance never run at once): the worker sends frames
-``TASK`` (the pickled task and instance), ``BATCH`` (one Arrow IPC stream per
+so two attempts of one instance never run at once): after the handshake in
+which each end proves it belongs to the executor (``host_trust``), the
+worker sends frames ``TASK`` (the pickled task and instance), ``BATCH`` (one Arrow IPC stream per
 input record batch) and ``END``; the host restores the instance as soon as
 the task comes, reads the rows while Spark is still preparing them, and
 answers ``BATCH`` frames of output and ``END``, or, once it has read the
@@ -66,8 +67,11 @@ pyarrow, pandas: most of its heap) at its first task for a host and before
 each fork (``freeze_worker``, as Python's documentation advises before a fork
 without exec): its collector no longer walks them. Those walks cost each
 worker about 55 ms of CPU per task and dirtied the pages it shares with the
-hosts it forked (each first write copies the page). Sockets live in
-``<tmp>/spark-state-<uid>/<daemon pid>/``. No pyspark, except its bundled
+hosts it forked (each first write copies the page).
+
+Trust: sockets, locks and logs live in the executor's private directory,
+and both ends of a connection prove they belong to the executor before
+anything is unpickled (``host_trust``). No pyspark, except its bundled
 ``cloudpickle`` for user functions, its ``Broadcast`` for the broadcast
 variables they read (``_pickled_task``) and its ``TaskContext``, which a
 host sets to its worker's for each task (``_task_context``).
@@ -84,13 +88,13 @@ import gc
 import hashlib
 import os
 import pickle
+import re
 import select
 import shutil
 import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -100,6 +104,9 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 
 from spark_state.errors import SparkStateError
+from spark_state.host_trust import (
+    admit, host_key, log_refusal, peer_credentials, private_file, prove_to_host, socket_directory,
+)
 
 IDLE_SECONDS = 300.0
 """A host with no task for this long exits (its state is in the store; the next task reloads it), unless its
@@ -152,14 +159,21 @@ class InstanceHostLostError(SparkStateError):
     """The instance host died while it ran a task (killed, or out of memory); Spark retries the task."""
 
 
-def _socket_dir(daemon_pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"spark-state-{os.getuid()}" / str(daemon_pid)
-
-
 def host_address(daemon_pid: int, store: str, component: str, instance: int) -> Path:
-    """The socket of the host of ``instance`` of ``component`` in ``store``, for the executor of ``daemon_pid``."""
+    """The socket of the host of ``instance`` of ``component`` in ``store``, for the executor of ``daemon_pid``,
+    in the executor's private directory (``host_trust.socket_directory``)."""
+    return socket_directory(daemon_pid) / host_name(store, component, instance)
+
+
+def host_name(store: str, component: str, instance: int) -> str:
+    """The name of the socket of the host of ``instance`` of ``component`` in ``store``."""
     digest = hashlib.sha1(f"{store}\0{component}".encode()).hexdigest()[:16]
-    return _socket_dir(daemon_pid) / f"{digest}-{instance}.sock"
+    return f"{digest}-{instance}.sock"
+
+
+SOCKET_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,80}\.sock")
+"""A socket's name in its directory (``host_name``'s, a spare's): what an adopted host may bind (``_adoption``), never
+a path elsewhere."""
 
 
 # Frames -------------------------------------------------------------------------------------
@@ -272,7 +286,7 @@ def _report_slow_host(connection: socket.socket, instance: int, address: Path, w
         log = address.with_suffix(".log")
         size = log.stat().st_size if log.exists() else 0
         if hasattr(socket, "SO_PEERCRED"):
-            pid = _peer_pid(connection)
+            pid = peer_credentials(connection)[0]
             os.kill(pid, STACKS_SIGNAL)
             time.sleep(0.5)  # the host writes them in its signal handler, even when its interpreter is stuck
             with open(log, "rb") as text:
@@ -283,12 +297,6 @@ def _report_slow_host(connection: socket.socket, instance: int, address: Path, w
     print(f"spark-state: the worker of instance {instance} (pid {os.getpid()}) has waited {waited:.1f} s for an "
           f"answer from its host (pid {pid}, {address}); it keeps waiting. The host's threads:\n{stacks}",
           file=sys.stderr, flush=True)
-
-
-def _peer_pid(connection: socket.socket) -> int:
-    """The pid of the process at the other end of a Unix socket (Linux: ``SO_PEERCRED``)."""
-    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", credentials)[0]
 
 
 _WORKER_FROZEN = False
@@ -395,8 +403,7 @@ def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:
         return connection
     _reap_hosts()
     _remove_dead_executors(address.parent.parent)
-    address.parent.mkdir(parents=True, exist_ok=True)
-    with open(address.with_suffix(".lock"), "w") as lock:
+    with open(private_file(address.with_suffix(".lock")), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         connection = _try_connect(address)
         if connection is not None:
@@ -484,13 +491,15 @@ def _adopt(address: Path) -> bool:
         elif path != address and idle >= ADOPT_IDLE_SECONDS:  # not running a task (``_mark``), nor just done
             candidates.append((1 if _query(path) == query else 2, idle, path))
     for *_, path in sorted(candidates)[:ADOPT_CANDIDATES]:
-        connection = _try_connect(path)
+        try:
+            connection = _try_connect(path, ADOPT_ANSWER_SECONDS)
+        except OSError:  # busy with a task (timed out), or gone
+            continue
         if connection is None:
             continue
         with connection:
             try:
-                connection.settimeout(ADOPT_ANSWER_SECONDS)
-                _send(connection, ADOPT, str(address).encode())
+                _send(connection, ADOPT, address.name.encode())
                 if _next_kind(connection) != READY:
                     continue
                 connection.settimeout(START_SECONDS)
@@ -583,13 +592,21 @@ def _remove_dead_executors(root: Path) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _try_connect(address: Path) -> socket.socket | None:
+def _try_connect(address: Path, timeout: float | None = None) -> socket.socket | None:
+    """An authenticated connection to the host at ``address`` (``host_trust.prove_to_host``), None when no host
+    listens there; ``timeout`` bounds each step (``socket.timeout``, an ``OSError``, when a busy host does not
+    answer), None: no bound. ``HostAuthenticationError`` when the process there is not a host of this executor."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        connection.settimeout(timeout)
         connection.connect(str(address))
+        prove_to_host(connection, host_key(address.parent))
     except (FileNotFoundError, ConnectionRefusedError):
         connection.close()
         return None
+    except BaseException:
+        connection.close()
+        raise
     return connection
 
 
@@ -645,7 +662,7 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS,
         served = None  # the last task this host ran
         since_full = 0  # tasks since the last full collection of garbage
         if is_host:
-            gc.freeze()  # what it made since the fork (the worker froze what it inherits; a host run as __main__ too)
+            gc.freeze()  # what it made since the fork (the worker froze what it inherits)
         gaps, last_start = collections.deque(maxlen=GAPS_KEPT), None  # between the starts of its latest tasks
         while (_SIGNALLED is None and _alive(daemon_pid)
                and time.monotonic() - last_task < idle_limit(gaps, idle_seconds)):
@@ -662,6 +679,8 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = IDLE_SECONDS,
                 continue
             with connection:
                 connection.settimeout(None)
+                if not _admitted(connection, address):
+                    continue
                 if _first_frame_kind(connection) == ADOPT:
                     adopted = _adoption(connection, served, time.monotonic() - last_task, listener, address)
                     if adopted is not None or not address.exists():
@@ -742,11 +761,26 @@ def _bound(address: Path) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(str(address))
+        os.chmod(address, 0o600)  # its directory is private already; the socket is too, whatever the umask
         listener.listen(8)
     except BaseException:
         listener.close()
         raise
     return listener
+
+
+def _admitted(connection: socket.socket, address: Path) -> bool:
+    """Whether the peer at ``connection`` proved it is a worker or host of this executor (``host_trust.admit``);
+    one that did not is logged and gets nothing more."""
+    refused = admit(connection, host_key(address.parent))
+    if refused is not None:
+        log_refusal(refused, connection)
+    return refused is None
+
+
+def listener_address(listener: socket.socket) -> Path:
+    """The path ``listener`` is bound to."""
+    return Path(listener.getsockname())
 
 
 def _first_frame_kind(connection: socket.socket) -> bytes:
@@ -774,7 +808,11 @@ def _adoption(connection: socket.socket, served, idle_seconds: float, listener: 
     frame = _receive(connection)
     if frame is None:
         return None
-    new_address = Path(frame[1].decode())
+    name = frame[1].decode(errors="replace")
+    if not SOCKET_NAME.fullmatch(name):  # a worker names an instance's socket, never a path: it stays in this directory
+        log_refusal(f"it asked this host to serve at {name[:80]!r}, which is not an instance's socket name", connection)
+        return None
+    new_address = address.parent / name
     agreed = _is_spare(address) or (served is not None and idle_seconds >= ADOPT_IDLE_SECONDS
                                      and held_keys() <= ADOPT_MAX_KEYS and obsolete(served, idle_seconds))
     try:
@@ -804,7 +842,7 @@ def _adoption(connection: socket.socket, served, idle_seconds: float, listener: 
 
 def _log_to(log: Path) -> None:
     """Send this process's standard output and error to ``log`` (a host's log is beside its socket)."""
-    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    output = private_file(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.close(output)
@@ -853,6 +891,8 @@ def _serve_queued(listener: socket.socket) -> int:
             return served
         with connection:
             connection.setblocking(True)
+            if not _admitted(connection, listener_address(listener)):
+                continue
             if _first_frame_kind(connection) == ADOPT:
                 with contextlib.suppress(OSError):
                     _send(connection, REFUSED)
@@ -980,6 +1020,3 @@ def _send_error(connection: socket.socket, error: Exception) -> None:
     except (BrokenPipeError, ConnectionResetError):
         pass
 
-
-if __name__ == "__main__":
-    serve(Path(sys.argv[1]), int(sys.argv[2]))

@@ -80,9 +80,9 @@ def _jvm_threads(spark) -> str:
 
 def _host_logs(since: float) -> list[Path]:
     """The instance hosts' logs on this machine written to since ``since`` (every executor's, this run's too)."""
-    root = Path(tempfile.gettempdir()) / f"spark-state-{os.getuid()}"
-    logs = []
-    for log in root.glob("*/*.log"):
+    root, level = Path(tempfile.gettempdir()), f"spark-state-{os.getuid()}"
+    logs = []  # below Spark's local directory of each executor (local mode: /tmp/blockmgr-*), or the temporary one
+    for log in [*root.glob(f"{level}/*/*.log"), *root.glob(f"*/{level}/*/*.log")]:
         try:
             status = log.stat()
         except FileNotFoundError:

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 
 from spark_state import hosts
+from spark_state.host_trust import host_key, peer_credentials, prove_to_host
 from spark_state.hosts import FULL_COLLECTION_TASKS, collect_garbage
 from spark_state.manifest import ComponentSpec
 from spark_state.operator import forget_stores
@@ -101,6 +102,7 @@ def _connected(address: Path, timeout: float = 10.0) -> socket.socket:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             client.connect(str(address))
+            prove_to_host(client, host_key(address.parent))
             return client
         except (FileNotFoundError, ConnectionRefusedError):
             client.close()
@@ -215,6 +217,7 @@ def _forked_host():
     reaped and its files removed after the test."""
     directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
     address = directory / "x" / "q-0.sock"
+    address.parent.mkdir(mode=0o700)
     try:
         with hosts._connect(address, os.getpid(), str(directory / "state")):
             pass
@@ -564,13 +567,18 @@ def test_a_task_for_a_host_being_adopted_is_served_and_the_adoption_refused(monk
     with _threaded_host(monkeypatch, obsolete=True) as host:
         new = host.directory / "r-3.sock"
         with _connected(host.address) as adopter:
-            hosts._send(adopter, hosts.ADOPT, str(new).encode())
+            hosts._send(adopter, hosts.ADOPT, new.name.encode())
             assert hosts._receive(adopter)[0] == hosts.READY
-            with _connected(host.address) as worker:  # a task of its instance after all, queued
-                worker.sendall(b"T")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as worker:  # a task of its instance after all
+                worker.connect(str(host.address))  # queued: the host proves itself once it takes the connection
+                answers = []
+                task = threading.Thread(target=lambda: (prove_to_host(worker, host_key(host.directory)),
+                                                        worker.sendall(b"T"), answers.append(worker.recv(1))))
+                task.start()
                 hosts._send(adopter, hosts.GO)
                 assert hosts._receive(adopter)[0] == hosts.REFUSED
-                assert worker.recv(1) == b"K"
+                task.join(timeout=5)
+                assert answers == [b"K"]
         host.thread.join(timeout=5)
         assert not host.thread.is_alive() and host.results == [None]  # it left, as an obsolete host does
         assert not new.exists() and not host.address.exists() and host.served == [b"T", b"T"]
@@ -598,7 +606,7 @@ def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_ad
         assert hosts._adopt(new)
         assert not list(address.parent.glob("spare-*")), _log(new)
         with _connected(new) as connection:
-            assert hosts._peer_pid(connection) == host  # the spare, not a new fork
+            assert peer_credentials(connection)[0] == host  # the spare, not a new fork
             connection.sendall(b"T")
             assert connection.recv(1) == b"K"
         assert hosts._host_running(host)
@@ -656,7 +664,7 @@ def test_a_worker_asks_no_host_that_runs_a_task_so_it_never_waits_for_a_busy_one
             while host.address.stat().st_mtime < time.time() and time.monotonic() < deadline:
                 time.sleep(0.01)  # it dated its socket ahead as it took the task
             asked = []
-            monkeypatch.setattr(hosts, "_try_connect", lambda path: asked.append(path))
+            monkeypatch.setattr(hosts, "_try_connect", lambda path, timeout=None: asked.append(path))
             started = time.monotonic()
             assert not hosts._adopt(host.directory / "r-3.sock")
             assert asked == [] and time.monotonic() - started < hosts.ADOPT_ANSWER_SECONDS
