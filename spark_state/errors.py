@@ -28,6 +28,11 @@ class StorageError(SparkStateError):
     """A storage backend failed; the message names the path and the backend."""
 
 
+class StoreLinkError(StorageError):
+    """A path in a local store leads through a symbolic link, which a store never follows; nothing was read or
+    changed. The message names the link: remove it."""
+
+
 class StorageTimeoutError(StorageError):
     """A storage call did not finish within its timeout; whether it took effect is unknown."""
 

@@ -20,23 +20,36 @@ or FUSE mounts do not, and ``create`` then fails with a ``StorageError``).
 ``delete`` removes the directories it leaves empty, up to (not including) the
 root. A concurrent ``create`` in such a directory retries if the directory
 vanishes under it.
+
+A store never leaves its root. Every path below the root is reached one
+component at a time from a descriptor of its parent, never through a
+symbolic link (``O_NOFOLLOW``; the root itself may be a link, as an
+administrator may make it): an operation on a path through a link raises
+``StoreLinkError`` and changes nothing, ``list`` leaves links out (with a
+line in the log), and ``delete`` removes a link it is asked to delete, never
+what it points to. So whoever can write into a store cannot make its owner
+read, list or delete anything outside it. Files are created 0644 and
+directories 0755, less what the umask takes: never writable by others.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
-import shutil
 import stat
-import sys
 import uuid
 from pathlib import Path
 
-from spark_state.errors import BlobExistsError, BlobNotFoundError, ShortReadError, StorageError
+from spark_state.errors import BlobExistsError, BlobNotFoundError, ShortReadError, StorageError, StoreLinkError
 from spark_state.storage.base import TEMP_PREFIX, Storage, check_path, check_range
 
 _MAKE_DIR_ATTEMPTS = 10
 """How often ``create`` re-creates a directory that a concurrent ``delete`` pruned."""
+FILE_MODE = 0o644
+DIRECTORY_MODE = 0o755
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LOG = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
@@ -57,23 +70,38 @@ class LocalStorage(Storage):
 
     def create(self, path: str, data: bytes, *, overwrite: bool = False) -> None:
         check_path(path)
-        final = self._local(path)
-        tmp = self._write_temp(path, data)
-        try:
-            self._publish(path, tmp, final, overwrite)
-            _fsync_directory(os.path.dirname(final))
-        except StorageError:
-            raise  # already typed (BlobExistsError is also an OSError)
-        except OSError as err:
-            raise self._error("create", path, err) from err
-        finally:
-            _remove_quietly(tmp)
+        *parents, name = path.split("/")
+        for _ in range(_MAKE_DIR_ATTEMPTS):
+            try:
+                directory = self._directory(path, parents, create=True)
+            except FileNotFoundError:
+                continue  # a concurrent delete pruned a directory just made
+            try:
+                tmp = self._write_temp(path, directory, data)
+                if tmp is None:
+                    continue  # its directory was pruned meanwhile
+                try:
+                    self._publish(path, directory, tmp, name, overwrite)
+                    os.fsync(directory)
+                except StorageError:
+                    raise  # already typed (BlobExistsError is also an OSError)
+                except OSError as err:
+                    raise self._error("create", path, err) from err
+                finally:
+                    _remove_quietly(tmp, directory)
+                return
+            finally:
+                os.close(directory)
+        raise StorageError(
+            f"create of {path!r} in {self.uri} failed: its directory was removed "
+            f"{_MAKE_DIR_ATTEMPTS} times by concurrent deletes; stop deleting what is being written"
+        )
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         check_path(path)
         check_range(offset, length)
         try:
-            with open(self._local(path), "rb") as file:
+            with os.fdopen(self._open_file(path), "rb") as file:
                 size = os.fstat(file.fileno()).st_size
                 end = size if length is None else offset + length
                 if offset > size or end > size:
@@ -83,6 +111,8 @@ class LocalStorage(Storage):
                     )
                 file.seek(offset)
                 data = file.read(end - offset)
+        except StorageError:
+            raise
         except OSError as err:
             raise self._error("read", path, err) from err
         if len(data) != end - offset:
@@ -95,9 +125,13 @@ class LocalStorage(Storage):
     def size(self, path: str) -> int:
         check_path(path)
         try:
-            info = os.stat(self._local(path))
+            info = self._lstat(path)
+        except StorageError:
+            raise
         except OSError as err:
             raise self._error("size", path, err) from err
+        if stat.S_ISLNK(info.st_mode):
+            raise self._link(path, path)
         if not stat.S_ISREG(info.st_mode):
             raise BlobNotFoundError(f"{path!r} is a directory, not a blob, in {self.uri}")
         return info.st_size
@@ -105,125 +139,192 @@ class LocalStorage(Storage):
     def exists(self, path: str) -> bool:
         check_path(path)
         try:
-            os.stat(self._local(path))
+            info = self._lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             return False
+        except StorageError:
+            raise
         except OSError as err:
             raise self._error("exists", path, err) from err
+        if stat.S_ISLNK(info.st_mode):
+            raise self._link(path, path)
         return True
 
     def list(self, path: str = "") -> list[str]:
         check_path(path, allow_root=True)
         try:
-            names = os.listdir(self._local(path))
+            directory = self._directory(path, path.split("/") if path else [], create=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except StorageError:
+            raise
         except OSError as err:
             raise self._error("list", path, err) from err
-        return sorted(name for name in names if not name.startswith(TEMP_PREFIX))
+        try:
+            with os.scandir(directory) as entries:
+                names = []
+                for entry in entries:
+                    if entry.name.startswith(TEMP_PREFIX):
+                        continue
+                    if entry.is_symlink():
+                        _LOG.warning("%s holds a symbolic link at %r, which spark-state did not write and never "
+                                     "follows: it is left out of the listing; remove it", self.uri,
+                                     f"{path}/{entry.name}" if path else entry.name)
+                        continue
+                    names.append(entry.name)
+        except OSError as err:
+            raise self._error("list", path, err) from err
+        finally:
+            os.close(directory)
+        return sorted(names)
 
     def delete(self, path: str) -> None:
         check_path(path)
-        target = self._local(path)
+        *parents, name = path.split("/")
         try:
-            info = os.lstat(target)
+            directory = self._directory(path, parents, create=False)
         except (FileNotFoundError, NotADirectoryError):
             return
+        except StorageError:
+            raise
         except OSError as err:
             raise self._error("delete", path, err) from err
         try:
+            info = os.stat(name, dir_fd=directory, follow_symlinks=False)
             if stat.S_ISDIR(info.st_mode):
-                _remove_tree(target)
+                _remove_tree(directory, name)
             else:
-                os.unlink(target)
+                if stat.S_ISLNK(info.st_mode):
+                    _LOG.warning("deleting the symbolic link %r in %s, not what it points to", path, self.uri)
+                os.unlink(name, dir_fd=directory)
         except FileNotFoundError:
             pass
         except OSError as err:
             raise self._error("delete", path, err) from err
-        self._prune_empty_parents(path)
+        finally:
+            os.close(directory)
+        self._prune_empty_parents(parents)
 
-    def _local(self, path: str) -> str:
-        return os.path.join(self.root, *path.split("/")) if path else self.root
+    def _directory(self, path: str, parts: list[str], *, create: bool) -> int:
+        """A descriptor of directory ``root/parts...``, reached without following a link below the root; with
+        ``create``, each missing level is made (0755 less the umask) and its parent fsynced. The caller closes it.
 
-    def _write_temp(self, path: str, data: bytes) -> str:
-        """Steps 1-2: make the blob's directory, write ``data`` to a fresh temp file in it, fsync."""
-        directory = os.path.dirname(self._local(path))
-        for _ in range(_MAKE_DIR_ATTEMPTS):
-            tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-            try:
-                self._make_directories(path)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            except StorageError:
-                raise
-            except FileNotFoundError:
-                continue  # a concurrent delete pruned a directory we just made
-            except OSError as err:
-                raise self._error("create", path, err) from err
-            try:
-                with os.fdopen(fd, "wb") as file:
-                    file.write(data)
-                    file.flush()
-                    os.fsync(file.fileno())
-            except BaseException as err:
-                _remove_quietly(tmp)
-                if isinstance(err, OSError):
-                    raise self._error("create", path, err) from err
-                raise
-            return tmp
-        raise StorageError(
-            f"create of {path!r} in {self.uri} failed: its directory was removed "
-            f"{_MAKE_DIR_ATTEMPTS} times by concurrent deletes; stop deleting what is being written"
+        ``StoreLinkError`` for a level that is a link; ``FileNotFoundError`` for a missing level (with
+        ``create``: one a concurrent delete removed); ``NotADirectoryError`` for a level that is a file (with
+        ``create``: ``BlobExistsError``).
+        """
+        if create:
+            os.makedirs(self.root, mode=DIRECTORY_MODE, exist_ok=True)
+        directory = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root may be a link
+        try:
+            for depth, part in enumerate(parts):
+                if create:
+                    try:
+                        os.mkdir(part, DIRECTORY_MODE, dir_fd=directory)
+                    except FileExistsError:
+                        pass
+                    else:
+                        os.fsync(directory)
+                try:
+                    child = os.open(part, _DIRECTORY, dir_fd=directory)
+                except NotADirectoryError:
+                    info = os.stat(part, dir_fd=directory, follow_symlinks=False)
+                    level = "/".join(parts[: depth + 1])
+                    if stat.S_ISLNK(info.st_mode):
+                        raise self._link(path, level) from None
+                    if create:
+                        raise BlobExistsError(
+                            f"cannot create blob {path!r} in {self.uri}: its parent {level!r} is a blob"
+                        ) from None
+                    raise
+                os.close(directory)
+                directory = child
+        except BaseException:
+            os.close(directory)
+            raise
+        return directory
+
+    def _open_file(self, path: str) -> int:
+        """A descriptor of the blob ``path``, opened for reading without following a link."""
+        *parents, name = path.split("/")
+        directory = self._directory(path, parents, create=False)
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise self._link(path, path) from None
+            raise
+        finally:
+            os.close(directory)
+
+    def _lstat(self, path: str) -> os.stat_result:
+        *parents, name = path.split("/")
+        directory = self._directory(path, parents, create=False)
+        try:
+            return os.stat(name, dir_fd=directory, follow_symlinks=False)
+        finally:
+            os.close(directory)
+
+    def _link(self, path: str, link: str) -> StoreLinkError:
+        _LOG.warning("%s holds a symbolic link at %r, which spark-state did not write and never follows", self.uri,
+                     link)
+        return StoreLinkError(
+            f"{path!r} in {self.uri} leads through the symbolic link {link!r}: a store never follows links inside "
+            "it (one there may point anywhere). Nothing was read or changed; remove the link"
         )
 
-    def _make_directories(self, path: str) -> None:
-        """Create the parent directories of ``path`` below the root, fsyncing each new entry's parent.
-
-        Raises ``FileNotFoundError`` when a concurrent delete prunes a directory
-        between two steps; the caller retries.
-        """
-        parent = self.root
-        os.makedirs(parent, exist_ok=True)
-        for part in path.split("/")[:-1]:
-            child = os.path.join(parent, part)
-            try:
-                os.mkdir(child)
-            except FileExistsError:
-                if not os.path.isdir(child):
-                    blob = os.path.relpath(child, self.root).replace(os.sep, "/")
-                    raise BlobExistsError(
-                        f"cannot create blob {path!r} in {self.uri}: its parent {blob!r} is a blob"
-                    ) from None
-            except FileNotFoundError:
-                raise
-            except OSError as err:
+    def _write_temp(self, path: str, directory: int, data: bytes) -> str | None:
+        """Step 2: write ``data`` to a fresh temp file in ``directory``, fsync; its name, or None when the
+        directory was removed meanwhile (the caller makes it again)."""
+        tmp = f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, FILE_MODE, dir_fd=directory)
+        except FileNotFoundError:
+            return None  # a concurrent delete pruned the directory after it was opened
+        except OSError as err:
+            raise self._error("create", path, err) from err
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+        except BaseException as err:
+            _remove_quietly(tmp, directory)
+            if isinstance(err, OSError):
                 raise self._error("create", path, err) from err
-            else:
-                _fsync_directory(parent)
-            parent = child
+            raise
+        return tmp
 
-    def _publish(self, path: str, tmp: str, final: str, overwrite: bool) -> None:
-        """Step 3: make the complete temp file visible at ``final`` in one atomic step."""
+    def _publish(self, path: str, directory: int, tmp: str, name: str, overwrite: bool) -> None:
+        """Step 3: make the complete temp file visible as ``name`` in one atomic step."""
         try:
             if overwrite:
-                os.replace(tmp, final)
+                os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
             else:
-                os.link(tmp, final)
+                os.link(tmp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
         except IsADirectoryError:
             raise BlobExistsError(f"cannot create blob {path!r} in {self.uri}: it is a directory") from None
         except FileExistsError:
-            what = "is a directory" if os.path.isdir(final) else "already exists"
+            info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+            what = "is a directory" if stat.S_ISDIR(info.st_mode) else "already exists"
             raise BlobExistsError(
                 f"blob {path!r} {what} in {self.uri}; delete it or, for a blob, pass overwrite=True"
             ) from None
 
-    def _prune_empty_parents(self, path: str) -> None:
-        """Remove the directories above ``path`` that are now empty, deepest first, never the root."""
-        parts = path.split("/")
-        for depth in range(len(parts) - 1, 0, -1):
+    def _prune_empty_parents(self, parents: list[str]) -> None:
+        """Remove the directories ``parents`` names that are now empty, deepest first, never the root."""
+        for depth in range(len(parents), 0, -1):
             try:
-                os.rmdir(self._local("/".join(parts[:depth])))
+                directory = self._directory("/".join(parents), parents[: depth - 1], create=False)
+            except (OSError, StorageError):
+                return
+            try:
+                os.rmdir(parents[depth - 1], dir_fd=directory)
             except OSError:
                 return  # not empty (or already gone): so are its ancestors, or another delete prunes them
+            finally:
+                os.close(directory)
 
     def _error(self, op: str, path: str, err: OSError) -> StorageError:
         """Map an ``OSError`` from ``op`` on ``path`` to the typed error the contract promises."""
@@ -240,35 +341,42 @@ class LocalStorage(Storage):
         return StorageError(f"{op} of {path!r} in {self.uri} failed: {err}")
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path: str) -> None:
+def _remove_quietly(name: str, directory: int) -> None:
     """Remove a temp file that may already be gone (published by link+unlink, or by replace)."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=directory)
     except FileNotFoundError:
         pass
 
 
-def _remove_tree(directory: str) -> None:
-    """``shutil.rmtree``, except that entries a concurrent delete removed first are not errors, and a
-    directory that a concurrent create filled again stays, with the new blob."""
-
-    def ignore_missing(function, path, error) -> None:
-        error = error[1] if isinstance(error, tuple) else error
-        if isinstance(error, FileNotFoundError):
-            return
-        if function is os.rmdir and isinstance(error, OSError) and error.errno == errno.ENOTEMPTY:
-            return  # a concurrent create put a blob here after the listing: it stays (see base.delete)
-        raise error
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(directory, onexc=ignore_missing)
-    else:
-        shutil.rmtree(directory, onerror=ignore_missing)
+def _remove_tree(parent: int, name: str) -> None:
+    """Remove the directory ``name`` in ``parent`` and everything below it, descending by descriptors and never
+    through a link (a link is removed, not followed). Entries a concurrent delete removed first are not errors,
+    and a directory that a concurrent create filled again stays, with the new blob (see ``base.delete``)."""
+    try:
+        directory = os.open(name, _DIRECTORY, dir_fd=parent)
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:  # replaced by a file or a link meanwhile: remove that one entry
+        os.unlink(name, dir_fd=parent)
+        return
+    try:
+        with os.scandir(directory) as entries:
+            children = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for child, is_directory in children:
+            try:
+                if is_directory:
+                    _remove_tree(directory, child)
+                else:
+                    os.unlink(child, dir_fd=directory)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(directory)
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        if err.errno != errno.ENOTEMPTY:
+            raise
