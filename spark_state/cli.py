@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from spark_state.errors import SparkStateError
+from spark_state.redaction import redact
 
 def _console(stderr: bool = False):
     from rich.console import Console
@@ -96,7 +97,10 @@ def _size(n: int) -> str:
 
 
 class _Group(click.Group):
-    """Turns typed errors into a one-line message on stderr and exit code 1."""
+    """Turns typed errors into a one-line message on stderr and exit code 1; click's own errors (a usage error
+    quotes the argument it could not take) are redacted too (``redaction``)."""
+
+    group_class = type  # subgroups (``savepoint``) are of this class too
 
     def invoke(self, ctx):
         try:
@@ -104,6 +108,16 @@ class _Group(click.Group):
         except SparkStateError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(1)
+        except click.ClickException as exc:
+            exc.message = redact(exc.message)
+            raise
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.ClickException as exc:
+            exc.message = redact(exc.message)
+            raise
 
 
 JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON document (for scripts).")

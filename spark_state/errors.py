@@ -1,15 +1,22 @@
 """Typed errors of spark-state.
 
-Every error says what happened and what the operator should do next. Errors
+Every error says what happened and what the operator should do next, and
+never repeats a secret the user typed (``SparkStateError``). Errors
 that come from bad configuration or bad arguments also subclass ``ValueError``
 so that generic callers can catch them as such.
 """
 
 from __future__ import annotations
 
+from spark_state.redaction import redact
+
 
 class SparkStateError(Exception):
-    """Base class of every error raised by spark-state."""
+    """Base class of every error raised by spark-state. Its message never holds what may be a secret: user
+    information in a URI, a secret-looking parameter's value (``redaction``), however the message was made."""
+
+    def __init__(self, *args):
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class ConfigError(SparkStateError, ValueError):

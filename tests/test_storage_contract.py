@@ -11,6 +11,7 @@ and ``open_storage``; ``tests/test_s3_storage.py`` does the same for S3.
 from __future__ import annotations
 
 import os
+import stat
 import queue
 import random
 import threading
@@ -26,6 +27,7 @@ from spark_state.errors import (
     ShortReadError,
     StorageError,
 )
+from spark_state.redaction import redact
 from spark_state.storage import LocalStorage, MemoryStorage, S3Storage, WebHdfsStorage, open_storage
 from spark_state.storage.base import TEMP_PREFIX
 from tests.webhdfs_server import WebHdfsServer
@@ -400,7 +402,7 @@ def test_local_blob_is_invisible_until_the_publish_step(tmp_path, monkeypatch):
     real_link = os.link
 
     def observing_link(source, destination, *args, **kwargs):
-        observed["temp_size"] = os.path.getsize(source)
+        observed["temp_size"] = os.stat(source, dir_fd=kwargs.get("src_dir_fd")).st_size
         observed["exists"] = storage.exists("d/blob")
         observed["listed"] = storage.list("d")
         with pytest.raises(BlobNotFoundError):
@@ -593,7 +595,8 @@ def test_open_storage_webhdfs(uri, url, root, user):
 def test_open_storage_rejects_what_it_cannot_open(uri):
     with pytest.raises(ConfigError) as error:
         open_storage(uri)
-    assert uri.split("?")[0] in str(error.value) or repr(uri) in str(error.value)
+    named = redact(uri)  # as every message names a URI: user information masked
+    assert named.split("?")[0] in str(error.value) or repr(named) in str(error.value)
 
 
 def test_open_storage_lists_the_supported_schemes():
@@ -618,3 +621,17 @@ def test_a_remote_client_is_imported_only_for_its_store(client, uri):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_local_files_and_directories_are_never_writable_by_others_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        storage = LocalStorage(str(tmp_path / "root"))
+        storage.create("blobs/c/00000000000000000001/blob.arrow", b"state")
+        storage.create("manifests/1.json", b"{}", overwrite=True)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert modes == {"root": 0o755, "root/blobs": 0o755, "root/blobs/c": 0o755, "root/blobs/c/00000000000000000001": 0o755,
+                     "root/blobs/c/00000000000000000001/blob.arrow": 0o644, "root/manifests": 0o755,
+                     "root/manifests/1.json": 0o644}, modes
