@@ -69,9 +69,9 @@ SMOKE = Config("smoke", 20_000, (100, 1_000), 2, 2_000, 2)  # tests/test_benchma
 
 def restore_cost(store_path: Path, parallelism: int) -> dict:
     """Restore every instance of the latest checkpoint under ``store_path`` cold, as a task does; cost and size."""
-    from spark_state.blobstore import BlobStore
-    from spark_state.manifestlog import ManifestReader
-    from spark_state.resident import restore_instance
+    from spark_state.store.blobstore import BlobStore
+    from spark_state.store.manifestlog import ManifestReader
+    from spark_state.executor.resident import restore_instance
     from spark_state.storage.base import CountingStorage
     from spark_state.storage.local import LocalStorage
 

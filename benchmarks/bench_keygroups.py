@@ -27,7 +27,7 @@ import mmh3
 import numpy as np
 import pyarrow as pa
 
-from spark_state.keygroups import (
+from spark_state.keyspace import (
     DEFAULT_MAX_PARALLELISM,
     instances_for_key_groups,
     key_group_for,

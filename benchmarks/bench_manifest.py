@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from spark_state import manifestlog  # noqa: E402
-from spark_state.blobstore import BlobStore  # noqa: E402
-from spark_state.keygroups import instance_for_key_group, key_group_range  # noqa: E402
-from spark_state.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
-from spark_state.manifestlog import ManifestLog, ManifestReader  # noqa: E402
-from spark_state.resident import ResidentState  # noqa: E402
-from spark_state.schema import KeyedSchema  # noqa: E402
+from spark_state.store import manifestlog  # noqa: E402
+from spark_state.store.blobstore import BlobStore  # noqa: E402
+from spark_state.keyspace import instance_for_key_group, key_group_range  # noqa: E402
+from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
+from spark_state.store.manifestlog import ManifestLog, ManifestReader  # noqa: E402
+from spark_state.executor.resident import ResidentState  # noqa: E402
+from spark_state.model.schema import KeyedSchema  # noqa: E402
 from spark_state.storage.local import LocalStorage  # noqa: E402
 
 COMPONENT = "counts"

@@ -72,7 +72,7 @@ SMOKE = Config("smoke", 20_000, ("1m", "512k"), 2_000, 10_000, 2, 2, hot_keys=50
 
 
 def _bytes(size: str) -> int:
-    from spark_state.conf import parse_bytes
+    from spark_state.driver.conf import parse_bytes
 
     return parse_bytes(BOUND, size)
 
@@ -101,7 +101,7 @@ def _memory_rows(query) -> list[dict]:
 
 
 def _final_state(store: Path):
-    from spark_state.reader import read_state
+    from spark_state.ops.reader import read_state
 
     table = read_state(str(store), common.KEYED_COMPONENT)
     return table.sort_by([(name, "ascending") for name in table.column_names])

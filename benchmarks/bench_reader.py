@@ -20,7 +20,7 @@ Measured, side by side, best of ``repeats``:
   Parquet. ``python_source_ceiling``: a Python data source that reads the
   same Parquet files with pyarrow and yields their batches: what any Python
   data source pays to hand rows to the JVM;
-- ``read_state`` (``spark_state.reader``, no Spark) and
+- ``read_state`` (``spark_state.ops.reader``, no Spark) and
   ``pyarrow.parquet.read_table``, rows/s;
 - ``spark-state verify`` (every byte read and CRC-checked) and
   ``spark-state plan -p 7`` (the pure restore plan at 7 and at 8), wall
@@ -70,11 +70,11 @@ def write_store(keys_n: int, store: Path, parquet: Path, seed: int = 7) -> dict:
     """Write the store (checkpoints 0 and 1) and the Parquet copy of its final state; the model's totals."""
     import pyarrow.parquet as pq
 
-    from spark_state.blobstore import BlobStore
-    from spark_state.keygroups import key_group_range, key_groups_for_columns
-    from spark_state.manifest import ComponentSpec, ComponentUpdate, next_manifest
-    from spark_state.manifestlog import ManifestLog
-    from spark_state.schema import KeyedSchema
+    from spark_state.store.blobstore import BlobStore
+    from spark_state.keyspace import key_group_range, key_groups_for_columns
+    from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest
+    from spark_state.store.manifestlog import ManifestLog
+    from spark_state.model.schema import KeyedSchema
     from spark_state.storage.local import LocalStorage
 
     rng = np.random.default_rng(seed)
@@ -187,7 +187,7 @@ def _cli_seconds(*args: str) -> tuple[float, dict]:
 def run(spark, config: Config) -> dict:
     import pyarrow.parquet as pq
 
-    from spark_state.reader import read_state
+    from spark_state.ops.reader import read_state
 
     store, parquet = WORK / "store", WORK / "parquet"
     model = write_store(config.keys, store, parquet)

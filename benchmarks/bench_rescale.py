@@ -259,7 +259,7 @@ def _cpu_used(before: dict, after: dict, driver_before) -> dict:
     """CPU seconds (user, system) and page faults each kind of process used between two ``_processes_cpu``
     snapshots (a process started meanwhile counts from zero), and this driver's own since ``driver_before``
     (``operator._usage``, as an instance's report counts its task)."""
-    from spark_state.operator import _usage_since
+    from spark_state.executor.task import _usage_since
 
     tick = os.sysconf("SC_CLK_TCK")
     used: dict = {}
@@ -340,7 +340,7 @@ def build(spark, system: str, files: common.InputFiles, run_dir: Path, paralleli
 def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: Path, old: int, new: int,
             size: int, expected: tuple[int, int], stores: Stores) -> dict:
     """Copy ``base`` to ``run_dir``, then time: (repartition), start at ``new``, first batch (file 1) done."""
-    from spark_state.operator import _usage
+    from spark_state.executor.task import _usage
 
     stores.copy(base, run_dir)
     sink = CheckedSink()
@@ -404,8 +404,8 @@ def _instance_reads(system: str, instances: list[dict], base_store: str, old: in
     counts of the restore (``wire``), else the restore's own.
     """
     if system == "keyed_count":
-        from spark_state.manifestlog import open_manifest_log
-        from spark_state.restore import plan_instance_restore
+        from spark_state.store.manifestlog import open_manifest_log
+        from spark_state.store.restore import plan_instance_restore
 
         component = open_manifest_log(base_store).latest().components[COMPONENT]
         owned = {j: plan_instance_restore(component, j, new).bytes_owned for j in range(new)}
@@ -501,7 +501,7 @@ LIVE_TARGET = 1.5
 def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.random.Generator) -> dict:
     """One running count whose parallelism walks ``config.live_chain``; see the module docstring."""
     from spark_state import keyed
-    from spark_state.reader import read_state
+    from spark_state.ops.reader import read_state
 
     work = common.fresh_dir(WORK / f"live-{size}")
     schedule = [config.live_chain[0]] + [p for p in config.live_chain for _ in range(config.live_steady)]

@@ -33,17 +33,17 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spark_state.blobstore import BlobStore  # noqa: E402
-from spark_state.keygroups import (  # noqa: E402
+from spark_state.store.blobstore import BlobStore  # noqa: E402
+from spark_state.keyspace import (  # noqa: E402
     DEFAULT_MAX_PARALLELISM,
     instances_for_key_groups,
     key_group_range,
     key_groups_for_columns,
 )
-from spark_state.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
-from spark_state.manifestlog import ManifestLog  # noqa: E402
-from spark_state.restore import fold_chain, plan_instance_restore  # noqa: E402
-from spark_state.schema import KeyedSchema  # noqa: E402
+from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
+from spark_state.store.manifestlog import ManifestLog  # noqa: E402
+from spark_state.store.restore import fold_chain, plan_instance_restore  # noqa: E402
+from spark_state.model.schema import KeyedSchema  # noqa: E402
 from spark_state.storage.base import CountingStorage  # noqa: E402
 from spark_state.storage.local import LocalStorage  # noqa: E402
 

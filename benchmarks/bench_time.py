@@ -241,7 +241,7 @@ def _remember(key, rows, state):
 
 
 def _stored_bytes(store: Path, component: str) -> int:
-    from spark_state.manifestlog import open_manifest_log
+    from spark_state.store.manifestlog import open_manifest_log
 
     latest = open_manifest_log(str(store)).latest()
     return sum(b.size for b in latest.components[component].blobs.values())
@@ -359,12 +359,12 @@ class _TimedState:
     """One state of ``timer_checkpoint``: ``size`` keys with a value (and an event-time timer), checkpointed."""
 
     def __init__(self, size: int, with_timers: bool):
-        from spark_state.blobstore import BlobStore
-        from spark_state.keygroups import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
-        from spark_state.resident import ResidentState
-        from spark_state.schema import KeyedSchema, StateVariable
+        from spark_state.store.blobstore import BlobStore
+        from spark_state.keyspace import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
+        from spark_state.executor.resident import ResidentState
+        from spark_state.model.schema import KeyedSchema, StateVariable
         from spark_state.storage.memory import MemoryStorage
-        from spark_state.timers import TIMERS
+        from spark_state.model.timers import TIMERS
 
         value = StateVariable("value", (pa.field("t", pa.int64()),))
         schema = KeyedSchema((pa.field("key", pa.string()),), (value, TIMERS) if with_timers else (value,))
@@ -402,7 +402,7 @@ def timer_checkpoint(config: Config, rng) -> dict:
     """
     import gc
 
-    from spark_state.hosts import collect_garbage
+    from spark_state.hosts.policy import collect_garbage
 
     states = {(str(size), label): _TimedState(size, label == "timers")
               for size in config.timer_state_sizes for label in ("timers", "no_timers")}

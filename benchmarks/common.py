@@ -45,7 +45,7 @@ def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
         sys.path.insert(0, str(ROOT))
     from pyspark.sql import SparkSession
 
-    from spark_state.streaming import UNIX_SOCKETS
+    from spark_state.spark.streaming import UNIX_SOCKETS
 
     spark = (
         SparkSession.builder.master(f"local[{cores}]")
@@ -227,7 +227,7 @@ def environment(spark=None) -> dict:
     }
     if spark is not None:
         info["spark"] = spark.version
-        from spark_state.streaming import python_on_unix_sockets
+        from spark_state.spark.streaming import python_on_unix_sockets
 
         info["python_workers_on_unix_sockets"] = python_on_unix_sockets(spark)
     return info
@@ -393,7 +393,7 @@ def _instance_report(meta: dict) -> dict:
 
 def _blob(meta: dict):
     """The ``BlobRef`` an instance report names (reports carry it in its compact JSON form)."""
-    from spark_state.manifest import BlobRef
+    from spark_state.store.manifest import BlobRef
 
     return BlobRef.from_json(meta["blob"])
 
@@ -432,7 +432,7 @@ def batch_reports(query, progress: list[dict]) -> list[dict]:
 
 def check_against_manifests(store_path: Path, reports: list[dict], component: str = KEYED_COMPONENT) -> dict:
     """Checkpoint bytes from the retained manifests, compared with those derived from the batch reports."""
-    from spark_state.manifestlog import open_manifest_log
+    from spark_state.store.manifestlog import open_manifest_log
 
     store = open_manifest_log(str(store_path))
     checked = {}

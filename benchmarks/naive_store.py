@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from spark_state.keygroups import key_groups_for_columns
+from spark_state.keyspace import key_groups_for_columns
 from spark_state.storage import open_storage
 from spark_state.storage.base import CountingStorage
 
@@ -194,7 +194,7 @@ class NaiveCount:
             yield from run_instance(root, base, checkpoint_id, parallelism, TaskContext.get().partitionId(), batches,
                                     key_type)
 
-        from spark_state.routing import key_group_column
+        from spark_state.spark.routing import key_group_column
 
         # key groups with max parallelism = parallelism: exactly pmod(hash(key), parallelism)
         routed = batch_df.select("key").withColumn("_instance", key_group_column(batch_df, ["key"], parallelism))

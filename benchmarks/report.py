@@ -48,7 +48,7 @@ def _mb(n: float) -> str:
 
 
 def _gap() -> int:
-    from spark_state.resident import CATCH_UP_MAX_GAP_BYTES
+    from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
 
     return CATCH_UP_MAX_GAP_BYTES
 

@@ -19,8 +19,8 @@ Logs written before may hold names without a time (``data/job-<hex>/<task>/``,
 ``data/stream-<hex>-<task>-<attempt>/``); they count as old.
 
 ``_log.json``, commits and snapshots are records framed with a CRC-32
-(``spark_state.commitlog.encode_record``); commits and snapshots are written
-and read through ``spark_state.commitlog.CommitLog``. Reading one that fails
+(``spark_state.store.commitlog.encode_record``); commits and snapshots are written
+and read through ``spark_state.store.commitlog.CommitLog``. Reading one that fails
 its checksum, is truncated or does not parse raises ``CorruptLogError`` naming
 the file. Files written before framing (plain JSON objects) are still read,
 unchecked.
@@ -97,8 +97,8 @@ from datasources.logindex import (
     plan_trim,
     position_schema,
 )
-from spark_state.commitlog import CommitLog, decode_record, encode_record
-from spark_state.conf import COMPRESSIONS
+from spark_state.store.commitlog import CommitLog, decode_record, encode_record
+from spark_state.driver.conf import COMPRESSIONS
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError, StorageError
 from spark_state.storage.base import Storage, join
 
@@ -142,7 +142,7 @@ def directory_time_ms(name: str) -> int | None:
 def encode_segment(batches: Sequence[pa.RecordBatch], schema: pa.Schema, compression: str = "none") -> bytes:
     """Serialize batches as one Arrow IPC file, re-chunked to at most ``IPC_CHUNK_ROWS`` rows per batch.
 
-    ``compression`` is one of ``spark_state.conf.COMPRESSIONS``, else ``ReplayableOptionError``.
+    ``compression`` is one of ``spark_state.driver.conf.COMPRESSIONS``, else ``ReplayableOptionError``.
     """
     if compression not in COMPRESSIONS:
         raise ReplayableOptionError(

@@ -150,7 +150,7 @@ class Commit:
     sink: SinkMark | None = None
 
     def to_json(self) -> dict:
-        """The body of a commit record (``datasources.log`` writes it through ``spark_state.commitlog``)."""
+        """The body of a commit record (``datasources.log`` writes it through ``spark_state.store.commitlog``)."""
         return {
             "format": FORMAT_VERSION,
             "commit": self.commit_id,
@@ -225,7 +225,7 @@ class LogIndex:
         return {split: s.earliest for split, s in enumerate(self.splits)}
 
     def to_json(self) -> dict:
-        """The body of an index snapshot (``datasources.log`` writes it through ``spark_state.commitlog``)."""
+        """The body of an index snapshot (``datasources.log`` writes it through ``spark_state.store.commitlog``)."""
         return {
             "format": FORMAT_VERSION,
             "commit": self.commit_id,

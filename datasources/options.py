@@ -26,7 +26,7 @@ from datasources.errors import InvalidOffsetsError, ReplayableOptionError, Unkno
 from datasources.generator import KEY_TYPES, KINDS, GeneratorSpec
 from datasources.log import DEFAULT_ORPHAN_GRACE_SECONDS
 from datasources.logindex import Offsets
-from spark_state.conf import COMPRESSIONS
+from spark_state.driver.conf import COMPRESSIONS
 
 READ, STREAM_READ, WRITE, STREAM_WRITE = "read", "readStream", "write", "writeStream"
 ANY_READ = "read or readStream"

@@ -3,7 +3,7 @@
 The split of a key is murmur3 x86 32-bit (seed 0, unsigned) of the key's
 canonical bytes, modulo ``num_splits``: UTF-8 for strings, the raw bytes for
 binary, 8-byte little-endian two's complement for integers. Null keys go to
-split 0. The hash is ``spark_state.keygroups.murmur3_32`` (vectorized,
+split 0. The hash is ``spark_state.keyspace.murmur3_32`` (vectorized,
 standard Murmur3: no padding), so ``mmh3.hash(key_bytes, 0, signed=False) %
 num_splits`` is the reference. The mapping is part of the on-disk format:
 changing it would put new records of a key in another split than its old ones.
@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from datasources.errors import UnsupportedKeyColumnError
-from spark_state.keygroups import murmur3_32
+from spark_state.keyspace import murmur3_32
 
 SPLIT_HASH_SEED = 0
 

@@ -1,4 +1,4 @@
-"""The ``replayable`` log as the sink of a keyed query (``spark_state.sinks`` entry point ``replayable``).
+"""The ``replayable`` log as the sink of a keyed query (``spark_state.spark.sinks`` entry point ``replayable``).
 
 Each micro-batch is appended with the log's sink mark ``(sinkId, batch id)``,
 so a batch id the log already holds for that sink is skipped: a replayed

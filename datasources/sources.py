@@ -37,7 +37,7 @@ def open_log_storage(uri: str):
 def checkpoint_offsets(state_store: str, source_id: str, checkpoint_id: int | None = None) -> Offsets | None:
     """The offsets of ``source_id`` in the latest consistent checkpoint of ``state_store`` (or in retained
     checkpoint ``checkpoint_id``); None if it has none."""
-    from spark_state.manifestlog import checkpoint_source_offsets, latest_source_offsets
+    from spark_state.store.manifestlog import checkpoint_source_offsets, latest_source_offsets
 
     if checkpoint_id is None:
         raw, which = latest_source_offsets(state_store, source_id), "the latest checkpoint"
@@ -50,7 +50,7 @@ def checkpoint_offsets(state_store: str, source_id: str, checkpoint_id: int | No
 
 def retained_checkpoint_offsets(state_store: str, source_id: str) -> list[Offsets]:
     """The offsets of ``source_id`` in every retained checkpoint of ``state_store``."""
-    from spark_state.manifestlog import retained_source_offsets
+    from spark_state.store.manifestlog import retained_source_offsets
 
     return [offsets_from_json(raw, f"the offsets of {source_id} in a retained checkpoint of {state_store}",
                               source_id=source_id)

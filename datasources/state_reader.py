@@ -16,12 +16,12 @@ option                    default     meaning
 ``timers``                ``false``   add the keys' timers and TTL expiry (``timers_*`` columns)
 ``partitions``            by size     number of Spark partitions (key-group ranges of about equal bytes;
                                       by default one per ~32 MB of entries, at least 8 of >= 1 MB)
-``readChangeFeed``        ``false``   one row per change instead of the state (``spark_state.reader``)
+``readChangeFeed``        ``false``   one row per change instead of the state (``spark_state.ops.reader``)
 ``changeStartCheckpoint`` required    with ``readChangeFeed``: the checkpoint the changes start after
 ``changeEndCheckpoint``   latest      with ``readChangeFeed``: the last checkpoint whose changes are read
 ========================  ==========  ===================================================================
 
-The columns are ``spark_state.reader``'s: the key columns and the ``value``
+The columns are ``spark_state.ops.reader``'s: the key columns and the ``value``
 variable's columns (``change_type`` and ``checkpoint_id`` first in a change
 feed). The checkpoint is resolved once, on the driver, when the read is
 planned; each partition reads the entries of its key-group range, checksum
@@ -42,8 +42,8 @@ from pyspark.sql.types import StructType
 
 from datasources.errors import StateCheckpointGoneError, StateReaderOptionError
 from spark_state.errors import BlobNotFoundError
-from spark_state.keygroups import KeyGroupRange
-from spark_state.manifest import ComponentManifest
+from spark_state.keyspace import KeyGroupRange
+from spark_state.store.manifest import ComponentManifest
 
 OPTIONS = ("store", "component", "checkpoint", "timers", "partitions", "readchangefeed", "changestartcheckpoint",
            "changeendcheckpoint", "path")
@@ -111,8 +111,8 @@ def _storage(uri: str):
 
 def _resolve(options: ReaderOptions) -> tuple[int, ComponentManifest, int | None]:
     """The checkpoint read (its id and component; the change feed's start id too)."""
-    from spark_state.manifestlog import ManifestReader
-    from spark_state.reader import component_of, resolve_checkpoint
+    from spark_state.store.manifestlog import ManifestReader
+    from spark_state.ops.reader import component_of, resolve_checkpoint
 
     manifests = ManifestReader(_storage(options.store))
     if options.change_feed:
@@ -131,7 +131,7 @@ class StateDataSource(DataSource):
         return "spark-state"
 
     def schema(self) -> StructType:
-        from spark_state.reader import change_fields, output_fields
+        from spark_state.ops.reader import change_fields, output_fields
 
         options = ReaderOptions.parse(self.options)
         _, component, _ = _resolve(options)
@@ -163,7 +163,7 @@ class _Reader(DataSourceReader):
         return {**self.__dict__, "component": None}  # partitions carry what each reads
 
     def partitions(self) -> List[InputPartition]:
-        from spark_state.reader import split_key_groups
+        from spark_state.ops.reader import split_key_groups
 
         component = self.component
         pieces = split_key_groups(component, self.options.partitions, part_bytes=PART_BYTES, spread=SPREAD)
@@ -196,15 +196,15 @@ class _Reader(DataSourceReader):
             ) from exc
 
     def _state(self, part: _Part) -> Iterator[pa.RecordBatch]:
-        from spark_state.blobstore import BlobStore
-        from spark_state.reader import read_part
+        from spark_state.store.blobstore import BlobStore
+        from spark_state.ops.reader import read_part
 
         blobs = BlobStore(_storage(self.options.store))
         for table in read_part(blobs, part.component, part.plan, timers=self.options.timers):
             yield from _conform(table, self.arrow_schema)
 
     def _changes(self, part: _Part) -> Iterator[pa.RecordBatch]:
-        from spark_state.reader import read_changes
+        from spark_state.ops.reader import read_changes
 
         table = read_changes(_storage(self.options.store), self.options.component, self.start_id, self.checkpoint_id,
                              timers=self.options.timers, key_groups=KeyGroupRange(*part.key_groups))

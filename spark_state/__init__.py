@@ -12,15 +12,15 @@ __version__ = "0.1.0"
 
 
 def keyed(df, *key_columns: str, name: str):
-    """Key a streaming DataFrame for rescalable state; see ``spark_state.streaming.keyed``."""
-    from spark_state.streaming import keyed as _keyed
+    """Key a streaming DataFrame for rescalable state; see ``spark_state.spark.streaming.keyed``."""
+    from spark_state.spark.streaming import keyed as _keyed
 
     return _keyed(df, *key_columns, name=name)
 
 
 def read_state(store, component: str, checkpoint=None, **options):
-    """A component's keys and values as a ``pyarrow.Table``, without Spark; see ``spark_state.reader.read_state``."""
-    from spark_state.reader import read_state as _read_state
+    """A component's keys and values as a ``pyarrow.Table``, without Spark; see ``spark_state.ops.reader.read_state``."""
+    from spark_state.ops.reader import read_state as _read_state
 
     return _read_state(store, component, checkpoint, **options)
 

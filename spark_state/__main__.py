@@ -1,5 +1,5 @@
-"""``python -m spark_state``: the operations CLI (``spark_state.cli``)."""
+"""``python -m spark_state``: the operations CLI (``spark_state.ops.cli``)."""
 
-from spark_state.cli import main
+from spark_state.ops.cli import main
 
 main()

@@ -93,7 +93,7 @@ def spark():
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from spark_state.streaming import UNIX_SOCKETS
+    from spark_state.spark.streaming import UNIX_SOCKETS
     from tests.jvm import driver_jvm_options
 
     session = (

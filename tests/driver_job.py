@@ -53,7 +53,7 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     from spark_state import keyed
-    from spark_state.microbatch import MicroBatch
+    from spark_state.spark.microbatch import MicroBatch
 
     if args.die_at:
         stage, batch = args.die_at.split(":")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
-from spark_state.blobstore import BlobStore
-from spark_state.manifest import (
+from spark_state.store.blobstore import BlobStore
+from spark_state.store.manifest import (
     BlobRef,
     ComponentSpec,
     ComponentUpdate,
@@ -20,7 +20,7 @@ from spark_state.manifest import (
     QueryBinding,
     next_manifest,
 )
-from spark_state.manifestlog import DEFAULT_RETAINED, ManifestLog
+from spark_state.store.manifestlog import DEFAULT_RETAINED, ManifestLog
 from spark_state.storage.base import Storage
 
 

@@ -1,4 +1,4 @@
-"""Unit and property tests of spark_state.blob (no Spark, no storage)."""
+"""Unit and property tests of spark_state.store.blob (no Spark, no storage)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.blob import (
+from spark_state.store.blob import (
     DELETED_COLUMN,
     FORMAT_VERSION,
     BlobEntry,
@@ -19,7 +19,7 @@ from spark_state.blob import (
     read_blob_file,
 )
 from spark_state.errors import ConfigError, CorruptBlobError
-from spark_state.keygroups import HASH_VERSION, KeyGroupRange
+from spark_state.keyspace import HASH_VERSION, KeyGroupRange
 
 # --------------------------------------------------------------------------- fixtures
 #

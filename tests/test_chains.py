@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.chains import ChainTracker, compaction_due
+from spark_state.store.chains import ChainTracker, compaction_due
 from spark_state.errors import ConfigError
 
 

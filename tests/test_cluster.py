@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from spark_state.manifestlog import open_manifest_log
-from spark_state.resident import CATCH_UP_MAX_GAP_BYTES
-from spark_state.restore import plan_instance_restore
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
+from spark_state.store.restore import plan_instance_restore
 from tests.cluster import Driver, StandaloneCluster
 
 pytestmark = pytest.mark.cluster

@@ -1,4 +1,4 @@
-"""The numbered commit log shared by checkpoint manifests and the replayable log (``spark_state.commitlog``)."""
+"""The numbered commit log shared by checkpoint manifests and the replayable log (``spark_state.store.commitlog``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from spark_state.commitlog import CommitLog, decode_record, encode_record
+from spark_state.store.commitlog import CommitLog, decode_record, encode_record
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spark_state.conf import KNOWN_KEYS, StateConf, check_store_reachable, default_store
+from spark_state.driver.conf import KNOWN_KEYS, StateConf, check_store_reachable, default_store
 from spark_state.errors import ConfigError
 
 DEFAULTS = {"default_store": "/state", "default_parallelism": 2}
@@ -170,7 +170,7 @@ def test_the_key_space_is_the_setting_else_the_store_s_else_a_new_store_s_defaul
 def test_a_query_start_advises_unix_sockets_once_when_python_tasks_use_tcp(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from spark_state import streaming
+    from spark_state.spark import streaming
 
     def session(value):
         conf = {} if value is None else {streaming.UNIX_SOCKETS: value}

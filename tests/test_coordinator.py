@@ -1,10 +1,10 @@
-"""The exactly-once decision of every micro-batch, without Spark (``spark_state.coordinator``)."""
+"""The exactly-once decision of every micro-batch, without Spark (``spark_state.driver.coordinator``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from spark_state.coordinator import SparkBatch, check_query_start, plan_batch
+from spark_state.driver.coordinator import SparkBatch, check_query_start, plan_batch
 from spark_state.errors import (
     CheckpointError,
     NoCheckpointError,
@@ -14,7 +14,7 @@ from spark_state.errors import (
     StoreOwnedByAnotherQueryError,
     StateQueryMismatchError,
 )
-from spark_state.manifest import Manifest, QueryBinding
+from spark_state.store.manifest import Manifest, QueryBinding
 
 LOG = "replayable:file:///data/events"
 CHK_A, CHK_B = "/chk/a", "/chk/b"
@@ -171,13 +171,14 @@ def test_query_start_is_refused_early_when_the_store_is_behind_or_empty():
 
 import pyarrow as pa  # noqa: E402
 
-from spark_state.coordinator import Coordinator, InstanceReport  # noqa: E402
+from spark_state.driver.coordinator import Coordinator  # noqa: E402
+from spark_state.executor.report import InstanceReport  # noqa: E402
 from spark_state.errors import IncompatibleCheckpointError, KeyGroupOwnershipError  # noqa: E402
-from spark_state.keygroups import key_group_for, key_group_range  # noqa: E402
-from spark_state.manifest import ComponentSpec  # noqa: E402
-from spark_state.manifestlog import ManifestLog  # noqa: E402
-from spark_state.resident import ResidentState  # noqa: E402
-from spark_state.schema import KeyedSchema  # noqa: E402
+from spark_state.keyspace import key_group_for, key_group_range  # noqa: E402
+from spark_state.store.manifest import ComponentSpec  # noqa: E402
+from spark_state.store.manifestlog import ManifestLog  # noqa: E402
+from spark_state.executor.resident import ResidentState  # noqa: E402
+from spark_state.model.schema import KeyedSchema  # noqa: E402
 from spark_state.storage.memory import MemoryStorage  # noqa: E402
 from tests.stores import Store  # noqa: E402
 

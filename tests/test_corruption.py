@@ -18,7 +18,8 @@ import pytest
 from datasources.errors import CorruptLogError, SegmentMissingError
 from datasources.log import ReplayableLog
 from datasources.logindex import LogMeta, SinkMark
-from spark_state.coordinator import Coordinator, InstanceReport, SparkBatch
+from spark_state.driver.coordinator import Coordinator, SparkBatch
+from spark_state.executor.report import InstanceReport
 from spark_state.errors import (
     CorruptBlobError,
     MissingFileError,
@@ -26,9 +27,9 @@ from spark_state.errors import (
     StateOfAnotherQueryError,
     StorageError,
 )
-from spark_state.manifest import ComponentSpec, QueryBinding
-from spark_state.manifestlog import ManifestLog, ManifestReader, manifest_path
-from spark_state.resident import restore_instance
+from spark_state.store.manifest import ComponentSpec, QueryBinding
+from spark_state.store.manifestlog import ManifestLog, ManifestReader, manifest_path
+from spark_state.executor.resident import restore_instance
 from spark_state.storage import LocalStorage
 from tests.test_manifestlog import COMPONENT, KEYS, M, SCHEMA, Job, restore_all
 from tests.stores import Store

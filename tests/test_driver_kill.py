@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_state.stops import stopped_run
+from spark_state.store.stops import stopped_run
 from spark_state.storage.local import LocalStorage
 from tests.files import publish
 from tests.kills import kill_when_created

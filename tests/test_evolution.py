@@ -1,4 +1,4 @@
-"""State schema evolution (``spark_state.evolution``): the rules, the cast, and restores across schema changes. No Spark."""
+"""State schema evolution (``spark_state.model.evolution``): the rules, the cast, and restores across schema changes. No Spark."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import pyarrow as pa
 import pytest
 
 from spark_state.errors import ConfigError, IncompatibleSchemaError
-from spark_state.evolution import default_of, plan_evolution, widens, with_default
-from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
-from spark_state.manifest import ComponentSpec, schema_fingerprint
-from spark_state.resident import ResidentState, restore_instance
-from spark_state.schema import VALUE, KeyedSchema, StateVariable
+from spark_state.model.evolution import default_of, plan_evolution, widens, with_default
+from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
+from spark_state.store.manifest import ComponentSpec, schema_fingerprint
+from spark_state.executor.resident import ResidentState, restore_instance
+from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.storage.memory import MemoryStorage
-from spark_state.timers import TIMERS
+from spark_state.model.timers import TIMERS
 from tests.stores import Store
 
 M = 16

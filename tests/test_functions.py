@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_state.errors import ConfigError
-from spark_state.functions import AGGREGATES, KEY_GROUP_COLUMN, Aggregate, BatchTime, PythonFunction
-from spark_state.resident import ResidentState
-from spark_state.keygroups import KeyGroupRange, key_group_for
-from spark_state.keyed_table import KeyGroupTable
-from spark_state.schema import KeyedSchema
-from spark_state.timers import minima
+from spark_state.executor.functions import AGGREGATES, KEY_GROUP_COLUMN, Aggregate, BatchTime, PythonFunction
+from spark_state.executor.resident import ResidentState
+from spark_state.keyspace import KeyGroupRange, key_group_for
+from spark_state.executor.table import KeyGroupTable
+from spark_state.model.schema import KeyedSchema
+from spark_state.model.timers import minima
 
 M = 8
 KEY = pa.field("key", pa.string())
@@ -150,9 +150,9 @@ def test_a_user_function_sees_each_keys_rows_and_state_once_per_batch():
 
 def test_a_value_that_expired_stays_expired_through_its_keys_timers():
     """Two timers of a key fire after its value's time to live ran out: both see no value, and it is gone after."""
-    from spark_state.functions import TimeToLive
-    from spark_state.schema import StateVariable, VALUE
-    from spark_state.timers import TIMERS
+    from spark_state.executor.functions import TimeToLive
+    from spark_state.model.schema import StateVariable, VALUE
+    from spark_state.model.timers import TIMERS
 
     schema = KeyedSchema((KEY,), (StateVariable(VALUE, (pa.field("n", pa.int64()),)), TIMERS))
     state = ResidentState(schema, KeyGroupRange(0, M - 1))
@@ -235,9 +235,9 @@ def test_the_arrow_merge_writes_and_outputs_what_the_python_merge_does(
     batches = [[(f"k{n}", 1) for n in range(48)]] + batches  # every key first: later batches write deltas
     from unittest import mock
 
-    from spark_state import keyed_table
-    from spark_state.manifest import ComponentSpec
-    from spark_state.resident import restore_instance
+    from spark_state.executor import table as keyed_table
+    from spark_state.store.manifest import ComponentSpec
+    from spark_state.executor.resident import restore_instance
     from spark_state.storage.memory import MemoryStorage
     from tests.stores import Store
 

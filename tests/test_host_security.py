@@ -1,4 +1,4 @@
-"""What an instance host trusts (``spark_state.host_trust``): its private directory, its peer, its key.
+"""What an instance host trusts (``spark_state.hosts.trust``): its private directory, its peer, its key.
 
 Each test plays a hostile local user: a second user of the machine (made with ``useradd`` when the tests run as
 root, skipped with the reason otherwise), a process that does not hold the executor's key, or a peer that names a
@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from spark_state import host_trust, hosts
-from spark_state.host_trust import HostAuthenticationError, UnsafeHostDirectoryError
+from spark_state.hosts import trust as host_trust
+
+from spark_state.hosts import naming, process, serving, trust, wire, worker
+from spark_state.hosts.trust import HostAuthenticationError, UnsafeHostDirectoryError
 
 ATTACKER = "ssattacker"
 """The second local user the tests create (as root) to attack the hosts of this one."""
@@ -97,22 +99,22 @@ def _as_attacker(attacker: str, script: str, timeout: float = 20.0) -> subproces
 
 @contextlib.contextmanager
 def _forked_host(store: Path):
-    """A real host, forked by ``hosts._connect`` as a worker forks it, at its address of instance 0 of component
+    """A real host, forked by ``worker._connect`` as a worker forks it, at its address of instance 0 of component
     ``c`` in ``store``; killed and reaped after the test."""
     import gc
 
-    address = hosts.host_address(os.getpid(), str(store), "c", 0)
+    address = naming.host_address(os.getpid(), str(store), "c", 0)
     try:
-        with hosts._connect(address, os.getpid(), str(store)):
+        with worker._connect(address, os.getpid(), str(store)):
             pass
-        (host,) = hosts._STARTED
+        (host,) = process._STARTED
         yield address, host
     finally:
-        for pid in hosts._STARTED:
+        for pid in process._STARTED:
             os.kill(pid, signal.SIGKILL)
-        hosts._reap_hosts()
+        process.reap_hosts()
         gc.unfreeze()  # the fork froze this process's objects, as it freezes a worker's
-        hosts._WORKER_FROZEN = False
+        process._WORKER_FROZEN = False
 
 
 # The private directory ------------------------------------------------------------------------
@@ -143,7 +145,7 @@ def test_a_pre_made_hosts_directory_that_is_not_private_is_refused_and_left_as_i
         level.write_text("")
     before = os.lstat(level)
     with pytest.raises(UnsafeHostDirectoryError, match=str(level)):
-        hosts.host_address(os.getpid(), "/store", "c", 0)
+        naming.host_address(os.getpid(), "/store", "c", 0)
     after = os.lstat(level)
     assert (after.st_mode, after.st_uid, after.st_ino) == (before.st_mode, before.st_uid, before.st_ino)
     assert not (base / "elsewhere" / str(os.getpid())).exists()
@@ -153,26 +155,26 @@ def test_one_an_earlier_version_left_readable_is_closed_and_used(base):
     level = base / f"spark-state-{os.getuid()}"
     level.mkdir()
     os.chmod(level, 0o755)  # nobody else could put anything in it
-    address = hosts.host_address(os.getpid(), "/store", "c", 0)
+    address = naming.host_address(os.getpid(), "/store", "c", 0)
     assert address.parent.parent == level and stat.S_IMODE(os.lstat(level).st_mode) == 0o700
 
 
 def test_a_base_others_may_write_to_without_the_sticky_bit_is_refused(base):
     os.chmod(base, 0o777)  # anyone could rename the hosts' directory away and put their own in its place
     with pytest.raises(UnsafeHostDirectoryError, match="sticky"):
-        hosts.host_address(os.getpid(), "/store", "c", 0)
+        naming.host_address(os.getpid(), "/store", "c", 0)
 
 
 def test_spark_s_local_directory_holds_the_hosts_when_their_paths_fit_there(base, monkeypatch, tmp_path):
     local = base / "blockmgr-0f1e2d3c"  # as in local mode: /tmp/blockmgr-<uuid>
     local.mkdir(mode=0o755)
     monkeypatch.setenv("SPARK_LOCAL_DIRS", f"{local},/elsewhere")
-    assert hosts.host_address(4242, "/store", "c", 3).parent == local / f"spark-state-{os.getuid()}" / "4242"
+    assert naming.host_address(4242, "/store", "c", 3).parent == local / f"spark-state-{os.getuid()}" / "4242"
     host_trust.forget_directories()
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
     monkeypatch.setenv("SPARK_LOCAL_DIRS", str(deep))  # its socket paths would not fit AF_UNIX: the base instead
-    address = hosts.host_address(4243, "/store", "c", 3)
+    address = naming.host_address(4243, "/store", "c", 3)
     assert address.parent == base / f"spark-state-{os.getuid()}" / "4243"
     assert len(os.fsencode(address)) <= host_trust.MAX_SOCKET_PATH
 
@@ -182,7 +184,7 @@ def test_a_temporary_directory_too_long_for_a_socket_path_is_a_typed_error(base,
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     with pytest.raises(UnsafeHostDirectoryError, match="AF_UNIX"):
-        hosts.host_address(os.getpid(), "/store", "c", 0)
+        naming.host_address(os.getpid(), "/store", "c", 0)
 
 
 # Another user of the machine ------------------------------------------------------------------
@@ -206,13 +208,13 @@ def test_another_user_cannot_connect_to_a_running_host(base, tmp_path, attacker)
         assert attack.stdout.split() == ["refused", "PermissionError"], attack.stdout
         time.sleep(0.2)
         assert not marker.exists()
-        assert hosts._host_running(host)
+        assert process.host_running(host)
 
 
 def test_another_user_s_directory_and_socket_planted_before_the_query_starts_are_never_used(base, attacker):
     """The attack that ran code in a worker: the other user makes the hosts' directory first and binds a socket
     where the worker would look for its host; the worker refuses the directory and sends nothing there."""
-    address = base / f"spark-state-{os.getuid()}" / str(os.getpid()) / hosts.host_name("/store", "c", 0)
+    address = base / f"spark-state-{os.getuid()}" / str(os.getpid()) / naming.host_name("/store", "c", 0)
     got = base / "what-the-attacker-got"
     attack = subprocess.Popen([_attacker_python(), "-c", textwrap.dedent(f"""
         import os, socket, pathlib
@@ -232,7 +234,7 @@ def test_another_user_s_directory_and_socket_planted_before_the_query_starts_are
     try:
         assert attack.stdout.readline().strip() == "ready"
         with pytest.raises(UnsafeHostDirectoryError, match=f"owned by uid {pwd.getpwnam(attacker).pw_uid}"):
-            hosts._connect(hosts.host_address(os.getpid(), "/store", "c", 0), os.getpid(), "/store")
+            worker._connect(naming.host_address(os.getpid(), "/store", "c", 0), os.getpid(), "/store")
     finally:
         attack.wait(timeout=15)
     assert not got.exists(), got.read_bytes()
@@ -246,7 +248,7 @@ def _threaded_host(directory: Path):
     """The real serving loop (the real ``_serve_task``, which unpickles its task) at ``directory/q-0.sock`` in a
     thread; yields its address. Ends once the test's connections are done and it idles out."""
     address = directory / "q-0.sock"
-    server = threading.Thread(target=hosts.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 1.0},
+    server = threading.Thread(target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 1.0},
                               daemon=True)
     server.start()
     deadline = time.monotonic() + 5
@@ -261,7 +263,7 @@ def _threaded_host(directory: Path):
 @pytest.mark.parametrize("attempt", ["no handshake", "a wrong key", "a replayed proof"])
 def test_a_peer_without_the_executor_s_key_is_refused_before_anything_it_sends_is_unpickled(
         monkeypatch, capfd, attempt):
-    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.05)
+    monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.05)
     directory = Path(tempfile.mkdtemp(prefix="ss-sec-", dir="/tmp"))
     marker = directory / "ran-in-the-host"
     payload = pickle.dumps((_SideEffect(marker), 0, None))
@@ -271,14 +273,14 @@ def test_a_peer_without_the_executor_s_key_is_refused_before_anything_it_sends_i
             if attempt == "a wrong key":
                 with pytest.raises(HostAuthenticationError, match="does not hold this executor's host key"):
                     host_trust.prove_to_host(peer, os.urandom(32))
-                host_trust._send(peer, host_trust.PROOF, os.urandom(32))  # and a proof of its own, made up
+                wire.send(peer, host_trust.PROOF, os.urandom(32))  # and a proof of its own, made up
             elif attempt == "a replayed proof":
-                host_trust._send(peer, host_trust.HELLO, b"\0" * 32)
+                wire.send(peer, host_trust.HELLO, b"\0" * 32)
                 host_trust._receive(peer)
                 key = host_trust.host_key(directory)  # a proof made for other nonces is worth nothing
-                host_trust._send(peer, host_trust.PROOF, host_trust._mac(key, b"worker", b"\1" * 32, b"\0" * 32))
+                wire.send(peer, host_trust.PROOF, host_trust._mac(key, b"worker", b"\1" * 32, b"\0" * 32))
             with contextlib.suppress(OSError):  # the host may have closed the connection already
-                hosts._send(peer, hosts.TASK, payload)
+                wire.send(peer, wire.TASK, payload)
             peer.settimeout(5)
             with contextlib.suppress(ConnectionResetError):
                 assert peer.recv(1) == b""  # closed, nothing answered
@@ -301,22 +303,25 @@ def test_a_worker_sends_nothing_to_and_unpickles_nothing_from_a_process_that_is_
         connection, _ = listener.accept()
         with connection:
             connection.settimeout(5)
-            received.append(connection.recv(1 << 16))
+            received.append(wire.receive(connection))  # the worker's first frame: HELLO and its nonce
             if answer == "a pickled error":
-                hosts._send(connection, hosts.ERROR, pickle.dumps(_SideEffect(marker)))
+                wire.send(connection, wire.ERROR, pickle.dumps(_SideEffect(marker)))
             else:
-                host_trust._send(connection, host_trust.PROOF, os.urandom(64))
+                wire.send(connection, host_trust.PROOF, os.urandom(64))
+            rest = b""
             with contextlib.suppress(OSError):
-                received.append(connection.recv(1 << 16))
+                while chunk := connection.recv(1 << 16):  # until the worker closes the connection
+                    rest += chunk
+            received.append(rest)
 
     thread = threading.Thread(target=impostor, daemon=True)
     thread.start()
     try:
         with pytest.raises(HostAuthenticationError):
-            hosts._try_connect(address)
+            trust.connect(address)
         thread.join(timeout=10)
         assert not marker.exists()
-        assert len(received) == 2 and received[0][:1] == host_trust.HELLO and received[1] == b"", received
+        assert len(received) == 2 and received[0][0] == host_trust.HELLO and received[1] == b"", received  # no task
     finally:
         listener.close()
         shutil.rmtree(directory, ignore_errors=True)
@@ -329,9 +334,9 @@ def test_an_adopting_worker_names_a_socket_never_a_path_elsewhere(monkeypatch, c
     try:
         with _adoptable_host(monkeypatch, obsolete=True) as host:
             for name in (str(outside / "evil.sock"), "../evil.sock", "evil"):
-                with contextlib.closing(hosts._try_connect(host.address)) as connection:
-                    hosts._send(connection, hosts.ADOPT, name.encode())
-                    assert hosts._receive(connection) is None  # refused: closed
+                with contextlib.closing(trust.connect(host.address)) as connection:
+                    wire.send(connection, wire.ADOPT, name.encode())
+                    assert wire.receive(connection) is None  # refused: closed
             _run_task(host.address)  # it still serves its own instance
             assert not list(outside.iterdir()) and not (host.directory.parent / "evil.sock").exists()
             assert host.results == []

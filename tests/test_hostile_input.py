@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from datasources.errors import CorruptLogError
 from datasources.log import ReplayableLog, decode_segment, encode_segment
 from datasources.logindex import Commit, LogIndex, LogMeta, SegmentRef, SinkMark
-from spark_state.blob import BlobEntry, decode_entry, encode_blob, read_blob_file
-from spark_state.commitlog import decode_record, encode_record
+from spark_state.store.blob import BlobEntry, decode_entry, encode_blob, read_blob_file
+from spark_state.store.commitlog import decode_record, encode_record
 from spark_state.errors import ConfigError, CorruptBlobError, InvalidPathError, SparkStateError
-from spark_state.keygroups import KeyGroupRange
-from spark_state.manifest import ItemsRef, Manifest, check_component_name
-from spark_state.manifestlog import CHECKPOINTS_DIR, ManifestReader, manifest_path
+from spark_state.keyspace import KeyGroupRange
+from spark_state.store.manifest import ItemsRef, Manifest, check_component_name
+from spark_state.store.manifestlog import CHECKPOINTS_DIR, ManifestReader, manifest_path
 from spark_state.storage import LocalStorage, MemoryStorage
 from spark_state.storage.base import check_path
 from tests.stores import Store
@@ -184,7 +184,7 @@ def test_instance_items_of_hostile_content_are_typed_errors_or_a_list(value):
     storage = MemoryStorage()
     data = value.encode() if isinstance(value, str) else json.dumps(value).encode()
     storage.create("items", data)
-    from spark_state.blobstore import BlobStore
+    from spark_state.store.blobstore import BlobStore
 
     try:
         assert isinstance(BlobStore(storage).read_items(ItemsRef("items", len(data), zlib.crc32(data))), list)

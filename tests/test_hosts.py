@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from spark_state import hosts
-from spark_state.host_trust import host_key, peer_credentials, prove_to_host
-from spark_state.hosts import FULL_COLLECTION_TASKS, collect_garbage
-from spark_state.manifest import ComponentSpec
-from spark_state.operator import forget_stores
-from spark_state.schema import KeyedSchema
-from spark_state.stops import record_stop, stopped_run
+from spark_state.hosts import adoption, policy, process, serving, tasks, wire, worker
+from spark_state.hosts.trust import host_key, peer_credentials, prove_to_host
+from spark_state.hosts.policy import FULL_COLLECTION_TASKS, collect_garbage
+from spark_state.store.manifest import ComponentSpec
+from spark_state.executor.task import forget_stores
+from spark_state.model.schema import KeyedSchema
+from spark_state.store.stops import record_stop, stopped_run
 from spark_state.storage.local import LocalStorage
 from tests.stores import Store
 
@@ -51,48 +51,48 @@ def _fresh_readers():
 def test_a_host_of_a_store_that_runs_its_instance_at_its_parallelism_stays(tmp_path):
     _commit(tmp_path, 1, 2)
     _commit(tmp_path, 2, 2)
-    assert not hosts.obsolete(_task(tmp_path, 2, 1, 2), idle_seconds=600)
-    assert not hosts.obsolete(_task(tmp_path, 3, 2, 2), idle_seconds=600)  # its checkpoint is not committed yet
+    assert not policy.obsolete(_task(tmp_path, 2, 1, 2), idle_seconds=600)
+    assert not policy.obsolete(_task(tmp_path, 3, 2, 2), idle_seconds=600)  # its checkpoint is not committed yet
 
 
 def test_a_host_rescaled_away_from_leaves_once_a_newer_checkpoint_runs_another_parallelism(tmp_path):
     _commit(tmp_path, 1, 2)
     _commit(tmp_path, 2, 3)
-    assert hosts.obsolete(_task(tmp_path, 1, None, 2), idle_seconds=1)
-    assert hosts.obsolete(_task(tmp_path, 2, 1, 2), idle_seconds=1)  # a failed attempt at 2, committed at 3
+    assert policy.obsolete(_task(tmp_path, 1, None, 2), idle_seconds=1)
+    assert policy.obsolete(_task(tmp_path, 2, 1, 2), idle_seconds=1)  # a failed attempt at 2, committed at 3
 
 
 def test_a_host_of_a_deleted_store_leaves_and_one_of_a_first_batch_waits_for_its_commit(tmp_path):
     store = tmp_path / "state"
     (store / "blobs" / "c").mkdir(parents=True)
     (store / "blobs" / "c" / "first.arrow").write_bytes(b"its first task's blob")
-    assert not hosts.obsolete(_task(store, 1, None, 2), idle_seconds=1)  # the driver commits after the tasks
-    assert hosts.obsolete(_task(store, 1, None, 2), idle_seconds=hosts.UNCOMMITTED_SECONDS)
+    assert not policy.obsolete(_task(store, 1, None, 2), idle_seconds=1)  # the driver commits after the tasks
+    assert policy.obsolete(_task(store, 1, None, 2), idle_seconds=policy.UNCOMMITTED_SECONDS)
     shutil.rmtree(store)  # deleted before its first checkpoint committed (or with it): its state is of no use
-    assert hosts.obsolete(_task(store, 1, None, 2), idle_seconds=1)
+    assert policy.obsolete(_task(store, 1, None, 2), idle_seconds=1)
     _commit(store, 1, 2)
-    assert not hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
+    assert not policy.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
     shutil.rmtree(store)
-    assert hosts.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
+    assert policy.obsolete(_task(store, 2, 1, 2), idle_seconds=1)
 
 
 def test_a_host_of_a_stopped_run_leaves_and_one_of_a_later_run_stays(tmp_path):
     _commit(tmp_path, 1, 2)
     first, later = "0f1e2d3c-0000-4000-8000-000000000001", "0f1e2d3c-0000-4000-8000-000000000002"
-    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
+    assert not policy.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
     record_stop(LocalStorage(str(tmp_path)), first)
     assert stopped_run(LocalStorage(str(tmp_path))) == first
-    assert hosts.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
-    assert hosts.obsolete(_task(tmp_path, 2, 1, 2, first), idle_seconds=1)  # its last checkpoint never committed
-    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, later), idle_seconds=1)  # restarted: a new run id
-    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, None), idle_seconds=1)
+    assert policy.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
+    assert policy.obsolete(_task(tmp_path, 2, 1, 2, first), idle_seconds=1)  # its last checkpoint never committed
+    assert not policy.obsolete(_task(tmp_path, 1, None, 2, later), idle_seconds=1)  # restarted: a new run id
+    assert not policy.obsolete(_task(tmp_path, 1, None, 2, None), idle_seconds=1)
     record_stop(LocalStorage(str(tmp_path)), later)  # the later run stops too: the record names it instead
-    assert hosts.obsolete(_task(tmp_path, 1, None, 2, later), idle_seconds=1)
-    assert not hosts.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
+    assert policy.obsolete(_task(tmp_path, 1, None, 2, later), idle_seconds=1)
+    assert not policy.obsolete(_task(tmp_path, 1, None, 2, first), idle_seconds=1)
 
 
 def test_a_store_that_cannot_be_read_never_ends_a_host_early():
-    assert not hosts.obsolete(_task(Path("no-such-scheme://bucket/state"), 2, 1, 2), idle_seconds=10_000)
+    assert not policy.obsolete(_task(Path("no-such-scheme://bucket/state"), 2, 1, 2), idle_seconds=10_000)
 
 
 def _connected(address: Path, timeout: float = 10.0) -> socket.socket:
@@ -126,10 +126,10 @@ def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypa
         asked.append(served)
         return leaves
 
-    monkeypatch.setattr(hosts, "OBSOLETE_CHECK_SECONDS", 0.0)
-    monkeypatch.setattr(hosts, "_serve_task", serve_task)
-    monkeypatch.setattr(hosts, "obsolete", obsolete)
-    server = threading.Thread(target=hosts.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 30},
+    monkeypatch.setattr(policy, "OBSOLETE_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(tasks, "serve_task", serve_task)
+    monkeypatch.setattr(policy, "obsolete", obsolete)
+    server = threading.Thread(target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 30},
                               daemon=True)
     server.start()
     try:
@@ -141,17 +141,17 @@ def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypa
         assert address.exists() != leaves
     finally:
         if server.is_alive():
-            monkeypatch.setattr(hosts, "obsolete", lambda served, idle_seconds: True)
+            monkeypatch.setattr(policy, "obsolete", lambda served, idle_seconds: True)
             server.join(timeout=4)
         shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_the_idle_limit_follows_the_gaps_between_tasks_when_they_are_longer():
-    assert hosts.idle_limit([]) == hosts.IDLE_SECONDS  # a first task
-    assert hosts.idle_limit([1.0, 2.0]) == hosts.IDLE_SECONDS  # a fast trigger: the usual idle time
-    assert hosts.idle_limit([600.0, 30.0]) == 3 * 600.0  # a ten-minute trigger keeps its state
-    assert hosts.idle_limit([24 * 3600.0]) == hosts.MAX_IDLE_SECONDS
-    assert hosts.idle_limit([0.5], idle_seconds=0.2) == 1.5
+    assert policy.idle_limit([]) == policy.IDLE_SECONDS  # a first task
+    assert policy.idle_limit([1.0, 2.0]) == policy.IDLE_SECONDS  # a fast trigger: the usual idle time
+    assert policy.idle_limit([600.0, 30.0]) == 3 * 600.0  # a ten-minute trigger keeps its state
+    assert policy.idle_limit([24 * 3600.0]) == policy.MAX_IDLE_SECONDS
+    assert policy.idle_limit([0.5], idle_seconds=0.2) == 1.5
 
 
 def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkeypatch):
@@ -162,9 +162,9 @@ def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkey
         connection.recv(1)
         return None
 
-    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
-    monkeypatch.setattr(hosts, "_serve_task", serve_task)
-    server = threading.Thread(target=hosts.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 0.8},
+    monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(tasks, "serve_task", serve_task)
+    server = threading.Thread(target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 0.8},
                               daemon=True)
     server.start()
     try:
@@ -184,10 +184,10 @@ def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkey
 
 def test_a_host_leaving_removes_its_own_socket_but_never_that_of_a_host_started_since_at_its_address(monkeypatch):
     directory = Path(tempfile.mkdtemp(prefix="ss-host-", dir="/tmp"))
-    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
     try:
         addresses = [directory / "q-0.sock", directory / "q-1.sock"]
-        servers = [threading.Thread(target=hosts.serve, args=(a, os.getpid()), kwargs={"idle_seconds": 0.5},
+        servers = [threading.Thread(target=serving.serve, args=(a, os.getpid()), kwargs={"idle_seconds": 0.5},
                                     daemon=True) for a in addresses]
         for server in servers:
             server.start()
@@ -219,17 +219,17 @@ def _forked_host():
     address = directory / "x" / "q-0.sock"
     address.parent.mkdir(mode=0o700)
     try:
-        with hosts._connect(address, os.getpid(), str(directory / "state")):
+        with worker._connect(address, os.getpid(), str(directory / "state")):
             pass
-        (host,) = hosts._STARTED
+        (host,) = process._STARTED
         yield address, host
     finally:
-        for pid in hosts._STARTED:
+        for pid in process._STARTED:
             os.kill(pid, signal.SIGKILL)
-        hosts._reap_hosts()
+        process.reap_hosts()
         shutil.rmtree(directory, ignore_errors=True)
         gc.unfreeze()  # the fork froze this process's objects, as it freezes a worker's
-        hosts._WORKER_FROZEN = False
+        process._WORKER_FROZEN = False
 
 
 def _log(address: Path) -> str:
@@ -248,34 +248,34 @@ class _SlowTask:
 
 
 def test_a_worker_waiting_long_for_its_host_logs_the_host_s_stacks_and_keeps_waiting(monkeypatch, capsys):
-    monkeypatch.setattr(hosts, "SLOW_ANSWER_SECONDS", 0.4)
+    monkeypatch.setattr(worker, "SLOW_ANSWER_SECONDS", 0.4)
     with _forked_host() as (address, host):
-        with hosts._connect(address, os.getpid(), "unused") as connection:
+        with worker._connect(address, os.getpid(), "unused") as connection:
             started = time.monotonic()
-            hosts._send(connection, hosts.TASK, pickle.dumps(_SlowTask(2.5)))
-            assert hosts._answer(connection, 7, address) is None  # the host failed, once it woke
+            wire.send(connection, wire.TASK, pickle.dumps(_SlowTask(2.5)))
+            assert worker._answer(connection, 7, address) is None  # the host failed, once it woke
             waited = time.monotonic() - started
     logged = capsys.readouterr().err
     assert waited >= 2.5  # it kept waiting past its reports
     reports = logged.split("spark-state: the worker of instance 7")[1:]
     assert len(reports) == 3, logged  # at 0.4, 0.8 and 1.6 s
     assert f"from its host (pid {host}, {address})" in reports[0]
-    assert all('in _serve_task' in report for report in reports), logged  # the host's stacks, from its log
+    assert all('in serve_task' in report for report in reports), logged  # the host's stacks, from its log
 
 
 _FIRST_TASK = """
 import sys, tempfile
-from spark_state import hosts
+from spark_state.hosts import adoption, policy, process, serving, tasks, wire, worker
 store = tempfile.mkdtemp()
-hosts._load_host_modules(store)
+process.load_host_modules(store)
 before = set(sys.modules)
 import numpy as np
 import pyarrow as pa
-from spark_state.blobstore import BlobStore
-from spark_state.functions import KEY_GROUP_COLUMN, Aggregate
-from spark_state.keygroups import key_group_range, key_groups_for_columns
-from spark_state.resident import ResidentState
-from spark_state.schema import KeyedSchema
+from spark_state.store.blobstore import BlobStore
+from spark_state.executor.functions import KEY_GROUP_COLUMN, Aggregate
+from spark_state.keyspace import key_group_range, key_groups_for_columns
+from spark_state.executor.resident import ResidentState
+from spark_state.model.schema import KeyedSchema
 from spark_state.storage import open_storage
 aggregate = Aggregate("sum", "x", "total", pa.int64())
 schema = KeyedSchema.of_values([pa.field("key", pa.string())], aggregate.state_fields())
@@ -305,14 +305,14 @@ def test_a_worker_starts_a_host_with_one_fork_and_reaps_it_once_it_exits():
     assert gc.get_freeze_count() == 0
     with _forked_host() as (address, host):
         assert gc.get_freeze_count() > 0  # the worker froze its objects first: the pages the host shares stay shared
-        assert hosts._host_running(host)
+        assert process.host_running(host)
         assert os.waitpid(host, os.WNOHANG) == (0, 0)  # this process's child, still running
         os.kill(host, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while Path(f"/proc/{host}/stat").read_text().split()[2] != "Z" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not address.exists(), _log(address)  # it left, and is a zombie until reaped
-        assert not hosts._host_running(host) and host not in hosts._STARTED
+        assert not process.host_running(host) and host not in process._STARTED
         assert not Path(f"/proc/{host}").exists()  # reaped
 
 
@@ -344,7 +344,7 @@ def test_a_host_signalled_while_a_garbage_collection_hook_runs_still_leaves_and_
                 time.sleep(0.01)
             assert interrupted.exists(), _log(address)  # the exit was raised inside the hook, where Python drops it
             assert left[0] == host and not address.exists(), _log(address)  # it left all the same, its socket too
-            hosts._STARTED.discard(host)  # reaped here
+            process._STARTED.discard(host)  # reaped here
             assert os.waitstatus_to_exitcode(left[1]) == 128 + signal.SIGTERM  # as a host leaving on a signal does
             assert "Traceback" not in _log(address)  # and a signal's exit prints no trace
     finally:
@@ -363,17 +363,17 @@ def test_a_worker_freezes_its_objects_at_its_first_task_for_a_host_before_it_con
         freezes.append(gc.get_freeze_count())
         raise _Connected
 
-    monkeypatch.setattr(hosts, "_connect", connect)
-    monkeypatch.setattr(hosts, "_WORKER_FROZEN", False)
+    monkeypatch.setattr(worker, "_connect", connect)
+    monkeypatch.setattr(process, "_WORKER_FROZEN", False)
     task = SimpleNamespace(store_uri=str(tmp_path), component="c")
     assert gc.get_freeze_count() == 0
     try:
         with pytest.raises(_Connected):
-            next(hosts.run_hosted(task, 0, []))
+            next(worker.run_hosted(task, 0, []))
         gc.unfreeze()
         with pytest.raises(_Connected):
-            next(hosts.run_hosted(task, 0, []))  # frozen once: a later task freezes nothing more
-        assert freezes[0] > 0 and freezes[1] == 0 and hosts._WORKER_FROZEN
+            next(worker.run_hosted(task, 0, []))  # frozen once: a later task freezes nothing more
+        assert freezes[0] > 0 and freezes[1] == 0 and process._WORKER_FROZEN
     finally:
         gc.unfreeze()
 
@@ -405,7 +405,7 @@ def _serving(host_end: socket.socket) -> tuple[threading.Thread, list]:
 
     def run():
         with host_end:
-            served.append(hosts._serve_task(host_end))
+            served.append(tasks.serve_task(host_end))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -418,14 +418,14 @@ def _task_sent(monkeypatch, tmp_path: Path, run_instance, context: dict | None =
     task sent; on exit, checks that the host finished and returned the task."""
     import pickle
 
-    from spark_state import operator
+    from spark_state.executor import task as operator
 
     monkeypatch.setattr(operator, "run_instance", run_instance)
     worker, host_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     task = _task(tmp_path, 1, None, 2)
     with worker:
         thread, served = _serving(host_end)
-        hosts._send(worker, hosts.TASK, pickle.dumps((task, 0, context)))
+        wire.send(worker, wire.TASK, pickle.dumps((task, 0, context)))
         yield worker
         thread.join(10)
     assert served == [task]
@@ -434,8 +434,8 @@ def _task_sent(monkeypatch, tmp_path: Path, run_instance, context: dict | None =
 def _send_rows(worker: socket.socket, batches: int, rows: int) -> None:
     batch = pa.RecordBatch.from_pydict({"key": [f"k{i:07d}" for i in range(rows)]})
     for _ in range(batches):
-        hosts._send(worker, hosts.BATCH, memoryview(hosts._batch_bytes(batch)))
-    hosts._send(worker, hosts.END)
+        wire.send(worker, wire.BATCH, memoryview(wire.batch_bytes(batch)))
+    wire.send(worker, wire.END)
 
 
 def test_a_host_starts_its_instance_when_the_task_comes_and_reads_the_rows_as_the_instance_takes_them(
@@ -450,9 +450,9 @@ def test_a_host_starts_its_instance_when_the_task_comes_and_reads_the_rows_as_th
     with _task_sent(monkeypatch, tmp_path, run_instance) as worker:
         assert started.wait(10)  # no row sent yet
         _send_rows(worker, batches=3, rows=2)
-        kind, payload = hosts._receive(worker)
-        assert kind == hosts.BATCH and hosts._batch(payload).column("rows").to_pylist() == [6]
-        assert hosts._receive(worker) == (hosts.END, b"")
+        kind, payload = wire.receive(worker)
+        assert kind == wire.BATCH and wire.batch(payload).column("rows").to_pylist() == [6]
+        assert wire.receive(worker) == (wire.END, b"")
 
 
 def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_answers_with_the_error(
@@ -469,8 +469,8 @@ def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_
 
     with _task_sent(monkeypatch, tmp_path, run_instance) as worker:
         _send_rows(worker, batches=40, rows=50_000)  # about 20 MB: far more than the socket buffers hold
-        kind, payload = hosts._receive(worker)
-        assert kind == hosts.ERROR
+        kind, payload = wire.receive(worker)
+        assert kind == wire.ERROR
         error = pickle.loads(payload)
         assert isinstance(error, ConfigError) and "refused before the rows" in str(error)
 
@@ -496,16 +496,16 @@ def _threaded_host(monkeypatch, *, obsolete: bool):
         connection.sendall(b"K")
         return task
 
-    monkeypatch.setattr(hosts, "ADOPT_IDLE_SECONDS", 0.05)
-    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
-    monkeypatch.setattr(hosts, "_serve_task", serve_task)
-    monkeypatch.setattr(hosts, "obsolete", lambda served_task, idle_seconds: obsolete and served_task is task)
+    monkeypatch.setattr(adoption, "ADOPT_IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(tasks, "serve_task", serve_task)
+    monkeypatch.setattr(policy, "obsolete", lambda served_task, idle_seconds: obsolete and served_task is task)
     results: list = []
 
     def run():
         at, listener = address, None
         while at is not None:
-            at, listener = hosts.serve(at, os.getpid(), idle_seconds=30, listener=listener)
+            at, listener = serving.serve(at, os.getpid(), idle_seconds=30, listener=listener)
             results.append(at)
 
     server = threading.Thread(target=run, daemon=True)
@@ -515,8 +515,8 @@ def _threaded_host(monkeypatch, *, obsolete: bool):
         time.sleep(0.1)  # idle past ADOPT_IDLE_SECONDS
         yield SimpleNamespace(directory=directory, address=address, served=served, thread=server, results=results)
     finally:
-        monkeypatch.setattr(hosts, "obsolete", lambda served_task, idle_seconds: True)
-        monkeypatch.setattr(hosts, "OBSOLETE_CHECK_SECONDS", 0.0)
+        monkeypatch.setattr(policy, "obsolete", lambda served_task, idle_seconds: True)
+        monkeypatch.setattr(policy, "OBSOLETE_CHECK_SECONDS", 0.0)
         server.join(timeout=5)
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -530,7 +530,7 @@ def _run_task(address: Path) -> None:
 def test_an_idle_host_the_store_no_longer_needs_is_adopted_by_a_new_instance_and_serves_it(monkeypatch):
     with _threaded_host(monkeypatch, obsolete=True) as host:
         new = host.directory / "r-3.sock"
-        assert hosts._adopt(new)
+        assert adoption.adopt(new)
         assert new.exists() and not host.address.exists()
         _run_task(new)  # the same host serves the new instance
         assert host.served == [b"T", b"T"] and host.thread.is_alive() and host.results == [new]
@@ -539,10 +539,10 @@ def test_an_idle_host_the_store_no_longer_needs_is_adopted_by_a_new_instance_and
 @pytest.mark.parametrize("why", ["needed", "large"])
 def test_a_host_whose_state_is_still_needed_or_large_is_not_adopted_and_stays(monkeypatch, why):
     if why == "large":
-        monkeypatch.setattr("spark_state.resident.held_keys", lambda: hosts.ADOPT_MAX_KEYS + 1)
+        monkeypatch.setattr("spark_state.executor.resident.held_keys", lambda: adoption.ADOPT_MAX_KEYS + 1)
     with _threaded_host(monkeypatch, obsolete=why == "large") as host:
         new = host.directory / "r-3.sock"
-        assert not hosts._adopt(new)
+        assert not adoption.adopt(new)
         assert host.address.exists() and not new.exists()
         _run_task(host.address)
         assert host.served == [b"T", b"T"] and host.results == []
@@ -553,8 +553,8 @@ def test_a_busy_host_is_skipped_and_a_late_request_to_adopt_it_changes_nothing(m
         busy = _connected(host.address)  # a task whose byte has not come: the host waits in it
         try:
             started = time.monotonic()
-            assert not hosts._adopt(host.directory / "r-3.sock")
-            assert time.monotonic() - started < 2 * hosts.ADOPT_ANSWER_SECONDS
+            assert not adoption.adopt(host.directory / "r-3.sock")
+            assert time.monotonic() - started < 2 * adoption.ADOPT_ANSWER_SECONDS
             busy.sendall(b"T")
             assert busy.recv(1) == b"K"
         finally:
@@ -567,16 +567,16 @@ def test_a_task_for_a_host_being_adopted_is_served_and_the_adoption_refused(monk
     with _threaded_host(monkeypatch, obsolete=True) as host:
         new = host.directory / "r-3.sock"
         with _connected(host.address) as adopter:
-            hosts._send(adopter, hosts.ADOPT, new.name.encode())
-            assert hosts._receive(adopter)[0] == hosts.READY
+            wire.send(adopter, wire.ADOPT, new.name.encode())
+            assert wire.receive(adopter)[0] == wire.READY
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as worker:  # a task of its instance after all
                 worker.connect(str(host.address))  # queued: the host proves itself once it takes the connection
                 answers = []
                 task = threading.Thread(target=lambda: (prove_to_host(worker, host_key(host.directory)),
                                                         worker.sendall(b"T"), answers.append(worker.recv(1))))
                 task.start()
-                hosts._send(adopter, hosts.GO)
-                assert hosts._receive(adopter)[0] == hosts.REFUSED
+                wire.send(adopter, wire.GO)
+                assert wire.receive(adopter)[0] == wire.REFUSED
                 task.join(timeout=5)
                 assert answers == [b"K"]
         host.thread.join(timeout=5)
@@ -591,10 +591,10 @@ def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_ad
         connection.sendall(b"K")
         return "its task"
 
-    monkeypatch.setattr(hosts, "ACCEPT_SECONDS", 0.02)
-    monkeypatch.setattr(hosts, "OBSOLETE_CHECK_SECONDS", 0.2)
-    monkeypatch.setattr(hosts, "_serve_task", serve_task)
-    monkeypatch.setattr(hosts, "obsolete", lambda served, idle_seconds: served == "its task")
+    monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
+    monkeypatch.setattr(policy, "OBSOLETE_CHECK_SECONDS", 0.2)
+    monkeypatch.setattr(tasks, "serve_task", serve_task)
+    monkeypatch.setattr(policy, "obsolete", lambda served, idle_seconds: served == "its task")
     with _forked_host() as (address, host):
         _run_task(address)
         deadline = time.monotonic() + 10
@@ -603,25 +603,25 @@ def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_ad
         assert sorted(p.name for p in address.parent.glob("spare-*")) == [f"spare-{host}.log", f"spare-{host}.sock"]
         assert not address.exists() and not address.with_suffix(".log").exists()
         new = address.parent / "r-5.sock"
-        assert hosts._adopt(new)
+        assert adoption.adopt(new)
         assert not list(address.parent.glob("spare-*")), _log(new)
         with _connected(new) as connection:
             assert peer_credentials(connection)[0] == host  # the spare, not a new fork
             connection.sendall(b"T")
             assert connection.recv(1) == b"K"
-        assert hosts._host_running(host)
+        assert process.host_running(host)
 
 
 def test_no_more_spares_than_spare_hosts_stay(monkeypatch, tmp_path):
-    monkeypatch.setattr(hosts, "SPARE_HOSTS", 2)
+    monkeypatch.setattr(adoption, "SPARE_HOSTS", 2)
     for pid in (1, 2):
         (tmp_path / f"spare-{pid}.sock").touch()
-    assert hosts._spare(tmp_path / "q-0.sock") == (None, None)
+    assert adoption.spare(tmp_path / "q-0.sock") == (None, None)
 
 
 def test_a_host_that_held_a_large_state_leaves_rather_than_stay_as_a_spare(monkeypatch, tmp_path):
-    monkeypatch.setattr("spark_state.resident.held_keys", lambda: hosts.ADOPT_MAX_KEYS + 1)
-    assert hosts._spare(tmp_path / "q-0.sock") == (None, None)
+    monkeypatch.setattr("spark_state.executor.resident.held_keys", lambda: adoption.ADOPT_MAX_KEYS + 1)
+    assert adoption.spare(tmp_path / "q-0.sock") == (None, None)
     assert not list(tmp_path.iterdir())
 
 
@@ -644,11 +644,11 @@ def test_a_host_runs_each_task_under_its_worker_s_task_context_not_the_one_it_wa
     TaskContext._setTaskContext(TaskContext(partitionId=5, stageId=7, attemptNumber=1, taskAttemptId=70,
                                             localProperties={"spark.job.description": "batch 3"}))
     try:
-        _, instance, context = pickle.loads(hosts._pickled_task(_task(tmp_path, 1, None, 8), 5))  # as a worker
+        _, instance, context = pickle.loads(tasks.pickled_task(_task(tmp_path, 1, None, 8), 5))  # as a worker
         TaskContext._setTaskContext(TaskContext(partitionId=2, stageId=1, attemptNumber=0))  # what it forked in
         with _task_sent(monkeypatch, tmp_path, run_instance, context) as worker:
             _send_rows(worker, batches=1, rows=2)
-            assert hosts._receive(worker)[0] == hosts.BATCH and hosts._receive(worker) == (hosts.END, b"")
+            assert wire.receive(worker)[0] == wire.BATCH and wire.receive(worker) == (wire.END, b"")
         assert instance == 5 and seen == [(5, 7, 1, "batch 3")]
         assert TaskContext.get() is None  # none between tasks
     finally:
@@ -664,10 +664,10 @@ def test_a_worker_asks_no_host_that_runs_a_task_so_it_never_waits_for_a_busy_one
             while host.address.stat().st_mtime < time.time() and time.monotonic() < deadline:
                 time.sleep(0.01)  # it dated its socket ahead as it took the task
             asked = []
-            monkeypatch.setattr(hosts, "_try_connect", lambda path, timeout=None: asked.append(path))
+            monkeypatch.setattr(adoption, "connect", lambda path, timeout=None: asked.append(path))
             started = time.monotonic()
-            assert not hosts._adopt(host.directory / "r-3.sock")
-            assert asked == [] and time.monotonic() - started < hosts.ADOPT_ANSWER_SECONDS
+            assert not adoption.adopt(host.directory / "r-3.sock")
+            assert asked == [] and time.monotonic() - started < adoption.ADOPT_ANSWER_SECONDS
             busy.sendall(b".")
             assert busy.recv(1) == b"K"
         finally:

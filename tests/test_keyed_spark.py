@@ -19,11 +19,11 @@ import pyarrow as pa
 import pytest
 
 from spark_state import keyed
-from spark_state.manifestlog import open_manifest_log
+from spark_state.store.manifestlog import open_manifest_log
 from spark_state.errors import ConfigError, StateBehindQueryError
-from spark_state.microbatch import MicroBatch
-from spark_state.stop_watch import watched_runs
-from spark_state.stops import stopped_run
+from spark_state.spark.microbatch import MicroBatch
+from spark_state.spark.stop_watch import watched_runs
+from spark_state.store.stops import stopped_run
 from spark_state.storage.local import LocalStorage
 from tests.diagnostics import stalled
 from tests.files import publish
@@ -228,11 +228,11 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
     """A parallelism set in the session applies at the next batch; one set with ``set_parallelism`` also has
     its plan made meanwhile (``MicroBatch.prepare_plan``), as the query's start makes the first batch's: those
     batches take a template (``_PlanTemplate.rebase``), the other one's plan is PySpark's."""
-    from spark_state import microbatch
+    from spark_state.spark import microbatch, plan
 
     prepared: list[int] = []  # the parallelisms whose plan a batch found made
     templated: list[bool] = []  # whether each batch given a template took it
-    found, rebase = microbatch.MicroBatch._prepared, microbatch._PlanTemplate.rebase
+    found, rebase = microbatch.MicroBatch._prepared, plan._PlanTemplate.rebase
 
     def recorded_prepared(self, key):
         plan = found(self, key)
@@ -246,7 +246,7 @@ def test_parallelism_change_applies_at_next_batch_without_restart(spark, tmp_pat
         return mapped
 
     monkeypatch.setattr(microbatch.MicroBatch, "_prepared", recorded_prepared)
-    monkeypatch.setattr(microbatch._PlanTemplate, "rebase", recorded_rebase)
+    monkeypatch.setattr(plan._PlanTemplate, "rebase", recorded_rebase)
     job = Job(spark, tmp_path)
     spark.conf.set("spark.state.parallelism", "2")
     spark.conf.set("spark.state.store", str(tmp_path / "state"))
@@ -361,14 +361,14 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     import re
     import threading
 
-    from spark_state import microbatch
+    from spark_state.spark import microbatch, plan
 
     templated: list[bool] = []
     built: list[bool] = []  # each template built (from the plan of a batch PySpark's calls made): whether it could be
     build_threads: set[str] = set()  # the names of the threads that ran ``_PlanTemplate.build``
     plans: list[str] = []
     java_plans, rows = [], []  # each batch's ``_JavaPlan`` and analysed rows
-    rebase, tasks, build = microbatch._PlanTemplate.rebase, microbatch._JavaPlan.tasks, microbatch._PlanTemplate.build
+    rebase, tasks, build = plan._PlanTemplate.rebase, plan._JavaPlan.tasks, plan._PlanTemplate.build
 
     def recorded_rebase(self, rows, process):
         mapped = rebase(self, rows, process)
@@ -389,9 +389,9 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
         built.append(template is not None)
         return template
 
-    monkeypatch.setattr(microbatch._PlanTemplate, "rebase", recorded_rebase)
-    monkeypatch.setattr(microbatch._PlanTemplate, "build", recorded_build)
-    monkeypatch.setattr(microbatch._JavaPlan, "tasks", recorded_tasks)
+    monkeypatch.setattr(plan._PlanTemplate, "rebase", recorded_rebase)
+    monkeypatch.setattr(plan._PlanTemplate, "build", recorded_build)
+    monkeypatch.setattr(plan._JavaPlan, "tasks", recorded_tasks)
     job = Job(spark, tmp_path / "plain")
     for salt in range(4):
         job.add_batch(100, keys=10, salt=salt)
@@ -440,7 +440,7 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
     def failed_build(*args):
         raise RuntimeError("no template")
 
-    monkeypatch.setattr(microbatch._PlanTemplate, "build", failed_build)
+    monkeypatch.setattr(plan._PlanTemplate, "build", failed_build)
     templated.clear()
     job = Job(spark, tmp_path / "failed")
     for salt in range(3):
@@ -453,8 +453,8 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
 
 
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
-    from spark_state.blobstore import BlobStore
-    from spark_state.resident import restore_instance
+    from spark_state.store.blobstore import BlobStore
+    from spark_state.executor.resident import restore_instance
 
     manifests = open_manifest_log(str(store_path))
     comp = manifests.latest().components[component]

@@ -1,4 +1,4 @@
-"""Unit and property tests of spark_state.keygroups (no Spark).
+"""Unit and property tests of spark_state.keyspace (no Spark).
 
 The hash known-answer values were computed by Spark 4.3's ``hash()`` (for
 example ``SELECT hash(1L)``, ``SELECT hash(X'61626300')``); they pin
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_state.errors import ConfigError, InvalidParallelismError, UnsupportedKeyError
-from spark_state.keygroups import (
+from spark_state.keyspace import (
     DEFAULT_MAX_PARALLELISM,
     HASH_SEED,
     UPPER_BOUND_MAX_PARALLELISM,

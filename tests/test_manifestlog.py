@@ -1,4 +1,4 @@
-"""The commit protocol, retention and cleanup (``spark_state.manifestlog``) and resident checkpointing (no Spark).
+"""The commit protocol, retention and cleanup (``spark_state.store.manifestlog``) and resident checkpointing (no Spark).
 
 Every scenario keeps a plain dict model of the live state and of the state
 committed with each checkpoint, and checks restores against it.
@@ -17,10 +17,10 @@ import zlib
 import pyarrow as pa
 import pytest
 
-from spark_state.blob import BlobIndex
-from spark_state.blobstore import BLOBS_DIR, ITEMS_DIR
-from spark_state.coordinator import Coordinator
-from spark_state.manifestlog import (
+from spark_state.store.blob import BlobIndex
+from spark_state.store.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.driver.coordinator import Coordinator
+from spark_state.store.manifestlog import (
     CHECKPOINTS_DIR,
     FILE_SWEEPS_PER_GRACE,
     CheckpointExistsError,
@@ -39,12 +39,12 @@ from spark_state.errors import (
     NoCheckpointError,
     StorageError,
 )
-from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_for, key_group_range
-from spark_state.keyed_table import KeyGroupTable
-from spark_state.commitlog import decode_record, encode_record
-from spark_state.manifest import ComponentSpec, Manifest
-from spark_state.resident import ResidentState, restore_instance
-from spark_state.schema import KeyedSchema
+from spark_state.keyspace import KeyGroupRange, instance_for_key_group, key_group_for, key_group_range
+from spark_state.executor.table import KeyGroupTable
+from spark_state.store.commitlog import decode_record, encode_record
+from spark_state.store.manifest import ComponentSpec, Manifest
+from spark_state.executor.resident import ResidentState, restore_instance
+from spark_state.model.schema import KeyedSchema
 from spark_state.storage import open_storage
 from spark_state.storage.base import ForwardingStorage, Storage, join
 from spark_state.storage.local import LocalStorage
@@ -399,7 +399,7 @@ def test_a_manifest_from_a_newer_format_is_refused():
 @pytest.mark.parametrize("deltas", [0, 16])
 @pytest.mark.parametrize("retained", [1, 2, 3])
 def test_retention_and_cleanup(storage, retained, deltas, monkeypatch):
-    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", deltas)  # 0: every record is full
+    monkeypatch.setattr("spark_state.store.manifestlog.MAX_DELTAS", deltas)  # 0: every record is full
     store = Store(storage, retained=retained)
     job = run_history(store, cleanup=True)
     latest = store.latest()
@@ -561,7 +561,7 @@ def test_a_running_query_deletes_records_every_batch_and_lists_its_files_sixty_t
     """``Coordinator.cleanup`` deletes the records retention drops at every batch, but lists the blob and items
     directories (for files past the grace period) at most ``FILE_SWEEPS_PER_GRACE`` times per grace period: on an
     object store each listing is a request per retained checkpoint directory. With a grace of 0, every batch."""
-    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", 0)  # every record full: retention drops each one
+    monkeypatch.setattr("spark_state.store.manifestlog.MAX_DELTAS", 0)  # every record full: retention drops each one
     store = Store(storage, retained=1)
     spec = ComponentSpec(COMPONENT, M, 1, SCHEMA)
     now = [1000.0]
@@ -930,7 +930,7 @@ def test_a_checkpoint_that_changes_few_key_groups_writes_a_small_delta_record(mo
 
 
 def test_a_full_record_follows_at_most_max_deltas_deltas(monkeypatch):
-    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", 3)
+    monkeypatch.setattr("spark_state.store.manifestlog.MAX_DELTAS", 3)
     storage = MemoryStorage()
     _many_key_groups(Store(storage, retained=2), 1024, 2, 9, changed=4)
     kinds = [decode_record(storage.read(manifest_path(i)), "m")["kind"] for i in Store(storage).committed_ids()]
@@ -950,7 +950,7 @@ def test_a_delta_record_whose_base_record_is_missing_or_damaged_is_never_read():
 
 
 def test_a_reader_keeps_a_bounded_number_of_parsed_manifests(monkeypatch):
-    monkeypatch.setattr("spark_state.manifestlog.CACHED_MANIFESTS", 4)
+    monkeypatch.setattr("spark_state.store.manifestlog.CACHED_MANIFESTS", 4)
     storage = MemoryStorage()
     store = Store(storage, retained=20)
     for checkpoint_id in range(12):

@@ -6,9 +6,9 @@ import json
 
 import pyarrow as pa
 
-from spark_state.microbatch import _strip_reports, reports_of, task_output_schema
-from spark_state.coordinator import InstanceReport
-from spark_state.operator import META_COLUMN
+from spark_state.spark.microbatch import _strip_reports, reports_of, task_output_schema
+from spark_state.executor.report import InstanceReport
+from spark_state.executor.task import META_COLUMN
 
 
 def test_task_output_columns_are_nullable_even_when_the_input_declares_them_not_null():
@@ -22,10 +22,10 @@ def test_task_output_columns_are_nullable_even_when_the_input_declares_them_not_
 def test_a_memory_bound_on_a_component_with_timers_is_reported_once_not_ignored_silently(caplog):
     from types import SimpleNamespace
 
-    from spark_state.conf import StateConf
-    from spark_state.microbatch import MicroBatch
-    from spark_state.schema import KeyedSchema
-    from spark_state.timers import TIMERS
+    from spark_state.driver.conf import StateConf
+    from spark_state.spark.microbatch import MicroBatch
+    from spark_state.model.schema import KeyedSchema
+    from spark_state.model.timers import TIMERS
 
     value = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
     timed = KeyedSchema(value.keys, (value.value, TIMERS))
@@ -33,7 +33,7 @@ def test_a_memory_bound_on_a_component_with_timers_is_reported_once_not_ignored_
     for schema, expected in ((value, 0), (timed, 1)):
         stream = SimpleNamespace(schema=schema, keyed=SimpleNamespace(name="sessions"))
         batch = MicroBatch(stream, None, "/chk", None, None)
-        with caplog.at_level("WARNING", logger="spark_state.microbatch"):
+        with caplog.at_level("WARNING", logger="spark_state.spark.microbatch"):
             caplog.clear()
             for _ in range(3):
                 batch._warn_if_unbounded(bounded)

@@ -1,4 +1,4 @@
-"""What the CLI reports (``spark_state.ops``) and the state reader's options, on stores written without Spark."""
+"""What the CLI reports (``spark_state.ops.inspect``) and the state reader's options, on stores written without Spark."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 
 from datasources.errors import StateReaderOptionError
 from datasources.state_reader import ReaderOptions
-from spark_state.manifestlog import ManifestReader, manifest_path
-from spark_state.ops import describe, list_checkpoints, plan_rescale, verify_store
-from spark_state.savepoints import Savepoints, create_savepoint, savepoint_path
+from spark_state.store.manifestlog import ManifestReader, manifest_path
+from spark_state.ops.inspect import describe, list_checkpoints, plan_rescale, verify_store
+from spark_state.store.savepoints import Savepoints, create_savepoint, savepoint_path
 from spark_state.storage.memory import MemoryStorage
 from tests.stores import Store
 from tests.test_manifestlog import COMPONENT, KEYS, M, Job
@@ -90,7 +90,7 @@ def test_verify_names_a_chain_whose_entries_are_out_of_order():
     """A chain starts with its full entry; a merge entry may only follow it directly (``chains``)."""
     from dataclasses import replace
 
-    from spark_state.ops import _check_chains
+    from spark_state.ops.inspect import _check_chains
 
     store = Store(MemoryStorage(), retained=8)
     job = Job(store, 1, max_chain_length=3)

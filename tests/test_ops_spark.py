@@ -21,8 +21,8 @@ import pytest
 
 from spark_state import keyed
 from spark_state.errors import IncompatibleSchemaError, SavepointMismatchError
-from spark_state.manifestlog import open_manifest_log
-from spark_state.reader import read_changes, read_state
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.ops.reader import read_changes, read_state
 from tests.test_keyed_spark import Job
 
 pytestmark = pytest.mark.spark

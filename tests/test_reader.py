@@ -1,4 +1,4 @@
-"""Reading state out of a store without Spark (``spark_state.reader``): state, one key, the change feed."""
+"""Reading state out of a store without Spark (``spark_state.ops.reader``): state, one key, the change feed."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 
 from spark_state.errors import ConfigError, NoCheckpointError, SavepointNotFoundError
-from spark_state.keygroups import KeyGroupRange
-from spark_state.reader import read_changes, read_state, split_key_groups
-from spark_state.savepoints import create_savepoint
+from spark_state.keyspace import KeyGroupRange
+from spark_state.ops.reader import read_changes, read_state, split_key_groups
+from spark_state.store.savepoints import create_savepoint
 from spark_state.storage.memory import MemoryStorage
 from tests.stores import Store
 from tests.test_manifestlog import COMPONENT, KEYS, M, Job
@@ -132,7 +132,7 @@ def test_key_group_ranges_for_parallel_reads_cover_the_state_once():
 
 
 def test_state_in_an_older_schema_reads_in_the_current_one_and_timers_on_request():
-    from spark_state.timers import TIMERS  # noqa: F401 - the timers variable of V_TIMERS
+    from spark_state.model.timers import TIMERS  # noqa: F401 - the timers variable of V_TIMERS
     from tests.test_evolution import V1, V2, Job as EvolvingJob, schema
 
     store = Store(MemoryStorage())

@@ -15,7 +15,7 @@ import pytest
 
 from spark_state import keyed
 from spark_state.errors import CorruptBlobError
-from spark_state.manifestlog import open_manifest_log
+from spark_state.store.manifestlog import open_manifest_log
 
 pytestmark = pytest.mark.spark
 

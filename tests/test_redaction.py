@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spark_state.cli import cli
-from spark_state.conf import StateConf
+from spark_state.ops.cli import cli
+from spark_state.driver.conf import StateConf
 from spark_state.errors import ConfigError, SparkStateError
 from spark_state.redaction import MASK, redact
 

@@ -15,11 +15,11 @@ from collections import Counter
 import pytest
 
 from spark_state import keyed
-from spark_state.conf import S3_KEYS
+from spark_state.driver.conf import S3_KEYS
 from spark_state.errors import BucketNotFoundError, StorageAccessError
-from spark_state.manifestlog import open_manifest_log
-from spark_state.resident import CATCH_UP_MAX_GAP_BYTES
-from spark_state.restore import plan_instance_restore
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
+from spark_state.store.restore import plan_instance_restore
 from tests.s3_server import WRONG_SECRET_PROFILE
 
 pytestmark = pytest.mark.spark

@@ -57,8 +57,8 @@ from datasources.options import (
     parse_write_options,
 )
 from datasources.sources import LogSource, retention_floors
-import spark_state.conf as spark_state_conf
-from spark_state.commitlog import decode_record, encode_record
+import spark_state.driver.conf as spark_state_conf
+from spark_state.store.commitlog import decode_record, encode_record
 from spark_state.errors import ConfigError, CorruptBlobError, StorageError
 from spark_state.storage.base import CountingStorage, Storage
 from spark_state.storage.memory import MemoryStorage
@@ -743,8 +743,8 @@ def memory_log():
 @pytest.fixture
 def fake_checkpoints(monkeypatch):
     calls = {"latest": None, "retained": []}
-    monkeypatch.setattr("spark_state.manifestlog.latest_source_offsets", lambda uri, source_id: calls["latest"])
-    monkeypatch.setattr("spark_state.manifestlog.retained_source_offsets", lambda uri, source_id: calls["retained"])
+    monkeypatch.setattr("spark_state.store.manifestlog.latest_source_offsets", lambda uri, source_id: calls["latest"])
+    monkeypatch.setattr("spark_state.store.manifestlog.retained_source_offsets", lambda uri, source_id: calls["retained"])
     return calls
 
 

@@ -14,18 +14,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state import keyed_table
-from spark_state.blobstore import BlobStore
+from spark_state.executor import order as key_ordering, search
+from spark_state.executor import table as keyed_table
+from spark_state.store.blobstore import BlobStore
 from spark_state.errors import CorruptBlobError, KeyGroupNotLoadedError, KeyGroupOwnershipError
-from spark_state.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
-from spark_state.keyed_table import SET_ENTRY_BYTES, FetchedChain, KeyGroupTable, key_order
-from spark_state.keygroups import key_group_for, key_group_range
-from spark_state.manifest import ComponentSpec
-from spark_state.resident import EXACT_TIMERS_EVERY, ResidentState, keep, resident_instances, take
-from spark_state.restore import plan_instance_restore
-from spark_state.schema import DELETED_COLUMN, KeyedSchema, StateVariable
+from spark_state.executor.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+from spark_state.executor.chain import FetchedChain
+from spark_state.executor.order import key_order
+from spark_state.executor.table import SET_ENTRY_BYTES, KeyGroupTable
+from spark_state.keyspace import key_group_for, key_group_range
+from spark_state.store.manifest import ComponentSpec
+from spark_state.executor.resident import EXACT_TIMERS_EVERY, ResidentState, keep, resident_instances, take
+from spark_state.store.restore import plan_instance_restore
+from spark_state.model.schema import DELETED_COLUMN, KeyedSchema, StateVariable
 from spark_state.storage.memory import MemoryStorage
-from spark_state.timers import TIMERS, minima
+from spark_state.model.timers import TIMERS, minima
 from tests.stores import Store
 
 M = 4
@@ -282,7 +285,7 @@ def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
 def test_a_restored_chain_takes_the_key_count_its_last_entry_recorded_instead_of_folding(store):
     """A built-in aggregate's entries record how many keys their chains hold; a restore at a new parallelism
     counts its chains from those records (no fold), and the counts are the chains' true counts."""
-    from spark_state.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+    from spark_state.executor.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
 
     agg = Aggregate("count", None, "count")
     schema = KeyedSchema.of_values([pa.field("key", pa.string())], agg.state_fields())
@@ -374,10 +377,10 @@ def test_key_order_sorts_each_run_by_key_in_place(data):
         values = st.integers(low, high) if not narrow else st.integers(max(low, -50), min(high, 50))
     sizes = data.draw(st.lists(st.integers(0, 6), max_size=8))
     keys = data.draw(st.lists(values, min_size=sum(sizes), max_size=sum(sizes)))
-    lexsort_rows = data.draw(st.sampled_from([0, 4, keyed_table.LEXSORT_ROWS]))
-    short_run_rows = data.draw(st.sampled_from([0, 2, keyed_table.SHORT_RUN_ROWS]))
-    with (mock.patch.object(keyed_table, "LEXSORT_ROWS", lexsort_rows),
-          mock.patch.object(keyed_table, "SHORT_RUN_ROWS", short_run_rows)):
+    lexsort_rows = data.draw(st.sampled_from([0, 4, key_ordering.LEXSORT_ROWS]))
+    short_run_rows = data.draw(st.sampled_from([0, 2, key_ordering.SHORT_RUN_ROWS]))
+    with (mock.patch.object(key_ordering, "LEXSORT_ROWS", lexsort_rows),
+          mock.patch.object(key_ordering, "SHORT_RUN_ROWS", short_run_rows)):
         order = key_order(pa.array(keys, kind), sizes)
     runs = np.repeat(np.arange(len(sizes)), sizes)
     by = (lambda k: k.encode()) if kind == pa.string() else (lambda k: k)
@@ -421,7 +424,7 @@ def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_i
     owner = np.array([g for g, _ in asked], np.int64)
     wider = {pa.string(): pa.large_string(), pa.int8(): pa.int16(), pa.int32(): pa.int64()}.get(kind)
     asked_type = wider if wider is not None and data.draw(st.booleans()) else kind  # then every level searched
-    found, chunks = keyed_table.search_entries(owner, pa.array([k for _, k in asked], asked_type), entries)
+    found, chunks = search.search_entries(owner, pa.array([k for _, k in asked], asked_type), entries)
     got = dict(zip(found.tolist(), pa.concat_arrays(chunks).to_pylist() if chunks else []))
     assert got == {i: model[key] for i, key in enumerate(asked) if key in model}
 
@@ -443,7 +446,7 @@ def test_entries_keys_checked_sorted_all_at_once_are_those_each_entry_has_in_str
     values = st.integers(-3, 3) if kind == pa.int64() else st.text("ab", max_size=2)
     batches = [pa.record_batch([pa.array(data.draw(st.lists(values | st.none(), max_size=5)), kind)], ["k"])
                for _ in range(data.draw(st.integers(0, 5)))]
-    checked = keyed_table.keys_ascending(batches, "k")
+    checked = key_ordering.keys_ascending(batches, "k")
     assert checked == [_ascending_alone(b, "k") for b in batches]
 
 
@@ -500,15 +503,15 @@ def test_chains_whose_entries_differ_in_key_type_are_checked_entry_by_entry():
 
 @pytest.mark.parametrize("asked_count", [1, 3, 12, 40])
 def test_a_probe_finds_each_asked_key_whether_it_filters_the_chains_rows_first_or_not(asked_count):
-    """``_probe`` filters the chains' rows to the asked keys' first only when they are many per key asked
+    """``probe`` filters the chains' rows to the asked keys' first only when they are many per key asked
     (``PROBE_FILTER_RATIO``); either way each asked key gets its value, or null when absent."""
     live_keys = [f"k{n}" for n in range(40)]
     values = pa.array([{"value": n} for n in range(40)], SCHEMA.blob_schema.field(1).type)
     live = pa.Table.from_batches([pa.record_batch([pa.array(live_keys[i:i + 5]), values.slice(i, 5)], ["key", "v"])
                                   for i in range(0, 40, 5)])  # one chunk per key group, as chains' rows come
     asked = [f"k{n}" for n in random.Random(asked_count).sample(range(60), asked_count)]
-    assert (live.num_rows > keyed_table.PROBE_FILTER_RATIO * len(asked)) == (asked_count < 10)  # both routes
-    found = keyed_table._probe(live, pa.array(asked)).to_pylist()
+    assert (live.num_rows > search.PROBE_FILTER_RATIO * len(asked)) == (asked_count < 10)  # both routes
+    found = search.probe(live, pa.array(asked)).to_pylist()
     assert found == [{"value": int(k[1:])} if int(k[1:]) < 40 else None for k in asked]
 
 
@@ -557,8 +560,8 @@ def test_a_checkpoint_checks_the_key_order_of_what_it_writes_so_later_searches_c
     store = Store(MemoryStorage(), retained=3)
     state = ResidentState(schema, key_group_range(0, 1, M), native=True)
     checked: list[int] = []
-    real = keyed_table.keys_ascending
-    monkeypatch.setattr(keyed_table, "keys_ascending", lambda batches, key: (
+    real = key_ordering.keys_ascending
+    monkeypatch.setattr(key_ordering, "keys_ascending", lambda batches, key: (
         checked.append(sum(batch.num_rows for batch in batches)), real(batches, key))[1])
     universe = [f"k{n:04d}" for n in range(2_000)]
     model: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""Tests of spark_state.restore: the pure restore plan and the fold of chains (no Spark, no storage).
+"""Tests of spark_state.store.restore: the pure restore plan and the fold of chains (no Spark, no storage).
 
 Manifests are built two ways: synthetically (one ``BlobRef`` per old instance
 with a made-up index, fed through ``manifest.next_component``) for exhaustive
@@ -16,13 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.blob import BlobEntry, BlobIndex, decode_entry, encode_blob
+from spark_state.store.blob import BlobEntry, BlobIndex, decode_entry, encode_blob
 from spark_state.errors import CheckpointError, CorruptBlobError, InvalidParallelismError
-from spark_state.keygroups import KeyGroupRange, instance_for_key_group, key_group_range
-from spark_state.manifest import BlobRef, ComponentManifest, ComponentSpec, ComponentUpdate, next_component
-from spark_state.resident import ResidentState
-from spark_state.restore import InstanceRestorePlan, apply_entries, fold_chain, plan_instance_restore, plan_restore
-from spark_state.schema import KeyedSchema, StateVariable
+from spark_state.keyspace import KeyGroupRange, instance_for_key_group, key_group_range
+from spark_state.store.manifest import BlobRef, ComponentManifest, ComponentSpec, ComponentUpdate, next_component
+from spark_state.executor.resident import ResidentState
+from spark_state.store.restore import InstanceRestorePlan, apply_entries, fold_chain, plan_instance_restore, plan_restore
+from spark_state.model.schema import KeyedSchema, StateVariable
 
 SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 HEADER = 600  # synthetic blobs: bytes before the first entry

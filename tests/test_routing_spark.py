@@ -7,7 +7,7 @@ import random
 import pytest
 
 from spark_state.errors import InvalidParallelismError, UnsupportedKeyError
-from spark_state.keygroups import instance_for_key_group, key_group_for, key_groups_for_columns
+from spark_state.keyspace import instance_for_key_group, key_group_for, key_groups_for_columns
 
 pytestmark = pytest.mark.spark
 
@@ -68,7 +68,7 @@ def keyed(spark):
 
 
 def test_key_groups_match_python(keyed):
-    from spark_state.routing import key_group_column
+    from spark_state.spark.routing import key_group_column
 
     df, rows = keyed
     groups = df.select(
@@ -90,7 +90,7 @@ def test_key_groups_match_python(keyed):
 def test_instances_match_python_for_every_key_group(spark, max_parallelism):
     from pyspark.sql import functions as F
 
-    from spark_state.routing import instance_column, instance_sql
+    from spark_state.spark.routing import instance_column, instance_sql
 
     parallelisms = INSTANCE_CASES[max_parallelism]
     table = (
@@ -117,7 +117,7 @@ def test_routing_columns_match_python(keyed):
     """``routing_columns`` (the keyed operator's routing, parsed from SQL text) gives every row the key group
     and the instance Python gives its key, for one key column and for several, a name needing quotes among them;
     a name cased otherwise than in the schema takes the Column path, as Spark resolves it."""
-    from spark_state.routing import routing_columns
+    from spark_state.spark.routing import routing_columns
 
     df, rows = keyed
     df = df.withColumnRenamed("s", "the `s`.col")
@@ -135,7 +135,7 @@ def test_routing_columns_match_python(keyed):
 def test_key_groups_match_vectorized_on_spark_arrow(keyed):
     from pyspark.sql import functions as F
 
-    from spark_state.routing import key_group_column
+    from spark_state.spark.routing import key_group_column
 
     df, _ = keyed
     cols = ["l", "s", "bin", "flag", "i"]
@@ -147,7 +147,7 @@ def test_key_groups_match_vectorized_on_spark_arrow(keyed):
 def test_unsupported_key_types_rejected(spark):
     from pyspark.sql import functions as F
 
-    from spark_state.routing import key_group_column
+    from spark_state.spark.routing import key_group_column
 
     df = spark.range(1).select(F.lit(1.5).alias("x"), F.lit("a").alias("s"), F.current_timestamp().alias("t"))
     with pytest.raises(UnsupportedKeyError, match="key column 1 has Spark type double"):
@@ -166,7 +166,7 @@ def test_instance_column_validates(spark):
     from pyspark.errors import PySparkException
     from pyspark.sql import functions as F
 
-    from spark_state.routing import instance_column
+    from spark_state.spark.routing import instance_column
 
     with pytest.raises(InvalidParallelismError, match="parallelism=11 is out of range"):
         instance_column("g", 11, 10)

@@ -1,4 +1,4 @@
-"""Savepoints (``spark_state.savepoints``): pinned checkpoints that retention and cleanup keep. No Spark."""
+"""Savepoints (``spark_state.store.savepoints``): pinned checkpoints that retention and cleanup keep. No Spark."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from spark_state.commitlog import encode_record
+from spark_state.store.commitlog import encode_record
 from spark_state.errors import (
     ConfigError,
     CorruptBlobError,
@@ -16,8 +16,8 @@ from spark_state.errors import (
     SavepointNotFoundError,
     StorageError,
 )
-from spark_state.manifestlog import ManifestLog, manifest_path
-from spark_state.savepoints import (
+from spark_state.store.manifestlog import ManifestLog, manifest_path
+from spark_state.store.savepoints import (
     SAVEPOINTS_DIR,
     Savepoints,
     create_savepoint,
@@ -121,7 +121,7 @@ def test_savepoint_names_checkpoints_and_duplicates_are_checked():
 
 
 def test_a_savepoint_uri_puts_its_store_s_parameters_after_the_name():
-    from spark_state.savepoints import Savepoint
+    from spark_state.store.savepoints import Savepoint
 
     store = "s3://bucket/jobs/state?endpoint=http://127.0.0.1:9000&path_style=true"
     savepoint = Savepoint("sp", 1, 0.0, 0.0, {}, {}, store=store)
@@ -170,7 +170,7 @@ def test_a_checkpoint_that_leaves_retention_while_it_is_savepointed_is_refused_n
 
 
 def test_a_damaged_savepoint_record_stops_cleanup_instead_of_guessing(monkeypatch):
-    monkeypatch.setattr("spark_state.manifestlog.MAX_DELTAS", 0)  # full records: old ones are garbage
+    monkeypatch.setattr("spark_state.store.manifestlog.MAX_DELTAS", 0)  # full records: old ones are garbage
     store = Store(MemoryStorage(), retained=2)
     _history(store, 3, savepoint_at={2: "good"})
     store.storage.create(savepoint_path("bad"), b'{"crc32": 1, "body": "{}"}')
@@ -245,7 +245,7 @@ def test_cleanup_crashing_at_every_delete_keeps_the_savepoint(backend, tmp_path)
 
 def _pin(store: Store, name: str, checkpoint_id: int) -> None:
     """A savepoint of ``checkpoint_id`` as ``create_savepoint`` writes it (the id must still be loadable)."""
-    from spark_state.savepoints import Savepoint
+    from spark_state.store.savepoints import Savepoint
 
     savepoint = Savepoint.of(name, store.load(checkpoint_id), store=store.storage.uri)
     store.storage.create(savepoint_path(name), encode_record(savepoint.to_json()))
@@ -284,7 +284,7 @@ def test_replayable_retention_never_trims_below_a_savepoint():
 
 def _started(tmp_path):
     """Store A with history at parallelism 2 and a savepoint at checkpoint 5; B empty."""
-    from spark_state.manifestlog import ManifestLog
+    from spark_state.store.manifestlog import ManifestLog
 
     a = Store(LocalStorage(tmp_path / "a"), retained=2)
     job = _history(a, 5, savepoint_at={5: "sp"})
@@ -294,14 +294,14 @@ def _started(tmp_path):
 
 
 def _spec(schema=None, max_parallelism=M, parallelism=5, name=COMPONENT):
-    from spark_state.manifest import ComponentSpec
+    from spark_state.store.manifest import ComponentSpec
     from tests.test_manifestlog import SCHEMA
 
     return ComponentSpec(name, max_parallelism, parallelism, schema or SCHEMA)
 
 
 def test_a_new_store_starts_from_a_savepoint_by_copying_what_it_needs(tmp_path):
-    from spark_state.startfrom import start_from_savepoint
+    from spark_state.store.startfrom import start_from_savepoint
 
     a, job, b = _started(tmp_path)
     uri = Savepoints(a.storage).get("sp").uri
@@ -327,7 +327,7 @@ def test_a_new_store_starts_from_a_savepoint_by_copying_what_it_needs(tmp_path):
 
 
 def _next(log, checkpoint_id):
-    from spark_state.manifest import next_manifest
+    from spark_state.store.manifest import next_manifest
 
     return next_manifest(log.latest(), checkpoint_id, {}, {"src": {"offset": checkpoint_id}})
 
@@ -336,8 +336,8 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
     import pyarrow as pa
 
     from spark_state.errors import SavepointMismatchError
-    from spark_state.schema import KeyedSchema
-    from spark_state.startfrom import start_from_savepoint
+    from spark_state.model.schema import KeyedSchema
+    from spark_state.store.startfrom import start_from_savepoint
 
     a, _, b = _started(tmp_path)
     uri = Savepoints(a.storage).get("sp").uri
@@ -368,7 +368,7 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
     with pytest.raises(SavepointError, match="already holds state .* writes to an empty store"):
         start_from_savepoint(other.manifests, uri, _spec())
     # widening is fine
-    from spark_state.startfrom import check_fits
+    from spark_state.store.startfrom import check_fits
 
     savepoint = Savepoints(a.storage).get("sp")
     assert check_fits(savepoint, _spec(KeyedSchema.of_values([pa.field("key", pa.string())], [
@@ -376,7 +376,7 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
 
 
 def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_path):
-    from spark_state.startfrom import start_from_savepoint
+    from spark_state.store.startfrom import start_from_savepoint
 
     a, job, b = _started(tmp_path)
     uri = Savepoints(a.storage).get("sp").uri
@@ -399,9 +399,9 @@ def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_p
 
 
 def test_a_savepoint_of_an_s3_store_starts_a_local_store_through_the_uri_it_prints(s3_uri, tmp_path):
-    from spark_state.manifestlog import ManifestLog
+    from spark_state.store.manifestlog import ManifestLog
     from spark_state.storage import open_storage
-    from spark_state.startfrom import start_from_savepoint
+    from spark_state.store.startfrom import start_from_savepoint
 
     a = Store(open_storage(s3_uri("a")), retained=2)
     job = _history(a, 3, savepoint_at={3: "sp"})

@@ -1,4 +1,4 @@
-"""The state schema of a component: key columns and named state variables (``spark_state.schema``)."""
+"""The state schema of a component: key columns and named state variables (``spark_state.model.schema``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_state.errors import ConfigError, CorruptBlobError
-from spark_state.schema import DELETED_COLUMN, KeyedSchema, StateVariable
+from spark_state.model.schema import DELETED_COLUMN, KeyedSchema, StateVariable
 
 KEYS = (pa.field("tenant", pa.string()), pa.field("user", pa.int32()))
 VALUE = StateVariable("value", (pa.field("note", pa.string()), pa.field("history", pa.list_(pa.int64()))))

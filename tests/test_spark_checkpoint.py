@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from spark_state.errors import CheckpointLocationError
-from spark_state.spark_checkpoint import SparkCheckpoint, interrupted_first_batch, parse_offsets_entry
+from spark_state.spark.checkpoint import SparkCheckpoint, interrupted_first_batch, parse_offsets_entry
 
 WHERE = "file:/chk"
 

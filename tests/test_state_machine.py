@@ -37,13 +37,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import numpy as np
 
-from spark_state import keyed_table
-from spark_state.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
-from spark_state.keygroups import instance_for_key_group, key_group_for, key_group_range
-from spark_state.manifest import ComponentSpec
-from spark_state.resident import ResidentState, restore_instance
-from spark_state.restore import fold_chain, plan_restore
-from spark_state.schema import DELETED_COLUMN, KeyedSchema
+from spark_state.executor import table as keyed_table
+from spark_state.executor.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
+from spark_state.store.manifest import ComponentSpec
+from spark_state.executor.resident import ResidentState, restore_instance
+from spark_state.store.restore import fold_chain, plan_restore
+from spark_state.model.schema import DELETED_COLUMN, KeyedSchema
 from spark_state.storage.memory import MemoryStorage
 from tests.stores import Store
 

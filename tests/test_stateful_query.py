@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_state.streaming import StatefulQuery
+from spark_state.spark.streaming import StatefulQuery
 
 
 class _Query:

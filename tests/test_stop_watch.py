@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_state import stop_watch
-from spark_state.stop_watch import record_ended, unwatch, watch, watched_runs
+from spark_state.spark import stop_watch
+from spark_state.spark.stop_watch import record_ended, unwatch, watch, watched_runs
 
 
 class _Batch:

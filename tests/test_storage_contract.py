@@ -613,7 +613,7 @@ def test_a_remote_client_is_imported_only_for_its_store(client, uri):
     import sys
 
     code = (
-        "import sys, spark_state.operator, spark_state.microbatch, spark_state.conf, datasources.sources\n"
+        "import sys, spark_state.executor.task, spark_state.spark.microbatch, spark_state.driver.conf, datasources.sources\n"
         "import spark_state.storage as s\n"
         f"assert {client!r} not in sys.modules, 'imported eagerly'\n"
         f"s.open_storage('/tmp/x'); assert {client!r} not in sys.modules, 'imported for a local store'\n"

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from spark_state.commitlog import CommitLog
+from spark_state.store.commitlog import CommitLog
 from spark_state.errors import (
     BlobNotFoundError,
     CommitFailedError,
@@ -22,7 +22,7 @@ from spark_state.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from spark_state.manifestlog import ManifestLog, manifest_path
+from spark_state.store.manifestlog import ManifestLog, manifest_path
 from spark_state.storage import LocalStorage, MemoryStorage, open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, FaultPlan, FaultStorage, InjectedStorageError
 from spark_state.storage.timeouts import TimeoutStorage, unwrapped
@@ -116,7 +116,7 @@ def test_a_manifest_commit_that_failed_but_published_counts_as_committed(tmp_pat
     store = Store(backend)
     storage = PublishThenFail(backend, plan(tmp_path))
     manifests = ManifestLog(storage)
-    from spark_state.manifest import next_manifest
+    from spark_state.store.manifest import next_manifest
 
     manifest = manifests.commit(next_manifest(None, 0, {}, {"s": 1}))
     assert manifest.checkpoint_id == 0 and store.latest().sources == {"s": 1}

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from spark_state.cli import cli
+from spark_state.ops.cli import cli
 from spark_state.errors import StoreLinkError
-from spark_state.manifest import ComponentSpec
-from spark_state.schema import KeyedSchema
+from spark_state.store.manifest import ComponentSpec
+from spark_state.model.schema import KeyedSchema
 from spark_state.storage.local import LocalStorage
 from tests.stores import Store
 

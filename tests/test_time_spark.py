@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_state import keyed
-from spark_state.drain import request_drain
-from spark_state.stops import stopped_run
+from spark_state.store.drain import request_drain
+from spark_state.store.stops import stopped_run
 from spark_state.errors import ConfigError
-from spark_state.manifestlog import open_manifest_log
-from spark_state.microbatch import MicroBatch
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.spark.microbatch import MicroBatch
 from spark_state.storage import open_storage
 from tests.diagnostics import stalled
 from tests.files import publish
@@ -144,7 +144,7 @@ def _write_times(tmp_path: Path, index: int, rows: list[tuple[str, int]]) -> Non
 
 def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after_a_failed_attempt(spark, tmp_path,
                                                                                                    monkeypatch):
-    from spark_state.keygroups import instance_for_key_group, key_group_for
+    from spark_state.keyspace import instance_for_key_group, key_group_for
 
     fired: list = []
     keys = [f"k{i}" for i in range(40)]
@@ -299,7 +299,7 @@ def test_bad_time_settings_are_refused_when_the_query_is_defined(spark, tmp_path
 
 
 def test_a_timer_with_a_value_that_is_not_a_time_is_refused_naming_it():
-    from spark_state.timers import KeyTimersHandle
+    from spark_state.model.timers import KeyTimersHandle
 
     handle = KeyTimersHandle(None, event_time=True)
     with pytest.raises(ConfigError, match="'soon' is not a time"):

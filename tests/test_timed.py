@@ -6,8 +6,8 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.functions import EVENT_MS_COLUMN, KeyState
-from spark_state.timed import Deduplicate, first_by_event_time
+from spark_state.executor.functions import EVENT_MS_COLUMN, KeyState
+from spark_state.executor.timed import Deduplicate, first_by_event_time
 
 ROWS = st.lists(
     st.tuples(st.integers(0, 3), st.one_of(st.none(), st.integers(-2, 2)), st.sampled_from(["x", "y", "é"]),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_state.manifestlog import ManifestReader
+from spark_state.store.manifestlog import ManifestReader
 from spark_state.storage import LocalStorage
 from tests.campaign.events import EventLog
 from tests.campaign.model import CountModel

@@ -85,10 +85,10 @@ import pyarrow as pa
 
 from datasources.log import ReplayableLog
 from datasources.logindex import Commit
-from spark_state.blobstore import BlobStore
-from spark_state.manifestlog import ManifestReader, manifest_path
-from spark_state.resident import restore_instance
-from spark_state.savepoints import Savepoints, parse_savepoint_uri
+from spark_state.store.blobstore import BlobStore
+from spark_state.store.manifestlog import ManifestReader, manifest_path
+from spark_state.executor.resident import restore_instance
+from spark_state.store.savepoints import Savepoints, parse_savepoint_uri
 from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
 from tests.campaign.events import NUM_SPLITS, EventLog
