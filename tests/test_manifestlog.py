@@ -617,7 +617,7 @@ def _committed_component(storage: Storage):
 
 def test_restore_refuses_a_changed_max_parallelism():
     store, component = _committed_component(MemoryStorage())
-    with pytest.raises(IncompatibleCheckpointError, match="max parallelism is 16 .* set it back to 8"):
+    with pytest.raises(IncompatibleCheckpointError, match="max parallelism is 16 .* set spark.state.maxParallelism=8"):
         restore_instance(store.blobs, component, SCHEMA, 0, 2, 16)
 
 
@@ -645,7 +645,7 @@ def test_restore_refuses_another_hash_version():
 
 def test_commit_refuses_a_changed_max_parallelism():
     store, _ = _committed_component(MemoryStorage())
-    with pytest.raises(IncompatibleCheckpointError, match="set it back to 8"):
+    with pytest.raises(IncompatibleCheckpointError, match="spark.state.maxParallelism=8"):
         store.commit(2, {COMPONENT: (ComponentSpec(COMPONENT, 16, 2, SCHEMA), [])}, {})
     assert store.committed_ids() == [1]
 

@@ -342,7 +342,7 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
     a, _, b = _started(tmp_path)
     uri = Savepoints(a.storage).get("sp").uri
     cases = [
-        (_spec(max_parallelism=32), "max parallelism is 32, the savepoint's state was written with 8: set "
+        (_spec(max_parallelism=32), "max parallelism is 32 but the savepoint's state was written with 8: set "
                                     "spark.state.maxParallelism=8"),
         (_spec(KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])),
          "state column 'key' cannot change from string to int64"),

@@ -37,7 +37,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from spark_state.store.blob import FORMAT_VERSION, MAX_ENTRY_ROWS, BlobIndex
 from spark_state.errors import (
@@ -45,6 +45,7 @@ from spark_state.errors import (
     ConfigError,
     CorruptBlobError,
     IncompatibleCheckpointError,
+    IncompatibleSchemaError,
     KeyGroupOwnershipError,
 )
 from spark_state.keyspace import HASH_VERSION, UPPER_BOUND_MAX_PARALLELISM, KeyGroupRange, key_group_range
@@ -483,37 +484,65 @@ def check_component_name(component: str) -> str:
     return component
 
 
-def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
-    """Raise ``IncompatibleCheckpointError`` if ``spec`` cannot continue ``previous``'s chain.
+class StoredComponent(Protocol):
+    """What a stored component must show for a query to continue it (a ``ComponentManifest``, or a savepoint's
+    ``savepoints.ComponentPlan``)."""
 
-    The key space (``max_parallelism``), the hash and the key columns must
-    never change within a checkpoint chain: every stored key group would
-    silently belong to the wrong keys. Parallelism may change freely. The
-    state schema may change as ``evolution`` allows (``IncompatibleSchemaError``
-    otherwise, naming the column).
+    max_parallelism: int
+    hash_version: int
+    schema: str  # ``KeyedSchema.serialize()``
+
+    @property
+    def key_columns(self) -> Sequence[str]: ...
+
+
+def continuation_problems(stored: StoredComponent, spec: ComponentSpec, *, written: str = "the checkpoints were"
+                          ) -> tuple[list[str], IncompatibleSchemaError | None]:
+    """Why ``spec`` cannot continue ``stored``: the one compatibility rule of a state (checkpoints, savepoints).
+
+    The key space (``max_parallelism``), the hash and the key columns never
+    change within a state: every stored key group would silently belong to
+    the wrong keys. Parallelism may change freely. The state schema may
+    change as ``evolution`` allows; the schema problem, if any, is the typed
+    ``IncompatibleSchemaError`` (naming the column). ``written`` names the
+    stored state in messages ("the checkpoints were", "the savepoint's state
+    was").
     """
     problems = []
-    if spec.max_parallelism != previous.max_parallelism:
+    if spec.max_parallelism != stored.max_parallelism:
         problems.append(
-            f"max parallelism is {spec.max_parallelism} but the checkpoints were written with "
-            f"{previous.max_parallelism}; set it back to {previous.max_parallelism} (it is fixed "
-            "for the life of a checkpoint chain), or start a new state store location"
+            f"max parallelism is {spec.max_parallelism} but {written} written with {stored.max_parallelism}: set "
+            f"spark.state.maxParallelism={stored.max_parallelism} (the key space of a state is fixed), or start a "
+            "new state store location"
         )
-    if previous.hash_version != HASH_VERSION:
+    if stored.hash_version != HASH_VERSION:
         problems.append(
-            f"checkpoints use key hash version {previous.hash_version}, this spark-state uses "
-            f"{HASH_VERSION}; restore with the spark-state version that wrote them"
+            f"{written} written with key hash version {stored.hash_version}, this spark-state uses {HASH_VERSION}: "
+            "restore with the spark-state version that wrote them"
         )
-    if spec.key_columns != tuple(previous.key_columns):
+    if spec.key_columns != tuple(stored.key_columns):
         problems.append(
-            f"key columns are {list(spec.key_columns)} but the checkpoints are keyed by "
-            f"{list(previous.key_columns)}; restore with the original key columns, or start a new "
-            "state store location"
+            f"key columns are {list(spec.key_columns)} but {written} keyed by {list(stored.key_columns)}; restore "
+            "with the original key columns, or start a new state store location"
         )
+        return problems, None
+    schema_error = None
+    if spec.schema.serialize() != stored.schema:
+        try:
+            plan_evolution(spec.name, _deserialize(stored.schema, tuple(stored.key_columns)), spec.schema)
+        except IncompatibleSchemaError as error:
+            schema_error = error
+    return problems, schema_error
+
+
+def check_compatible(previous: ComponentManifest, spec: ComponentSpec) -> None:
+    """Raise ``IncompatibleCheckpointError`` if ``spec`` cannot continue ``previous``'s chain
+    (``continuation_problems``), ``IncompatibleSchemaError`` if only its state schema cannot."""
+    problems, schema_error = continuation_problems(previous, spec)
     if problems:
         raise IncompatibleCheckpointError(f"component {spec.name!r}: " + "; ".join(problems))
-    if spec.schema.serialize() != previous.schema:
-        plan_evolution(spec.name, previous.keyed_schema, spec.schema)  # IncompatibleSchemaError unless it can
+    if schema_error is not None:
+        raise schema_error
 
 
 def next_component(

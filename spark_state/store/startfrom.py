@@ -52,17 +52,13 @@ from spark_state.errors import (
     BlobExistsError,
     BlobNotFoundError,
     CorruptBlobError,
-    IncompatibleSchemaError,
     SavepointError,
     SavepointMismatchError,
     SavepointNotFoundError,
 )
-from spark_state.model.evolution import plan_evolution
-from spark_state.keyspace import HASH_VERSION
-from spark_state.store.manifest import ComponentManifest, ComponentSpec, Manifest
+from spark_state.store.manifest import ComponentManifest, ComponentSpec, Manifest, continuation_problems
 from spark_state.store.manifestlog import ManifestLog, ManifestReader
 from spark_state.store.savepoints import ComponentPlan, Savepoint, Savepoints, parse_savepoint_uri
-from spark_state.model.schema import KeyedSchema
 from spark_state.storage.base import Storage
 
 _LOG = logging.getLogger(__name__)
@@ -114,28 +110,9 @@ def check_fits(savepoint: Savepoint, spec: ComponentSpec, *, allow_non_restored:
 
 
 def _plan_problems(plan: ComponentPlan, spec: ComponentSpec) -> list[str]:
-    problems = []
-    if plan.max_parallelism != spec.max_parallelism:
-        problems.append(
-            f"max parallelism is {spec.max_parallelism}, the savepoint's state was written with "
-            f"{plan.max_parallelism}: set spark.state.maxParallelism={plan.max_parallelism} (the key space of a "
-            "state is fixed)"
-        )
-    if plan.hash_version != HASH_VERSION:
-        problems.append(
-            f"the savepoint uses key hash version {plan.hash_version}, this spark-state {HASH_VERSION}: start "
-            "with the spark-state version that wrote it"
-        )
-    stored = KeyedSchema.deserialize(plan.schema, plan.key_columns)
-    if plan.key_columns != spec.key_columns:
-        problems.append(f"key columns are {list(spec.key_columns)}, the savepoint's state is keyed by "
-                        f"{list(plan.key_columns)}")
-    else:
-        try:
-            plan_evolution(spec.name, stored, spec.schema)
-        except IncompatibleSchemaError as exc:
-            problems.append(str(exc))
-    return problems
+    """Why ``spec`` cannot start from the savepoint's component (``manifest.continuation_problems``)."""
+    problems, schema_error = continuation_problems(plan, spec, written="the savepoint's state was")
+    return problems + ([str(schema_error)] if schema_error is not None else [])
 
 
 def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: ComponentSpec, *,
