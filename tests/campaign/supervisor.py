@@ -92,6 +92,9 @@ from spark_state.store.savepoints import Savepoints, parse_savepoint_uri
 from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
 from tests.campaign.events import NUM_SPLITS, EventLog
+from tests.campaign.faults import (
+    FAULT_KINDS, PATTERNS, SAVEPOINT_KINDS, STORAGE, TIMED, Moment, storage_rule, uses_storage_plan,
+)
 from tests.campaign.model import MODELS, SHAPES, Model
 from tests.jvm import driver_jvm_options
 from tests.kills import wait_for_created
@@ -99,14 +102,6 @@ from tests.kills import wait_for_created
 REPO = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "site"
 MAX_PARALLELISM = 128
-FIRST_OFFSETS_TEMP = r"\.0\.[0-9a-f-]{36}\.tmp"
-KILLS = ("kill_random", "kill_after_blob", "kill_after_manifest", "kill_after_offsets", "kill_after_commit",
-         "kill_first_offsets", "kill_after_sink_commit", "kill_worker", "kill_host")
-STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
-FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + ("delete_newest_record",
-                                                                           "second_checkpoint")
-SAVEPOINT_KINDS = ("savepoint", "fork")
-"""With ``--savepoints``: a savepoint created while the query runs, and a new query forked from one."""
 STORAGE_TIMEOUT_S = 4.0
 S3_BUCKET = "campaign"
 FINAL_DRAIN_RECORDS = 4000  # records per batch of the final drains
@@ -571,27 +566,9 @@ class Campaign:
         return json.loads(path.read_text())["message"] if path.exists() else ""
 
     def storage_plan(self, query: Query, cycle_dir: Path, kind: str) -> Path:
-        store, out = re.escape(query.store_location()), re.escape(str(query.out))
-        events = re.escape(str(self.root / "events"))
-        writes = [f"{store}/blobs/", f"{store}/checkpoints/", f"{out}/data/", f"{out}/_commits/"]
-        reads = [f"{store}/checkpoints/", f"{events}/data/", f"{events}/_commits/"]
-        if kind in ("fail_write", "enospc"):
-            rule = {"op": "create", "path": self.rng.choice(writes), "nth": self.rng.randint(1, 3),
-                    "fault": "error" if kind == "fail_write" else "enospc"}
-        elif kind == "fail_read":  # paths read in every run: a cold store's records, the log's commits and segments
-            path, nth = self.rng.choice([(reads[0], 1), (reads[1], self.rng.randint(1, 3)),
-                                         (reads[2], self.rng.randint(1, 6))])
-            rule = {"op": "read", "path": path, "nth": nth, "fault": "error"}
-        elif kind == "stall":
-            rule = {"op": self.rng.choice(["create", "read", "list"]), "path": self.rng.choice([store, events, out]),
-                    "nth": self.rng.randint(1, 6), "fault": "stall", "stall_seconds": 120}
-        elif kind == "truncate":
-            rule = {"op": "create", "path": self.rng.choice([f"{store}/checkpoints/", f"{out}/_commits/"]),
-                    "nth": self.rng.randint(1, 2), "fault": "truncate"}
-        else:
-            target = {"kill_after_blob": f"{store}/blobs/", "kill_after_manifest": f"{store}/checkpoints/",
-                      "kill_after_sink_commit": f"{out}/_commits/"}[kind]
-            rule = {"op": "create", "path": target, "nth": self.rng.randint(1, 3), "fault": "kill"}
+        """The fault plan of storage kind ``kind`` (``faults.storage_rule``) over this query's paths."""
+        rule = storage_rule(kind, self.rng, store=re.escape(query.store_location()), out=re.escape(str(query.out)),
+                            events=re.escape(str(self.root / "events")))
         plan = cycle_dir / "faults.json"
         plan.write_text(json.dumps({"timeout_seconds": STORAGE_TIMEOUT_S, "rules": [rule],
                                     "protect_session": os.getsid(0)}))
@@ -604,13 +581,9 @@ class Campaign:
         if self.rng.random() < 0.3:
             live = [self.rng.randint(1, self.max_parallelism), self.rng.randint(1, 3)]
         cluster = self.ensure_cluster() if kind == "kill_executor" else None
-        if kind == "kill_first_offsets":
-            (query.checkpoint / "offsets").mkdir(parents=True, exist_ok=True)
-        for directory in ("offsets", "commits"):
-            if kind in ("kill_after_offsets", "kill_after_commit"):
-                (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
-        plan = self.storage_plan(query, cycle_dir, kind) if kind in STORAGE or kind in (
-            "kill_after_blob", "kill_after_manifest", "kill_after_sink_commit") else None
+        if kind in PATTERNS:
+            (query.checkpoint / PATTERNS[kind][0]).mkdir(parents=True, exist_ok=True)
+        plan = self.storage_plan(query, cycle_dir, kind) if uses_storage_plan(kind) else None
         if kind == "fork" and self.rng.random() < 0.5:  # killed at its store's 1st-3rd file: mostly in the copy
             plan = self.storage_plan(query, cycle_dir, "kill_after_blob")
         spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster, max_records=max_records)
@@ -645,10 +618,8 @@ class Campaign:
                 injected.append(name)
 
         threads = [threading.Thread(target=appender, daemon=True), threading.Thread(target=watcher, daemon=True)]
-        patterns = {"kill_first_offsets": ("offsets", FIRST_OFFSETS_TEMP), "kill_after_offsets": ("offsets", r"\d+"),
-                    "kill_after_commit": ("commits", r"\d+")}
-        if kind in patterns:
-            sub, pattern = patterns[kind]
+        if kind in PATTERNS:
+            sub, pattern = PATTERNS[kind]
             threads.append(threading.Thread(target=killer, args=(str(query.checkpoint / sub), pattern), daemon=True))
         for thread in threads:
             thread.start()
@@ -656,7 +627,6 @@ class Campaign:
         deadline = started + (bound or self.cycle_timeout)
         early = self.rng.random() < 0.2  # a timed fault during start-up, else while batches run
         fault_delay = self.rng.uniform(1.0, 8.0) if early else self.rng.uniform(0.0, run_for + 2.0)
-        timed = ("kill_random", "kill_worker", "kill_host", "kill_executor", "clean_stop", "savepoint")
         query_started = None
         finished = False
         while process.poll() is None and _now() < deadline:
@@ -667,37 +637,13 @@ class Campaign:
             if kind == "savepoint" and not before:  # a query's first cycle: its moment counts from its first commit
                 base = started + first_commit[0] if first_commit else None
             due = base is not None and now >= base + fault_delay and not injected
-            if kind == "kill_random" and due:
-                kill_session(process.pid)
-                injected.append("random")
-            elif kind == "savepoint" and due:
-                made = self.make_savepoint(query, cycle_dir)
-                injected.append(made or "no savepoint")
-            elif kind == "kill_worker" and due:
-                worker = self.python_process(process.pid, "worker")
-                if worker is not None:
-                    os.kill(worker, signal.SIGKILL)
-                    injected.append(f"worker {worker}")
-            elif kind == "kill_host" and due:  # one running a task if any does within 3 s, else an idle one
-                host = self.busy_host(process.pid)
-                if host is not None:
-                    injected.append(f"busy host {host}")
-                elif now >= base + fault_delay + 3.0:
-                    host = self.python_process(process.pid, "host")
-                    if host is not None:
-                        injected.append(f"idle host {host}")
-                if host is not None:
-                    os.kill(host, signal.SIGKILL)
-            elif kind == "kill_executor" and due:
-                executor = self.executor(cluster)
-                if executor is not None:
-                    os.kill(executor, signal.SIGKILL)
-                    injected.append(f"executor {executor}")
-            elif kind == "clean_stop" and due and query_started is not None:
-                (control / "stop").write_text("")
-                injected.append("stop")
+            if due and kind in TIMED:
+                what = TIMED[kind](Moment(self, process, query, cycle_dir, control, cluster, now - base - fault_delay,
+                                          query_started is not None))
+                if what is not None:
+                    injected.append(what)
             if not finished and query_started is not None and base is not None and now >= query_started + run_for and (
-                    kind not in timed or injected or now >= max(query_started, base) + run_for + fault_delay + 3):
+                    kind not in TIMED or injected or now >= max(query_started, base) + run_for + fault_delay + 3):
                 done.set()
                 threads[0].join()
                 if kind == "drain":
