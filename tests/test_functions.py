@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_state.errors import ConfigError
-from spark_state.executor.functions import AGGREGATES, KEY_GROUP_COLUMN, Aggregate, BatchTime, PythonFunction
+from spark_state.executor.columns import KEY_GROUP_COLUMN
+from spark_state.executor.aggregates import AGGREGATES, Aggregate
+from spark_state.executor.functions import BatchTime, PythonFunction
 from spark_state.executor.resident import ResidentState
 from spark_state.keyspace import KeyGroupRange, key_group_for
 from spark_state.executor.table import KeyGroupTable

@@ -272,7 +272,8 @@ before = set(sys.modules)
 import numpy as np
 import pyarrow as pa
 from spark_state.store.blobstore import BlobStore
-from spark_state.executor.functions import KEY_GROUP_COLUMN, Aggregate
+from spark_state.executor.columns import KEY_GROUP_COLUMN
+from spark_state.executor.aggregates import Aggregate
 from spark_state.keyspace import key_group_range, key_groups_for_columns
 from spark_state.executor.resident import ResidentState
 from spark_state.model.schema import KeyedSchema

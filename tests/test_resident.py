@@ -18,7 +18,8 @@ from spark_state.executor import order as key_ordering, search
 from spark_state.executor import table as keyed_table
 from spark_state.store.blobstore import BlobStore
 from spark_state.errors import CorruptBlobError, KeyGroupNotLoadedError, KeyGroupOwnershipError
-from spark_state.executor.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+from spark_state.executor.columns import KEY_GROUP_COLUMN
+from spark_state.executor.aggregates import Aggregate, PARTIAL_PREFIX
 from spark_state.executor.chain import FetchedChain
 from spark_state.executor.order import key_order
 from spark_state.executor.table import SET_ENTRY_BYTES, KeyGroupTable
@@ -285,7 +286,8 @@ def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
 def test_a_restored_chain_takes_the_key_count_its_last_entry_recorded_instead_of_folding(store):
     """A built-in aggregate's entries record how many keys their chains hold; a restore at a new parallelism
     counts its chains from those records (no fold), and the counts are the chains' true counts."""
-    from spark_state.executor.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+    from spark_state.executor.columns import KEY_GROUP_COLUMN
+    from spark_state.executor.aggregates import Aggregate, PARTIAL_PREFIX
 
     agg = Aggregate("count", None, "count")
     schema = KeyedSchema.of_values([pa.field("key", pa.string())], agg.state_fields())

@@ -38,7 +38,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import numpy as np
 
 from spark_state.executor import table as keyed_table
-from spark_state.executor.functions import KEY_GROUP_COLUMN, PARTIAL_PREFIX, Aggregate
+from spark_state.executor.columns import KEY_GROUP_COLUMN
+from spark_state.executor.aggregates import Aggregate, PARTIAL_PREFIX
 from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
 from spark_state.store.manifest import ComponentSpec
 from spark_state.executor.resident import ResidentState, restore_instance

@@ -6,7 +6,8 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.executor.functions import EVENT_MS_COLUMN, KeyState
+from spark_state.executor.columns import EVENT_MS_COLUMN
+from spark_state.executor.functions import KeyState
 from spark_state.executor.timed import Deduplicate, first_by_event_time
 
 ROWS = st.lists(

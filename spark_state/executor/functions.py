@@ -1,15 +1,9 @@
-"""What a keyed query computes per key: built-in aggregates and user functions. No I/O, no pyspark.
+"""User functions: what ``apply`` computes per key, and the state a function sees. No I/O, no pyspark.
 
-Both kinds take an instance's rows of one micro-batch (an Arrow table with the
-key-group column) and its resident ``KeyGroupTable``, update the ``value``
-state variable and return the output rows.
-
-**Built-in aggregates are data**: each is one ``AggregateDef`` in
-``AGGREGATES`` (its state columns, the Arrow partial aggregates a batch
-computes per key, how a partial merges into the state, and how the state
-becomes the output value). Adding one is adding an entry. On a native state
-(``KeyGroupTable.native``) a batch's partials merge into the state with Arrow
-kernels, no Python object per key; elsewhere per key, in Python.
+A user function takes an instance's rows of one micro-batch (an Arrow table
+with the key-group column) and its resident ``KeyGroupTable``, updates the
+state variables and returns the output rows. The built-in aggregates, which
+do the same with Arrow kernels, are in ``aggregates``.
 
 **User functions** (``PythonFunction``) are called once per key with that
 key's new rows and a ``KeyState``, like Spark's ``applyInPandasWithState``;
@@ -22,19 +16,17 @@ timers in time order, then the expiries.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from spark_state.errors import AggregateOverflowError, ConfigError
+from spark_state.errors import ConfigError
 from spark_state.model.eventtime import END_OF_TIME
 from spark_state.model.instance_items import InstanceItems
-from spark_state.executor.table import KeyGroupTable
+from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.model.schema import Key
 from spark_state.model.timers import (
     EVENT,
@@ -42,288 +34,9 @@ from spark_state.model.timers import (
     PROCESSING,
     KeyTimersHandle,
     Timer,
-    TimerIndex,
     with_expiry,
     with_timer,
 )
-
-KEY_GROUP_COLUMN = "_spark_state_key_group"
-PARTIAL_PREFIX = "_spark_state_partial_"
-"""Column ``PARTIAL_PREFIX + str(i)`` holds a key's partial ``i`` of a built-in aggregate, computed in the JVM."""
-ROWS_COLUMN = "_spark_state_rows"
-"""With partials computed in the JVM, the number of input rows each partial row stands for."""
-
-_MERGES: dict[str, Callable[[Any, Any], Any]] = {  # builtins: ``map`` runs them without Python frames
-    "sum": operator.add,
-    "min": min,
-    "max": max,
-}
-_first = itemgetter(0)
-"""``finish`` of the aggregates whose output is their one state column."""
-
-
-def _merge(op: str, old: Any, new: Any) -> Any:
-    """Merge a state field with a batch's partial; None (no value yet, or only nulls) is the identity."""
-    if old is None:
-        return new
-    if new is None:
-        return old
-    return _MERGES[op](old, new)
-
-
-def _numeric(name: str, column: str, kind: pa.DataType) -> None:
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)):
-        raise ConfigError(f"{name}({column!r}) needs a numeric column, it is {kind}")
-
-
-def _orderable(name: str, column: str, kind: pa.DataType) -> None:
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
-            or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_temporal(kind)):
-        raise ConfigError(f"{name}({column!r}) needs a numeric, string, date or timestamp column, it is {kind}")
-
-
-def _sum_type(kind: pa.DataType) -> pa.DataType:
-    return pa.int64() if pa.types.is_integer(kind) else pa.float64()
-
-
-def _always(_: pa.DataType | None) -> bool:
-    return True
-
-
-def _jvm_sums(kind: pa.DataType | None) -> bool:
-    return kind is not None and (pa.types.is_integer(kind) or pa.types.is_floating(kind))
-
-
-def _jvm_orders(kind: pa.DataType | None) -> bool:
-    return kind is not None and (pa.types.is_integer(kind) or pa.types.is_string(kind)
-                                 or pa.types.is_date(kind) or pa.types.is_timestamp(kind))
-
-
-@dataclass(frozen=True)
-class AggregateDef:
-    """One built-in aggregate.
-
-    ``check(name, column, input_type)`` validates the input column;
-    ``state(input_type)`` gives the state columns' types; ``partials`` the
-    Arrow ``group_by`` aggregations, one per state column, computed per key
-    over a batch; ``merges`` how each partial merges into its state column
-    (``"sum"``, ``"min"``, ``"max"``; None is the identity); ``output`` the
-    output type and ``finish`` the output value from a state tuple.
-    ``in_jvm(input_type)``: whether Spark's aggregate of each partial equals
-    Arrow's for that input type, so Spark may compute the partials per key
-    before rows cross into Python (not for floating-point min/max, where
-    Spark orders NaN above every number and Arrow skips it, nor for decimals,
-    whose sums Spark types differently). ``identity(input_type)``: for a
-    one-column state, the state a new key merges a non-null partial into to
-    get that partial exactly (0 for an integer sum or count, -0.0 for a
-    floating-point sum: -0.0 + x is x, signed zeros included), or None when
-    there is none (min, max): a batch's new keys then merge at C speed with
-    the others.
-    """
-
-    name: str
-    needs_column: bool
-    check: Callable[[str, str, pa.DataType], None]
-    state: Callable[[pa.DataType | None], tuple[pa.DataType, ...]]
-    partials: tuple[str, ...]
-    merges: tuple[str, ...]
-    output: Callable[[pa.DataType | None], pa.DataType]
-    finish: Callable[[tuple], Any]
-    in_jvm: Callable[[pa.DataType | None], bool]
-    identity: Callable[[pa.DataType | None], tuple | None] = lambda _: None
-
-
-AGGREGATES: dict[str, AggregateDef] = {
-    d.name: d
-    for d in (
-        AggregateDef("count", False, lambda *_: None, lambda _: (pa.int64(),), ("count_all",), ("sum",),
-                     lambda _: pa.int64(), _first, _always, lambda _: (0,)),
-        AggregateDef("sum", True, _numeric, lambda t: (_sum_type(t),), ("sum",), ("sum",), _sum_type,
-                     _first, _jvm_sums, lambda t: (0,) if pa.types.is_integer(_sum_type(t)) else (-0.0,)),
-        AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, _first,
-                     _jvm_orders),
-        AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, _first,
-                     _jvm_orders),
-        AggregateDef("mean", True, _numeric, lambda _: (pa.float64(), pa.int64()), ("sum", "count"),
-                     ("sum", "sum"), lambda _: pa.float64(),
-                     lambda s: None if not s[1] else s[0] / s[1], _jvm_sums),
-    )
-}
-
-
-@dataclass(frozen=True)
-class Aggregate:
-    """A built-in aggregate of ``column`` per key (``AGGREGATES[kind]``), emitted as ``output_name``."""
-
-    kind: str
-    column: str | None
-    output_name: str
-    input_type: pa.DataType | None = None
-
-    def __post_init__(self) -> None:
-        definition = AGGREGATES.get(self.kind)
-        if definition is None:
-            raise ConfigError(f"unknown aggregate {self.kind!r}; built-ins: {sorted(AGGREGATES)}")
-        if definition.needs_column:
-            if self.column is None or self.input_type is None:
-                raise ConfigError(f"{self.kind}() needs a column")
-            definition.check(self.kind, self.column, self.input_type)
-
-    @property
-    def definition(self) -> AggregateDef:
-        return AGGREGATES[self.kind]
-
-    def state_fields(self) -> list[pa.Field]:
-        """The columns of the ``value`` state variable."""
-        types = self.definition.state(self.input_type)
-        names = [self.output_name] if len(types) == 1 else [f"{self.output_name}_{p}" for p in self.definition.partials]
-        return [pa.field(name, kind) for name, kind in zip(names, types)]
-
-    def output_type(self) -> pa.DataType:
-        return self.definition.output(self.input_type)
-
-    def partials_in_jvm(self) -> bool:
-        """Whether Spark may compute this aggregate's partials per key (``AggregateDef.in_jvm``)."""
-        return self.definition.in_jvm(self.input_type)
-
-    def vectorized(self) -> bool:
-        """Whether Arrow kernels merge this aggregate exactly as ``_merge`` does (``_apply_arrow``): a min or max
-        only of integers or strings (Python's and Arrow's orders of NaN differ; Arrow has no element-wise
-        min or max of dates and timestamps)."""
-        kind = self.input_type
-        if self.definition.finish is not _first and self.kind != "mean":
-            return False
-        return self.kind not in ("min", "max") or kind is not None and (
-            pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind))
-
-    def partials(self, rows: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table, list[str]]:
-        """The batch's partials per key: a table with the key group, the key columns and the partials' names.
-
-        Rows that already carry partials (``PARTIAL_PREFIX`` columns, one row
-        per key, computed by Spark) are used as they are.
-        """
-        definition = self.definition
-        given = [f"{PARTIAL_PREFIX}{i}" for i in range(len(definition.partials))]
-        if given[0] in rows.column_names:
-            return rows, given
-        groups = rows.group_by([KEY_GROUP_COLUMN, *key_columns], use_threads=False)
-        column = [] if self.column is None else self.column
-        totals = groups.aggregate([(column, op) for op in definition.partials])
-        return totals, totals.column_names[-len(definition.partials):]
-
-    def apply(self, table: KeyGroupTable, rows: pa.Table, key_columns: tuple[str, ...]) -> pa.Table:
-        """Merge the batch's partial aggregates per key into the state; one output row per key seen.
-
-        On a ``native`` table, the keys of the key groups it holds as Arrow
-        are merged with Arrow kernels (``_apply_arrow``), the others per key
-        in Python (``_apply_python``).
-        """
-        totals, names = self.partials(rows, key_columns)
-        totals = totals.sort_by(KEY_GROUP_COLUMN)  # the table takes each key group's keys at once
-        if not (table.native and self.vectorized()) or totals.column(key_columns[0]).null_count:
-            return self._apply_python(table, totals, names, key_columns)
-        key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
-        groups, starts = np.unique(key_groups, return_index=True)
-        native = table.native_groups(groups)
-        if native.all():
-            return self._apply_arrow(table, totals, names, key_columns)
-        rows_native = np.repeat(native, np.diff(np.append(starts, len(key_groups))))
-        parts = [self._apply_arrow(table, totals.filter(pa.array(rows_native)), names, key_columns)
-                 ] if native.any() else []
-        parts.append(self._apply_python(table, totals.filter(pa.array(~rows_native)), names, key_columns))
-        return pa.concat_tables(parts)
-
-    def _apply_arrow(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
-                     key_columns: tuple[str, ...]) -> pa.Table:
-        """``apply`` with Arrow kernels: look the keys' states up, merge, put them back, without Python objects.
-
-        A null state field (no value yet, or only nulls) is the identity, as
-        in ``_merge``: a sum is the coalesce of the checked sum and the two
-        sides, a min or max skips nulls. An integer sum that overflows raises
-        ``AggregateOverflowError`` before the state changes, as in Python.
-        """
-        definition = self.definition
-        key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
-        keys = totals.column(key_columns[0]).combine_chunks()
-        key_type = table.schema.keys[0].type
-        keys = keys if keys.type == key_type else keys.cast(key_type)  # e.g. large strings from Spark
-        olds = table.look_up(key_groups, keys)
-        columns = []
-        for i, (op, name, kind) in enumerate(zip(definition.merges, names, definition.state(self.input_type))):
-            old, part = pc.struct_field(olds, [i]), totals.column(name).cast(kind).combine_chunks()
-            if op == "sum":
-                try:
-                    merged = pc.coalesce(pc.add_checked(old, part), old, part)
-                except pa.ArrowInvalid as exc:
-                    raise self._overflow() from exc
-            else:
-                merged = (pc.min_element_wise if op == "min" else pc.max_element_wise)(old, part, skip_nulls=True)
-            columns.append(merged)
-        table.put_arrow(key_groups, keys, columns, olds.is_null().to_numpy(zero_copy_only=False))
-        if definition.finish is _first:
-            result = columns[0]
-        else:  # mean: the sum over the count, null without a count
-            total, count = columns
-            result = pc.if_else(pc.fill_null(pc.equal(count, 0), True), pa.scalar(None, pa.float64()),
-                                pc.divide(total, pc.cast(count, pa.float64())))
-        return pa.table({**{c: totals.column(c) for c in key_columns}, self.output_name: result.cast(self.output_type())})
-
-    def _overflow(self) -> AggregateOverflowError:
-        return AggregateOverflowError(
-            f"{self.kind}({self.column!r}) overflows its 64-bit integer state for some key; the batch failed and "
-            "the state is unchanged: cast the column to double before aggregating")
-
-    def _apply_python(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
-                      key_columns: tuple[str, ...]) -> pa.Table:
-        """``apply`` through ``get_many``/``put_many``, one Python object per key."""
-        definition = self.definition
-        state_types = definition.state(self.input_type)
-        partials = [totals.column(n).cast(t).to_pylist() for n, t in zip(names, state_types)]
-        key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
-        if table.bare:  # the keys as the table holds them (``KeyGroupTable.held_key``)
-            keys = totals.column(key_columns[0]).to_pylist()
-        else:
-            keys = list(zip(*[totals.column(c).to_pylist() for c in key_columns]))
-        merges = definition.merges
-        # A new key reads the identity when every partial has a value (a null partial must not merge into it).
-        identity = definition.identity(self.input_type) if len(merges) == 1 and None not in partials[0] else None
-        # Each key occurs once in ``totals``, so reading all old values first is the same as get-then-put per key.
-        olds = table.get_many(key_groups, keys, identity)
-        merged = None  # the one state column, when there is one and it could be merged at C speed
-        if len(merges) == 1:
-            merge, part = _MERGES[merges[0]], partials[0]
-            if olds.count(None) == len(olds):
-                merged = part
-            elif None not in part:  # some keys may be new (old None) or hold None (only nulls so far)
-                firsts = list(map(_first, olds)) if None not in olds else [o if o is None else o[0] for o in olds]
-                merged = list(map(merge, firsts, part)) if None not in firsts else [
-                    p if f is None else merge(f, p) for f, p in zip(firsts, part)]
-            else:  # the rule of ``_merge``, as one comprehension
-                new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
-                       for o, p in zip(olds, part)]
-            if merged is not None:
-                new = list(zip(merged))
-        else:
-            new = [
-                tuple(_merge(op, old[i] if old is not None else None, part[row])
-                      for i, (op, part) in enumerate(zip(merges, partials)))
-                for row, old in enumerate(olds)
-            ]
-        # No state is ever None here (a key with a batch has a value): the columns are the values as put.
-        fields = [merged] if merged is not None else [[s[i] for s in new] for i in range(len(state_types))]
-        try:
-            columns = [pa.array(f, t) for f, t in zip(fields, state_types)]
-        except (OverflowError, pa.ArrowInvalid) as exc:
-            raise self._overflow() from exc
-        table.put_many(key_groups, keys, new, key_columns=[totals.column(c).combine_chunks() for c in key_columns],
-                       value_columns=columns)
-        output = {c: totals.column(c) for c in key_columns}
-        if definition.finish is _first and columns[0].type == self.output_type():
-            output[self.output_name] = columns[0]  # the output is the state column, as stored
-        else:
-            output[self.output_name] = pa.array([definition.finish(s) for s in new], self.output_type())
-        return pa.table(output)
-
 
 @dataclass(frozen=True)
 class BatchTime:
@@ -451,10 +164,6 @@ def _group_rows(table: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table
     return ordered, np.append(starts, ordered.num_rows)
 
 
-EVENT_MS_COLUMN = "_spark_state_event_ms"
-"""Each row's event time in milliseconds, added by the operator when the query has event time."""
-LATE_COLUMN = "_late"
-"""With ``late="pass"``, the boolean column that marks a function's late rows."""
 
 
 @dataclass(frozen=True)

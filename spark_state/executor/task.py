@@ -43,15 +43,9 @@ from spark_state.store.blobstore import BlobStore
 from spark_state.executor.report import InstanceReport
 from spark_state.errors import KeyGroupOwnershipError
 from spark_state.model.eventtime import EventTime, to_millis
-from spark_state.executor.functions import (
-    EVENT_MS_COLUMN,
-    KEY_GROUP_COLUMN,
-    LATE_COLUMN,
-    ROWS_COLUMN,
-    Aggregate,
-    BatchTime,
-    PythonFunction,
-)
+from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, LATE_COLUMN
+from spark_state.executor.aggregates import Aggregate, ROWS_COLUMN
+from spark_state.executor.functions import BatchTime, PythonFunction
 from spark_state.keyspace import KeyGroupRange, key_groups_for_columns
 from spark_state.store.manifest import ComponentManifest
 from spark_state.store.manifestlog import ManifestReader

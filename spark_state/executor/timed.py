@@ -33,7 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spark_state.errors import ConfigError
-from spark_state.executor.functions import EVENT_MS_COLUMN, KeyState, PythonFunction, TimeToLive
+from spark_state.executor.columns import EVENT_MS_COLUMN
+from spark_state.executor.functions import KeyState, PythonFunction, TimeToLive
 from spark_state.model.timers import EVENT, Timer
 
 SESSIONS = "sessions"

@@ -104,7 +104,6 @@ def load_host_modules(store_uri: str) -> None:
 
     import spark_state.executor.task  # noqa: F401
     import spark_state.storage.faults  # noqa: F401
-    import spark_state.storage.local  # noqa: F401
     import spark_state.storage.timeouts  # noqa: F401
     from spark_state.storage import preload
 

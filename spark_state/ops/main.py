@@ -67,7 +67,7 @@ def append_events(spark, log: Path, stage: int, events_per_split: int, keys: int
 
 
 def run_stage(spark, work: Path, parallelism: int, batch_rows: int):
-    from spark_state import keyed
+    from spark_state.spark.streaming import keyed
 
     spark.conf.set("spark.state.parallelism", str(parallelism))
     spark.conf.set("spark.state.store", str(work / "state"))

@@ -15,7 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spark_state.executor.functions import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
+from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
+from spark_state.executor.aggregates import PARTIAL_OPS, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
 from spark_state.executor.task import INSTANCE_COLUMN
 
 _LOG = logging.getLogger(__name__)
@@ -414,15 +415,11 @@ def _replaced(parts: list, index: int, value) -> list:
 
 
 def _spark_partials(function: Aggregate, jf: _JvmColumns) -> tuple:
-    """Spark's aggregates of ``function``'s partials (see ``TaskPlan``), and the row count."""
-    column = jf.col(function.column) if function.column is not None else None
-    spark_partials = {  # the values Arrow's group_by computes for the same names
-        "count_all": lambda: jf.call("count", jf.lit(1)),
-        "count": lambda: jf.call("count", column),
-        "sum": lambda: jf.call("sum", column),
-        "min": lambda: jf.call("min", column),
-        "max": lambda: jf.call("max", column),
-    }
-    partials = [jf.alias(spark_partials[op](), f"{PARTIAL_PREFIX}{i}")
-                for i, op in enumerate(function.definition.partials)]
+    """Spark's aggregates of ``function``'s partials (see ``TaskPlan``), each the Spark function
+    ``aggregates.PARTIAL_OPS`` names for it, and the row count."""
+    arguments = {"one": lambda: jf.lit(1), "column": lambda: jf.col(function.column)}
+    partials = []
+    for i, op in enumerate(function.definition.partials):
+        spark_function, argument = PARTIAL_OPS[op]
+        partials.append(jf.alias(jf.call(spark_function, arguments[argument]()), f"{PARTIAL_PREFIX}{i}"))
     return (*partials, jf.alias(jf.call("count", jf.lit(1)), ROWS_COLUMN))

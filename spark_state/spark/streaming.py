@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
 
@@ -33,7 +33,9 @@ from spark_state.driver.coordinator import check_query_start
 from spark_state.errors import ConfigError
 from spark_state.model.eventtime import EventTime, check_event_time_type, parse_duration
 from spark_state.model.evolution import with_default
-from spark_state.executor.functions import AGGREGATES, EVENT_MS_COLUMN, Aggregate, PythonFunction, TimeToLive
+from spark_state.executor.columns import EVENT_MS_COLUMN
+from spark_state.executor.aggregates import AGGREGATES, Aggregate, AggregateDef, on_register
+from spark_state.executor.functions import PythonFunction, TimeToLive
 from spark_state.store.manifest import check_component_name
 from spark_state.spark.microbatch import MicroBatch, location_name
 from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
@@ -128,37 +130,30 @@ class KeyedStream:
         schema = _to_arrow_schema(self.df.schema)
         return [schema.field(c) for c in self.key_columns]
 
-    def _aggregate(self, kind: str, column: str | None, output: str) -> "StatefulStream":
+    def aggregate(self, kind: str, column: str | None = None, output: str | None = None) -> "StatefulStream":
+        """The built-in aggregate ``kind`` (``executor.aggregates.AGGREGATES``) of ``column`` per key, emitted as
+        ``output`` (default ``<kind>`` without a column, ``<kind>_<column>`` with one). Each aggregate is also a
+        method of its name: ``count()``, ``sum(column)``, ``min``, ``max``, ``mean``."""
+        definition = AGGREGATES.get(kind)
+        if definition is None:
+            raise ConfigError(f"unknown aggregate {kind!r}; the aggregates are {sorted(AGGREGATES)}")
         input_type = None
-        if column is not None:
+        if definition.needs_column:
+            if column is None:
+                raise ConfigError(f"{kind}() needs a column of the DataFrame: {self.df.columns}")
             if column not in self.df.columns:
                 raise ConfigError(f"{kind}({column!r}): no such column; the DataFrame has {self.df.columns}")
             input_type = _to_arrow_schema(self.df.schema).field(column).type
-        function = Aggregate(kind, column, output, input_type)
+        elif column is not None:
+            raise ConfigError(f"{kind}() takes no column (got {column!r})")
+        function = Aggregate(kind, column, output or definition.output_name(column), input_type, definition)
         keys = self._key_fields()
         schema = KeyedSchema.of_values(keys, function.state_fields())
-        outputs = pa.schema(keys + [pa.field(output, function.output_type())])
+        outputs = pa.schema(keys + [pa.field(function.output_name, function.output_type())])
         return StatefulStream(self, function, schema, outputs, () if column is None else (column,))
 
-    def count(self, output: str = "count") -> "StatefulStream":
-        """Running count of rows per key; emits ``(keys..., output)`` for every key seen in a batch."""
-        return self._aggregate("count", None, output)
-
-    def sum(self, column: str, output: str | None = None) -> "StatefulStream":
-        """Running sum of ``column`` per key (int64 for integers, float64 otherwise); nulls are skipped."""
-        return self._aggregate("sum", column, output or f"sum_{column}")
-
-    def min(self, column: str, output: str | None = None) -> "StatefulStream":
-        """Running minimum of ``column`` per key (numbers, strings, dates, timestamps); nulls are skipped."""
-        return self._aggregate("min", column, output or f"min_{column}")
-
-    def max(self, column: str, output: str | None = None) -> "StatefulStream":
-        """Running maximum of ``column`` per key; nulls are skipped."""
-        return self._aggregate("max", column, output or f"max_{column}")
-
-    def mean(self, column: str, output: str | None = None) -> "StatefulStream":
-        """Running mean of ``column`` per key (float64; null until a non-null value arrives)."""
-        return self._aggregate("mean", column, output or f"mean_{column}")
+    if TYPE_CHECKING:  # each aggregate's method, made from its definition (``_aggregate_method``)
+        def __getattr__(self, name: str) -> Callable[..., "StatefulStream"]: ...
 
     def apply(
         self,
@@ -249,7 +244,22 @@ class KeyedStream:
         return KeyedSchema(tuple(self._key_fields()), (value, TIMERS) if timers else (value,))
 
 
-assert set(AGGREGATES) <= set(dir(KeyedStream)), "every built-in aggregate has a KeyedStream method"
+def _aggregate_method(definition: AggregateDef) -> None:
+    """Give ``KeyedStream`` the method of aggregate ``definition``: ``name(output=...)`` for one without a column,
+    ``name(column, output=None)`` for one with a column; its docstring is the definition's ``doc``."""
+    name = definition.name
+    if definition.needs_column:
+        def method(self, column: str, output: str | None = None) -> "StatefulStream":
+            return self.aggregate(name, column, output)
+    else:
+        def method(self, output: str | None = None) -> "StatefulStream":
+            return self.aggregate(name, None, output)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = definition.doc or f"The built-in aggregate {name!r} per key."
+    setattr(KeyedStream, name, method)
+
+
+on_register(_aggregate_method)  # the built-ins now, and each one ``register_aggregate`` adds later
 
 
 @dataclass(frozen=True)

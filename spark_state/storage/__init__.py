@@ -19,26 +19,28 @@ Supported URIs (every backend's ``uri`` attribute is one of them, and
   the parameters. Credentials come from the AWS environment and config files
   of the process, never from the URI.
 
-``WebHdfsStorage`` and ``S3Storage`` (with their clients, ``hdfs`` and
-``boto3``) are imported only when such a store is opened.
+Each backend registers itself (``base.Backend``: an entry point of group
+``spark_state.storage`` per scheme, or ``register_backend``), and its module
+(with its client, ``hdfs`` or ``boto3``) is imported only when a store of its
+scheme is opened. Nothing here lists backends.
 
 Every call to a local storage is bounded in time (``timeouts.TimeoutStorage``,
 ``DEFAULT_TIMEOUT_SECONDS``); WebHDFS bounds each HTTP call itself. Test-only:
 when the environment variable ``SPARK_STATE_FAULT_PLAN`` is set,
 ``open_storage`` wraps every storage in ``faults.FaultStorage`` (and a
 ``TimeoutStorage`` with the plan's timeout), see ``spark_state.storage.faults``.
+
+May import: ``spark_state.errors`` and ``spark_state.redaction`` only; every layer above may import it.
 """
 
 from __future__ import annotations
 
 import re
-import sys
-from urllib.parse import parse_qs, unquote, urlsplit
-
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from spark_state.errors import ConfigError
-from spark_state.storage.base import CountingStorage, ForwardingStorage, Storage
+from spark_state.storage.base import Backend, CountingStorage, ForwardingStorage, Storage
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
 from spark_state.storage.timeouts import DEFAULT_TIMEOUT_SECONDS, TimeoutStorage
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from spark_state.storage.s3 import S3Storage
 
 __all__ = [
+    "Backend",
     "CountingStorage",
     "ForwardingStorage",
     "LocalStorage",
@@ -56,16 +59,48 @@ __all__ = [
     "Storage",
     "TimeoutStorage",
     "WebHdfsStorage",
+    "backends",
     "open_storage",
+    "register_backend",
 ]
 
+ENTRY_POINT_GROUP = "spark_state.storage"
+"""The entry points naming each backend's ``BACKEND``, one per URI scheme (``file`` for plain paths)."""
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+_BACKENDS: dict[str, Backend] = {}
 
-SUPPORTED_URIS = (
-    "a plain path or file:///abs/path, memory://NAME, "
-    "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME), "
-    "s3://BUCKET/PREFIX (optional ?endpoint=URL&region=R&path_style=true&profile=NAME&retry_seconds=N)"
-)
+
+def register_backend(backend: Backend) -> Backend:
+    """Make ``open_storage`` open ``backend``'s schemes (those of an installed backend are found without this)."""
+    for scheme in backend.schemes:
+        _BACKENDS[scheme.lower()] = backend
+    return backend
+
+
+def _backend(scheme: str) -> Backend | None:
+    """The backend of ``scheme``: registered, or the entry point of that name (loaded once), or None."""
+    backend = _BACKENDS.get(scheme)
+    if backend is None:
+        for point in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
+            backend = register_backend(point.load())
+            break
+    return backend
+
+
+def backends() -> list[Backend]:
+    """Every backend there is (each installed one is loaded: its module imported)."""
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name not in _BACKENDS:
+            try:
+                register_backend(point.load())
+            except ImportError:  # its client library is not installed: not offered
+                continue
+    return list(dict.fromkeys(_BACKENDS.values()))
+
+
+def supported_uris() -> str:
+    """How the URIs of every backend are written, for messages."""
+    return ", ".join(backend.usage for backend in backends())
 
 
 def __getattr__(name: str):
@@ -82,84 +117,38 @@ def __getattr__(name: str):
 
 
 def preload(uri: str) -> None:
-    """Import and load what opening ``uri`` and making its first client need, sending nothing to the store.
-
-    For S3 that includes resolving credentials, as the first client does. See ``hosts``.
-    """
-    storage = _open(uri)  # imports the backend's module: boto3 for S3, the WebHDFS client
-    s3 = sys.modules.get("spark_state.storage.s3")
-    if s3 is not None and isinstance(storage, s3.S3Storage):
-        storage.client()  # its service models read and credentials resolved; the storage object is dropped
+    """Import and load what opening ``uri`` and making its first client need, sending nothing to the store
+    (``Backend.preload``: for S3, boto3's models and the credentials). See ``hosts.process``."""
+    backend, _ = _resolve(uri)
+    (backend.preload or backend.open)(uri)
 
 
 def open_storage(uri: str) -> Storage:
-    """Return the storage that ``uri`` names; ``ConfigError`` (naming the URI) if it names none."""
-    storage = _open(uri)
-    if not isinstance(storage, MemoryStorage):
+    """Return the storage that ``uri`` names; ``ConfigError`` (naming the URI) if it names none.
+
+    A backend that does not bound its calls in time itself is wrapped in a
+    ``TimeoutStorage``; with a test fault plan set, in a ``FaultStorage`` too.
+    """
+    backend, storage = _resolve(uri, opened=True)
+    if backend.faults:
         from spark_state.storage.faults import FaultStorage, plan_from_environment
 
         plan = plan_from_environment()
         if plan is not None:
             return TimeoutStorage(FaultStorage(storage, plan), plan.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
-    return TimeoutStorage(storage) if isinstance(storage, LocalStorage) else storage
+    return storage if backend.bounded else TimeoutStorage(storage)
+
+
+def _resolve(uri: str, *, opened: bool = False):
+    if not isinstance(uri, str) or not uri:
+        raise ConfigError(f"storage URI must be a non-empty str, got {uri!r}; use {supported_uris()}")
+    scheme = uri.split(":", 1)[0].lower() if _SCHEME.match(uri) else "file"
+    backend = _backend(scheme)
+    if backend is None:
+        raise ConfigError(f"unsupported storage URI {uri!r}: scheme {scheme!r} is not one of {supported_uris()}")
+    return backend, (backend.open(uri) if opened else None)
 
 
 def _open(uri: str) -> Storage:
-    if not isinstance(uri, str) or not uri:
-        raise ConfigError(f"storage URI must be a non-empty str, got {uri!r}; use {SUPPORTED_URIS}")
-    if not _SCHEME.match(uri):
-        return LocalStorage(uri)
-    parts = urlsplit(uri)
-    scheme = parts.scheme.lower()
-    if scheme == "file":
-        return _open_file(uri, parts)
-    if scheme == "memory":
-        return _open_memory(uri, parts)
-    if scheme in ("webhdfs", "hdfs"):
-        return _open_webhdfs(uri, parts)
-    if scheme in ("s3", "s3a"):
-        from spark_state.storage import s3_location
-        from spark_state.storage.s3 import S3Storage
-
-        return S3Storage(s3_location.parse(uri))
-    raise ConfigError(f"unsupported storage URI {uri!r}: scheme {scheme!r} is not one of {SUPPORTED_URIS}")
-
-
-def _open_file(uri: str, parts) -> LocalStorage:
-    if parts.netloc not in ("", "localhost") or not parts.path or parts.query or parts.fragment:
-        raise ConfigError(f"invalid file URI {uri!r}: use file:///absolute/path (no host, query or fragment)")
-    return LocalStorage(unquote(parts.path))
-
-
-def _open_memory(uri: str, parts) -> MemoryStorage:
-    if not parts.netloc or parts.path or parts.query or parts.fragment:
-        raise ConfigError(f"invalid memory URI {uri!r}: use memory://NAME (letters, digits, '.', '_', '-')")
-    try:
-        return MemoryStorage.named(parts.netloc)
-    except ConfigError as err:
-        raise ConfigError(f"invalid memory URI {uri!r}: {err}") from err
-
-
-def _open_webhdfs(uri: str, parts) -> "WebHdfsStorage":
-    from spark_state.storage.hdfs import WebHdfsStorage
-
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None or parts.username is not None or parts.fragment:
-        raise ConfigError(
-            f"invalid HDFS URI {uri!r}: use webhdfs://HOST:PORT/path[?user=NAME] with the NameNode's "
-            "WebHDFS HTTP port (9870 on Hadoop 3, 50070 on Hadoop 2)"
-        )
-    try:
-        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        query = {"": []}
-    if set(query) - {"user"} or any(len(values) != 1 or not values[0] for values in query.values()):
-        raise ConfigError(f"invalid HDFS URI {uri!r}: the only query parameter is one non-empty user=NAME")
-    user = query["user"][0] if "user" in query else None
-    try:
-        return WebHdfsStorage(f"http://{parts.netloc}", unquote(parts.path) or "/", user)
-    except ConfigError as err:
-        raise ConfigError(f"invalid HDFS URI {uri!r}: {err}") from err
+    """The storage ``uri`` names, unwrapped (no time bound, no fault plan)."""
+    return _resolve(uri, opened=True)[1]

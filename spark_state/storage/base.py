@@ -50,6 +50,8 @@ Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
 
 from spark_state.errors import ConfigError, InvalidPathError
 
@@ -185,3 +187,29 @@ class CountingStorage(ForwardingStorage):
         data = self.inner.read(path, offset, length)
         self.bytes_read += len(data)
         return data
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A storage backend as ``open_storage`` finds it: the URI schemes it opens and how.
+
+    **A new backend is one module**: a ``Storage`` subclass that passes
+    ``tests/test_storage_contract.py``, and a ``BACKEND = Backend(...)`` in
+    that module, named by an entry point of group ``spark_state.storage``
+    for each of its schemes (``pyproject.toml``), or registered at run time
+    with ``storage.register_backend``. Nothing else lists backends.
+
+    ``open(uri)`` returns the storage (``ConfigError`` naming the URI when it
+    is malformed); ``usage`` says how its URIs are written, for messages;
+    ``preload(uri)`` loads what its first client needs without sending
+    anything (a new instance host calls it before it forks, ``hosts.process``);
+    ``bounded``: every call is bounded in time by the backend itself (else
+    ``TimeoutStorage`` bounds it); ``faults``: test fault plans may wrap it.
+    """
+
+    schemes: tuple[str, ...]
+    open: Callable[[str], Storage]
+    usage: str
+    preload: Callable[[str], None] | None = None
+    bounded: bool = True
+    faults: bool = True

@@ -48,7 +48,7 @@ import contextlib
 import posixpath
 import uuid
 from collections.abc import Iterator
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 import hdfs
 import requests
@@ -61,7 +61,7 @@ from spark_state.errors import (
     ShortReadError,
     StorageError,
 )
-from spark_state.storage.base import TEMP_PREFIX, Storage, check_path, check_range
+from spark_state.storage.base import TEMP_PREFIX, Backend, Storage, check_path, check_range
 
 _MISSING = frozenset({"FileNotFoundException", "ParentNotDirectoryException"})
 """RemoteExceptions meaning "no such path" when reading (a blob as a parent also means absent)."""
@@ -326,3 +326,32 @@ def _check_root(root: str) -> str:
         except InvalidPathError as err:
             raise ConfigError(f"invalid WebHDFS root {root!r}: {err}") from err
     return stripped or "/"
+
+
+def open_webhdfs(uri: str) -> WebHdfsStorage:
+    """``webhdfs://HOST:PORT/path`` or ``hdfs://HOST:PORT/path`` (PORT: the NameNode's WebHDFS HTTP port)."""
+    parts = urlsplit(uri)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.username is not None or parts.fragment:
+        raise ConfigError(
+            f"invalid HDFS URI {uri!r}: use webhdfs://HOST:PORT/path[?user=NAME] with the NameNode's "
+            "WebHDFS HTTP port (9870 on Hadoop 3, 50070 on Hadoop 2)"
+        )
+    try:
+        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        query = {"": []}
+    if set(query) - {"user"} or any(len(values) != 1 or not values[0] for values in query.values()):
+        raise ConfigError(f"invalid HDFS URI {uri!r}: the only query parameter is one non-empty user=NAME")
+    user = query["user"][0] if "user" in query else None
+    try:
+        return WebHdfsStorage(f"http://{parts.netloc}", unquote(parts.path) or "/", user)
+    except ConfigError as err:
+        raise ConfigError(f"invalid HDFS URI {uri!r}: {err}") from err
+
+
+BACKEND = Backend(("webhdfs", "hdfs"), open_webhdfs,
+                  "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME)")

@@ -40,9 +40,12 @@ import os
 import stat
 import uuid
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-from spark_state.errors import BlobExistsError, BlobNotFoundError, ShortReadError, StorageError, StoreLinkError
-from spark_state.storage.base import TEMP_PREFIX, Storage, check_path, check_range
+from spark_state.errors import (
+    BlobExistsError, BlobNotFoundError, ConfigError, ShortReadError, StorageError, StoreLinkError,
+)
+from spark_state.storage.base import TEMP_PREFIX, Backend, Storage, check_path, check_range
 
 _MAKE_DIR_ATTEMPTS = 10
 """How often ``create`` re-creates a directory that a concurrent ``delete`` pruned."""
@@ -380,3 +383,16 @@ def _remove_tree(parent: int, name: str) -> None:
     except OSError as err:
         if err.errno != errno.ENOTEMPTY:
             raise
+
+
+def open_local(uri: str) -> LocalStorage:
+    """A plain path (made absolute against this process's directory) or ``file:///abs/path``."""
+    if "://" not in uri and not uri.lower().startswith("file:"):
+        return LocalStorage(uri)
+    parts = urlsplit(uri)
+    if parts.netloc not in ("", "localhost") or not parts.path or parts.query or parts.fragment:
+        raise ConfigError(f"invalid file URI {uri!r}: use file:///absolute/path (no host, query or fragment)")
+    return LocalStorage(unquote(parts.path))
+
+
+BACKEND = Backend(("file",), open_local, "a plain path or file:///abs/path", bounded=False)

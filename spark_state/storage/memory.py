@@ -18,7 +18,9 @@ import uuid
 import weakref
 
 from spark_state.errors import BlobExistsError, BlobNotFoundError, ConfigError, ShortReadError
-from spark_state.storage.base import Storage, check_path, check_range
+from urllib.parse import urlsplit
+
+from spark_state.storage.base import Backend, Storage, check_path, check_range
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _REGISTRY_LOCK = threading.RLock()
@@ -134,3 +136,17 @@ class MemoryStorage(Storage):
                 raise BlobExistsError(
                     f"cannot create blob {path!r} in {self.uri}: its parent {parent!r} is a blob"
                 )
+
+
+def open_memory(uri: str) -> MemoryStorage:
+    """``memory://NAME``: the process-wide ``MemoryStorage`` called NAME."""
+    parts = urlsplit(uri)
+    if not parts.netloc or parts.path or parts.query or parts.fragment:
+        raise ConfigError(f"invalid memory URI {uri!r}: use memory://NAME (letters, digits, '.', '_', '-')")
+    try:
+        return MemoryStorage.named(parts.netloc)
+    except ConfigError as err:
+        raise ConfigError(f"invalid memory URI {uri!r}: {err}") from err
+
+
+BACKEND = Backend(("memory",), open_memory, "memory://NAME", faults=False)

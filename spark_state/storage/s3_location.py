@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from spark_state.errors import ConfigError, InvalidPathError
-from spark_state.storage.base import check_path
+from spark_state.storage.base import Backend, check_path
 
 SCHEMES = ("s3", "s3a")
 DEFAULT_RETRY_SECONDS = 30.0
@@ -230,3 +230,19 @@ def _check_endpoint(endpoint: str) -> str:
     ):
         raise ConfigError(f"invalid S3 endpoint {endpoint!r}: use http(s)://HOST[:PORT] with no path or credentials")
     return endpoint
+
+
+def open_s3(uri: str):
+    """``s3://BUCKET[/PREFIX][?...]`` (``s3a://`` too): an ``S3Storage``, whose module imports boto3."""
+    from spark_state.storage.s3 import S3Storage
+
+    return S3Storage(parse(uri))
+
+
+def preload_s3(uri: str) -> None:
+    """Import boto3, read its service models and resolve credentials as the first client does; send nothing."""
+    open_s3(uri).client()
+
+
+BACKEND = Backend(SCHEMES, open_s3, "s3://BUCKET/PREFIX (optional ?endpoint=URL&region=R&path_style=true"
+                  "&profile=NAME&retry_seconds=N)", preload=preload_s3)
