@@ -4,8 +4,8 @@ A key's state is a set of named **state variables** (Flink keeps a meta-info
 record per registered state; Spark's transformWithState names its value, list
 and map variables). Each variable has its own columns; today a component has
 the ``value`` variable (what a user function reads and updates, or a built-in
-aggregate's accumulator), and the time issue adds timers and TTL metadata
-beside it. All variables of a key live in the key's key group and are written
+aggregate's accumulator) and, with timers or a time to live, the ``timers``
+variable beside it (``model.timers.TIMERS``). All variables of a key live in the key's key group and are written
 in the same blob entry, so a rescale moves all of a key's state at once.
 
 In a blob every variable is one nullable struct column, named after it with
@@ -20,6 +20,21 @@ all. In memory a key group holds one dict per variable, ``key -> value`` with
 ``key`` a tuple of the key column values (or, *bare*, the value of the one
 key column) and ``value`` a tuple of the variable's column values
 (``KeyedSchema.rows_to_columns`` and ``columns_to_rows`` convert).
+
+**A new state variable** (a list or map state, say), following ``timers``:
+
+1. Define it as a ``StateVariable(name, fields)`` constant in the module of
+   ``model`` that owns its meaning (as ``timers.TIMERS``), with a name that is
+   not ``value`` and is fixed forever: stored blobs name their columns by it.
+2. Add it to the ``KeyedSchema`` of the components that use it where the
+   stream declares its schema (``spark.streaming.KeyedStream._schema``). The
+   blob layout, the chains, restore, rescale and compaction carry it with
+   no further step: they handle every variable of the schema alike.
+3. Give user functions access through ``executor.functions.KeyState``, reading
+   and writing it with ``KeyGroupTable.get``/``put``/``delete`` and its index in
+   ``schema.variables`` (as ``KeyTimersHandle`` does for ``timers``).
+4. Schema evolution (``model.evolution``) treats an added variable as added
+   columns: a stored state without it reads as empty for every key.
 """
 
 from __future__ import annotations
