@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import common
 
 WORK = common.WORK_DIR / "checkpoint"
 SCHEMA_DDL = "key string"
@@ -69,11 +69,11 @@ SMOKE = Config("smoke", 20_000, (100, 1_000), 2, 2_000, 2)  # tests/test_benchma
 
 def restore_cost(store_path: Path, parallelism: int) -> dict:
     """Restore every instance of the latest checkpoint under ``store_path`` cold, as a task does; cost and size."""
-    from spark_state.store.blobstore import BlobStore
-    from spark_state.store.manifestlog import ManifestReader
     from spark_state.executor.resident import restore_instance
     from spark_state.storage.base import CountingStorage
     from spark_state.storage.local import LocalStorage
+    from spark_state.store.blobstore import BlobStore
+    from spark_state.store.manifestlog import ManifestReader
 
     counting = CountingStorage(LocalStorage(str(store_path)))
     component = ManifestReader(counting).latest().components[common.KEYED_COMPONENT]
@@ -132,8 +132,9 @@ def run(spark, config: Config) -> dict:
     schedules = {label: list(range(len(tables))) for label in configs}
     confs = {label: {MAX_CHAIN: str(length)} for label, length in configs.items()}
     try:
-        queries, wall = common.timed(lambda: common.run_keyed_interleaved(
-            spark, inputs, schedules, config.parallelism, work, confs))
+        queries, wall = common.timed(
+            lambda: common.run_keyed_interleaved(spark, inputs, schedules, config.parallelism, work, confs)
+        )
         runs = {}
         for label, query in queries.items():
             reports = common.batch_reports(query, common.batch_progress(query))
@@ -142,11 +143,17 @@ def run(spark, config: Config) -> dict:
             store = work / f"{label}-chk" / "state"
             common.check_against_manifests(store, reports)
             checkpoints = [
-                {"checkpoint_id": r["checkpoint_id"], "keys_changed": n, "bytes": r["checkpoint_bytes"],
-                 "checkpoint_seconds": r["checkpoint_seconds"], "batch_seconds": r["seconds"],
-                 "full_entries": r["full_entries"], "delta_entries": r["delta_entries"],
-                 "merge_entries": r["merge_entries"],
-                 "rows_written": r["rows_written"]}
+                {
+                    "checkpoint_id": r["checkpoint_id"],
+                    "keys_changed": n,
+                    "bytes": r["checkpoint_bytes"],
+                    "checkpoint_seconds": r["checkpoint_seconds"],
+                    "batch_seconds": r["seconds"],
+                    "full_entries": r["full_entries"],
+                    "delta_entries": r["delta_entries"],
+                    "merge_entries": r["merge_entries"],
+                    "rows_written": r["rows_written"],
+                }
                 for n, r in zip(changes, reports[1:])
             ]
             runs[label] = {
@@ -158,9 +165,11 @@ def run(spark, config: Config) -> dict:
                         "median_bytes": statistics.median(c["bytes"] for c in checkpoints if c["keys_changed"] == n),
                         "max_bytes": max(c["bytes"] for c in checkpoints if c["keys_changed"] == n),
                         "median_checkpoint_seconds": statistics.median(
-                            c["checkpoint_seconds"] for c in checkpoints if c["keys_changed"] == n),
+                            c["checkpoint_seconds"] for c in checkpoints if c["keys_changed"] == n
+                        ),
                         "max_checkpoint_seconds": max(
-                            c["checkpoint_seconds"] for c in checkpoints if c["keys_changed"] == n),
+                            c["checkpoint_seconds"] for c in checkpoints if c["keys_changed"] == n
+                        ),
                     }
                     for n in config.changed_keys
                 },
@@ -184,23 +193,31 @@ def run(spark, config: Config) -> dict:
         "runs": runs,
         "comparison": {
             "bytes_written_no_compaction_vs_compaction": round(
-                without["total_bytes_written"] / with_c["total_bytes_written"], 3),
+                without["total_bytes_written"] / with_c["total_bytes_written"], 3
+            ),
             "restore_bytes_no_compaction_vs_compaction": round(
-                without["restore"]["bytes_read"] / with_c["restore"]["bytes_read"], 3),
+                without["restore"]["bytes_read"] / with_c["restore"]["bytes_read"], 3
+            ),
             "restore_seconds_no_compaction_vs_compaction": round(
-                without["restore"]["seconds"] / with_c["restore"]["seconds"], 3),
+                without["restore"]["seconds"] / with_c["restore"]["seconds"], 3
+            ),
             "fraction_of_full_state_by_keys_changed": {
-                n: round(v["median_bytes"] / full_bytes, 5) for n, v in without["by_keys_changed"].items()},
+                n: round(v["median_bytes"] / full_bytes, 5) for n, v in without["by_keys_changed"].items()
+            },
         },
-        "targets": [{
-            "target": "checkpoint_bytes_proportional_to_change",
-            "rule": "without compaction, bytes grow with keys changed and no checkpoint of a partial change writes "
-                    "the full state",
-            "met": all(
-                without["by_keys_changed"][str(b)]["median_bytes"] > without["by_keys_changed"][str(a)]["median_bytes"]
-                for a, b in zip(config.changed_keys, config.changed_keys[1:])
-            ) and all(c["bytes"] < full_bytes for c in without["checkpoints"]),
-        }],
+        "targets": [
+            {
+                "target": "checkpoint_bytes_proportional_to_change",
+                "rule": "without compaction, bytes grow with keys changed and no checkpoint of a partial change writes "
+                "the full state",
+                "met": all(
+                    without["by_keys_changed"][str(b)]["median_bytes"]
+                    > without["by_keys_changed"][str(a)]["median_bytes"]
+                    for a, b in zip(config.changed_keys, config.changed_keys[1:])
+                )
+                and all(c["bytes"] < full_bytes for c in without["checkpoints"]),
+            }
+        ],
     }
 
 
@@ -220,8 +237,13 @@ def plot(result: dict, path: Path) -> None:
             ax.plot(xs, [p[key] for p in points], color=colors[label], alpha=0.4)
             for n in result["changed_keys"]:
                 sel = [p for p in points if p["keys_changed"] == n]
-                ax.scatter([p["checkpoint_id"] for p in sel], [p[key] for p in sel], color=colors[label],
-                           marker=markers[n], label=f"{label}, {n:,} keys changed")
+                ax.scatter(
+                    [p["checkpoint_id"] for p in sel],
+                    [p[key] for p in sel],
+                    color=colors[label],
+                    marker=markers[n],
+                    label=f"{label}, {n:,} keys changed",
+                )
     full = result["runs"]["compaction"]["full_state_bytes"]
     axes[0].axhline(full, color="grey", linestyle=":", label="full state")
     axes[0].set_yscale("log")
@@ -237,18 +259,25 @@ def plot(result: dict, path: Path) -> None:
     restore = [result["runs"][label]["restore"] for label in labels]
     ax.bar(labels, [r["bytes_read"] / 1e6 for r in restore], color=[colors[label] for label in labels])
     for i, r in enumerate(restore):
-        ax.annotate(f"{r['seconds']} s, longest chain {r['longest_chain']}", (i, r["bytes_read"] / 1e6),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['seconds']} s, longest chain {r['longest_chain']}",
+            (i, r["bytes_read"] / 1e6),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("MB read to restore the last checkpoint")
     ax.set_title("Restore cost after the same batches")
     common.save_figure(fig, path, "Checkpoint cost", result)
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "8 rounds of changes instead of 4",
-                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
-    return common.run_and_save("checkpoint", config.mode, common.command_line("bench_checkpoint", args),
-                               lambda spark: run(spark, config), plot)
+    args, config = common.parse_mode(
+        __doc__, "8 rounds of changes instead of 4", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv
+    )
+    return common.run_and_save(
+        "checkpoint", config.mode, common.command_line("bench_checkpoint", args), lambda spark: run(spark, config), plot
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
-from bench_rescale import s3_store  # noqa: E402
+import common
+from bench_rescale import s3_store
 
 WORK = common.WORK_DIR / "commit"
 SCHEMA_DDL = "key string"
@@ -72,8 +72,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _stats(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 4), "p95": round(percentile(values, 95), 4),
-            "max": round(max(values), 4), "n": len(values)}
+    return {
+        "median": round(statistics.median(values), 4),
+        "p95": round(percentile(values, 95), 4),
+        "max": round(max(values), 4),
+        "n": len(values),
+    }
 
 
 def run(spark, config: Config, stores) -> dict:
@@ -86,9 +90,16 @@ def run(spark, config: Config, stores) -> dict:
     s3_store_uri = stores.uri(work / "s3-chk")
     confs = {"s3": {"spark.state.store": s3_store_uri}}
     try:
-        queries, wall = common.timed(lambda: common.run_keyed_interleaved(
-            spark, {label: files for label in LABELS}, {label: list(range(len(tables))) for label in LABELS},
-            config.parallelism, work, confs))
+        queries, wall = common.timed(
+            lambda: common.run_keyed_interleaved(
+                spark,
+                {label: files for label in LABELS},
+                {label: list(range(len(tables))) for label in LABELS},
+                config.parallelism,
+                work,
+                confs,
+            )
+        )
         runs = {}
         for label, query in queries.items():
             reports = common.batch_reports(query, common.batch_progress(query))
@@ -98,25 +109,32 @@ def run(spark, config: Config, stores) -> dict:
             batches = []
             for r in reports[1:]:  # batch 0 fills the state: not a steady batch
                 h = history[r["batch_id"]]
-                batches.append({
-                    "batch_id": r["batch_id"],
-                    "blob_write_seconds": r["checkpoint_seconds"],
-                    "commit_seconds": h["commit_seconds"],
-                    "checkpoint_seconds": round(r["checkpoint_seconds"] + h["commit_seconds"], 4),
-                    "cleanup_seconds": h["cleanup_seconds"],
-                    "batch_seconds": r["seconds"],
-                    "checkpoint_bytes": r["checkpoint_bytes"],
-                    "blob_write_requests": max((m.get("checkpoint_storage") or {}).get("requests", 0)
-                                               for m in h["instances"]),
-                    "commit_requests": h["commit_requests"],
-                    "cleanup_requests": h["cleanup_requests"],
-                })
-            runs[label] = {"store": s3_store_uri if label == "s3" else "<checkpointLocation>/state (local disk)",
-                           "batches": batches,
-                           "stats": {m: _stats([b[m] for b in batches]) for m in METRICS},
-                           "median_checkpoint_bytes": statistics.median(b["checkpoint_bytes"] for b in batches),
-                           "median_requests": {k: statistics.median(b[k] or 0 for b in batches)
-                                               for k in ("blob_write_requests", "commit_requests", "cleanup_requests")}}
+                batches.append(
+                    {
+                        "batch_id": r["batch_id"],
+                        "blob_write_seconds": r["checkpoint_seconds"],
+                        "commit_seconds": h["commit_seconds"],
+                        "checkpoint_seconds": round(r["checkpoint_seconds"] + h["commit_seconds"], 4),
+                        "cleanup_seconds": h["cleanup_seconds"],
+                        "batch_seconds": r["seconds"],
+                        "checkpoint_bytes": r["checkpoint_bytes"],
+                        "blob_write_requests": max(
+                            (m.get("checkpoint_storage") or {}).get("requests", 0) for m in h["instances"]
+                        ),
+                        "commit_requests": h["commit_requests"],
+                        "cleanup_requests": h["cleanup_requests"],
+                    }
+                )
+            runs[label] = {
+                "store": s3_store_uri if label == "s3" else "<checkpointLocation>/state (local disk)",
+                "batches": batches,
+                "stats": {m: _stats([b[m] for b in batches]) for m in METRICS},
+                "median_checkpoint_bytes": statistics.median(b["checkpoint_bytes"] for b in batches),
+                "median_requests": {
+                    k: statistics.median(b[k] or 0 for b in batches)
+                    for k in ("blob_write_requests", "commit_requests", "cleanup_requests")
+                },
+            }
     finally:
         stores.delete(work / "s3-chk")
         common.fresh_dir(WORK)
@@ -128,8 +146,9 @@ def run(spark, config: Config, stores) -> dict:
         "parallelism": config.parallelism,
         "wall_seconds": round(wall, 2),
         "runs": runs,
-        "s3_vs_local_median": {m: round(s3[m]["median"] / local[m]["median"], 2) if local[m]["median"] else None
-                               for m in METRICS},
+        "s3_vs_local_median": {
+            m: round(s3[m]["median"] / local[m]["median"], 2) if local[m]["median"] else None for m in METRICS
+        },
     }
 
 
@@ -144,10 +163,20 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[0]
     for label in LABELS:
         batches = result["runs"][label]["batches"]
-        ax.plot([b["batch_id"] for b in batches], [b["checkpoint_seconds"] * 1000 for b in batches], marker="o",
-                color=colors[label], label=f"{label}: blob write + commit")
-        ax.plot([b["batch_id"] for b in batches], [b["commit_seconds"] * 1000 for b in batches], linestyle=":",
-                color=colors[label], label=f"{label}: driver commit alone")
+        ax.plot(
+            [b["batch_id"] for b in batches],
+            [b["checkpoint_seconds"] * 1000 for b in batches],
+            marker="o",
+            color=colors[label],
+            label=f"{label}: blob write + commit",
+        )
+        ax.plot(
+            [b["batch_id"] for b in batches],
+            [b["commit_seconds"] * 1000 for b in batches],
+            linestyle=":",
+            color=colors[label],
+            label=f"{label}: driver commit alone",
+        )
     ax.set_xlabel("micro-batch")
     ax.set_ylabel("milliseconds")
     ax.set_title("Checkpoint latency per batch")
@@ -159,8 +188,15 @@ def plot(result: dict, path: Path) -> None:
         stats = result["runs"][label]["stats"]
         xs = [j + i * width for j in range(len(metrics))]
         ax.bar(xs, [stats[m]["median"] * 1000 for m in metrics], width, color=colors[label], label=f"{label} median")
-        ax.scatter(xs, [stats[m]["p95"] * 1000 for m in metrics], color="black", marker="_", s=200,
-                   label="p95" if i == 0 else None, zorder=3)
+        ax.scatter(
+            xs,
+            [stats[m]["p95"] * 1000 for m in metrics],
+            color="black",
+            marker="_",
+            s=200,
+            label="p95" if i == 0 else None,
+            zorder=3,
+        )
     ax.set_xticks([j + width / 2 for j in range(len(metrics))])
     ax.set_xticklabels([m.replace("_seconds", "").replace("_", "\n") for m in metrics], fontsize=8)
     ax.set_ylabel("milliseconds per batch")
@@ -170,11 +206,20 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "(no full mode: the quick run is the measurement)",
-                                     {"quick": QUICK, "full": QUICK, "smoke": SMOKE}, argv)
+    args, config = common.parse_mode(
+        __doc__,
+        "(no full mode: the quick run is the measurement)",
+        {"quick": QUICK, "full": QUICK, "smoke": SMOKE},
+        argv,
+    )
     with s3_store(config, common.WORK_DIR / "commit-s3") as stores:
-        return common.run_and_save("commit", config.mode, common.command_line("bench_commit", args),
-                                   lambda spark: run(spark, config, stores), plot)
+        return common.run_and_save(
+            "commit",
+            config.mode,
+            common.command_line("bench_commit", args),
+            lambda spark: run(spark, config, stores),
+            plot,
+        )
 
 
 if __name__ == "__main__":

@@ -78,9 +78,9 @@ import os
 import shutil
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -88,7 +88,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import common
 
 WORK = common.WORK_DIR / "keyed"
 TARGETS = {
@@ -148,8 +148,13 @@ QUICK = Config(
     throughput_batches=4,
     rounds=1,
     parallelisms=(2,),
-    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
-             "transform_with_state_in_pandas"),
+    systems=(
+        "keyed_count",
+        "groupby_count_rocksdb",
+        "groupby_count_hdfs",
+        "apply_in_pandas_with_state",
+        "transform_with_state_in_pandas",
+    ),
     batch_limits=BATCH_LIMITS,
     state_sizes=(10_000, 1_000_000),
     steady_keys=10_000,
@@ -164,8 +169,13 @@ FULL = Config(
     throughput_batches=8,
     rounds=5,  # one per position of the five systems in the rotated order
     parallelisms=(2, 4),
-    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
-             "transform_with_state_in_pandas"),
+    systems=(
+        "keyed_count",
+        "groupby_count_rocksdb",
+        "groupby_count_hdfs",
+        "apply_in_pandas_with_state",
+        "transform_with_state_in_pandas",
+    ),
     batch_limits=BATCH_LIMITS,
     state_sizes=(10_000, 100_000, 1_000_000, 10_000_000),
     steady_keys=10_000,
@@ -180,8 +190,13 @@ SMOKE = Config(  # tests/test_benchmarks.py: every code path, in seconds
     throughput_batches=2,
     rounds=1,
     parallelisms=(2,),
-    systems=("keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
-             "transform_with_state_in_pandas"),
+    systems=(
+        "keyed_count",
+        "groupby_count_rocksdb",
+        "groupby_count_hdfs",
+        "apply_in_pandas_with_state",
+        "transform_with_state_in_pandas",
+    ),
     batch_limits=BATCH_LIMITS,
     state_sizes=(1_000, 10_000),
     steady_keys=1_000,
@@ -281,7 +296,8 @@ SYSTEMS: dict[str, tuple[Callable, str | None]] = {
     ),
     "apply_in_pandas_with_state": (_spark_stateful(common.ROCKSDB_PROVIDER, _apply_in_pandas), common.ROCKSDB_PROVIDER),
     "transform_with_state_in_pandas": (
-        _spark_stateful(common.ROCKSDB_PROVIDER, _transform_with_state_in_pandas), common.ROCKSDB_PROVIDER,
+        _spark_stateful(common.ROCKSDB_PROVIDER, _transform_with_state_in_pandas),
+        common.ROCKSDB_PROVIDER,
     ),
 }
 
@@ -357,8 +373,11 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
                 ratios.append(
                     _rate(ours["batch_seconds"], common_ids, rows) / _rate(theirs["batch_seconds"], common_ids, rows)
                 )
-            versus[system] = {"ratio": round(statistics.median(ratios), 3), "per_round": [round(r, 3) for r in ratios],
-                              "batch_ids": common_ids}
+            versus[system] = {
+                "ratio": round(statistics.median(ratios), 3),
+                "per_round": [round(r, 3) for r in ratios],
+                "batch_ids": common_ids,
+            }
         by_parallelism[str(parallelism)] = {
             "rows_per_s": {s: round(statistics.median(r["rows_per_s"] for r in of[s])) for s in config.systems},
             "keyed_count_vs": versus,
@@ -395,8 +414,12 @@ def _steady_summary(reports: list[dict]) -> dict:
     return {
         "batch_seconds": common.summary(seconds),
         "max_over_median": round(max(seconds) / statistics.median(seconds), 3),
-        "slowest_batch": {"batch_id": slowest["batch_id"], "seconds": slowest["seconds"],
-                          "max_task_seconds": slowest["max_task_seconds"], **taken},
+        "slowest_batch": {
+            "batch_id": slowest["batch_id"],
+            "seconds": slowest["seconds"],
+            "max_task_seconds": slowest["max_task_seconds"],
+            **taken,
+        },
         "max_task_seconds": common.summary([r["max_task_seconds"] for r in reports]),
         "batches_that_reloaded_state": [r["batch_id"] for r in reports if r["reloaded_state"]],
         "batches_with_full_entries": [r["batch_id"] for r in reports if r["full_entries"]],
@@ -419,8 +442,11 @@ def _rss_bytes(pid: int) -> int | None:
 def _resident_bytes(report: dict) -> dict:
     """RSS of the processes holding the instances' state after a batch (the instance hosts, which outlive it)."""
     by_pid = {i["pid"]: _rss_bytes(i["pid"]) for i in report["instances"]}
-    return {"pids": sorted(by_pid), "rss_bytes": sum(v for v in by_pid.values() if v is not None),
-            "processes_gone": sum(v is None for v in by_pid.values())}
+    return {
+        "pids": sorted(by_pid),
+        "rss_bytes": sum(v for v in by_pid.values() if v is not None),
+        "processes_gone": sum(v is None for v in by_pid.values()),
+    }
 
 
 def _memory_per_key(runs: dict) -> dict:
@@ -446,8 +472,9 @@ def _memory_per_key(runs: dict) -> dict:
 def rocksdb_memory(spark, config: Config, keys: pa.Array, rng: np.random.Generator, parallelism: int = 2) -> dict:
     """Spark's RocksDB state store holding the largest state size: its memory and SST bytes per key."""
     n = max(config.state_sizes)
-    files = common.write_input(WORK / "rocksdb-memory-input", [common.batch_over(keys, rng.permutation(n))],
-                               config.schema_ddl)
+    files = common.write_input(
+        WORK / "rocksdb-memory-input", [common.batch_over(keys, rng.permutation(n))], config.schema_ddl
+    )
     run, _ = SYSTEMS["groupby_count_rocksdb"]
     query = run(spark, files, parallelism, WORK / "rocksdb-memory")
     operator = [p for p in query.recentProgress if p["numInputRows"] > 0][-1]["stateOperators"][0]
@@ -463,7 +490,7 @@ def rocksdb_memory(spark, config: Config, keys: pa.Array, rng: np.random.Generat
         "sst_bytes_per_key": round(sst / rows, 1) if rows and sst is not None else None,
         "custom_metrics": metrics,
         "note": "memoryUsedBytes is RocksDB's own estimate (memtables, block cache and pinned blocks) of the "
-                "executor's state store instances; ours is the measured RSS growth of the instance hosts",
+        "executor's state store instances; ours is the measured RSS growth of the instance hosts",
     }
 
 
@@ -471,8 +498,9 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
     """Section 2 of the module docstring: batch time of the same steady batches over growing state."""
     steady = common.uniform_batches(keys, config.steady_keys, config.rows_per_batch, config.steady_batches, rng)
     inputs = {
-        str(n): common.write_input(WORK / f"state-{n}-files", [common.batch_over(keys, rng.permutation(n)), *steady],
-                                   config.schema_ddl)
+        str(n): common.write_input(
+            WORK / f"state-{n}-files", [common.batch_over(keys, rng.permutation(n)), *steady], config.schema_ddl
+        )
         for n in config.state_sizes
     }
     schedules = {label: list(range(1 + len(steady))) for label in inputs}
@@ -480,7 +508,8 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
     work = WORK / "state"
     taken: dict[str, dict[int, dict[str, float]]] = {}
     queries, wall = common.timed(
-        lambda: common.run_keyed_interleaved(spark, inputs, schedules, parallelism, work, taken=taken))
+        lambda: common.run_keyed_interleaved(spark, inputs, schedules, parallelism, work, taken=taken)
+    )
     runs = {}
     for label, query in queries.items():
         reports = common.batch_reports(query, common.batch_progress(query))
@@ -505,9 +534,11 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
             "batch_time_ratio": round(statistics.median(paired), 3),
             "paired_ratios": [round(r, 3) for r in paired],
             "task_time_ratio": round(
-                run["steady"]["max_task_seconds"]["median"] / smallest["steady"]["max_task_seconds"]["median"], 3),
+                run["steady"]["max_task_seconds"]["median"] / smallest["steady"]["max_task_seconds"]["median"], 3
+            ),
             "checkpoint_bytes_ratio": round(
-                run["steady"]["median_checkpoint_bytes"] / smallest["steady"]["median_checkpoint_bytes"], 3),
+                run["steady"]["median_checkpoint_bytes"] / smallest["steady"]["median_checkpoint_bytes"], 3
+            ),
         }
     return {
         "parallelism": parallelism,
@@ -517,7 +548,7 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
         "steady_batches": config.steady_batches,
         "steady_batch_ids": steady_ids,
         "method": "one query per state size, run side by side, one batch each in turn; ratio = median over steady "
-                  "batches of (batch seconds with this state / with the smallest state)",
+        "batches of (batch seconds with this state / with the smallest state)",
         "versus_smallest": versus_smallest,
         "wall_seconds": round(wall, 2),
         "runs": runs,
@@ -535,8 +566,15 @@ def targets(result: dict) -> list[dict]:
             if system not in numbers["keyed_count_vs"]:
                 continue
             measured = numbers["keyed_count_vs"][system]["ratio"]
-            out.append({"target": name, "parallelism": int(parallelism), "at_least": TARGETS[name],
-                        "measured": measured, "met": measured >= TARGETS[name]})
+            out.append(
+                {
+                    "target": name,
+                    "parallelism": int(parallelism),
+                    "at_least": TARGETS[name],
+                    "measured": measured,
+                    "met": measured >= TARGETS[name],
+                }
+            )
     state = result["state_size"]
     sizes = state["versus_smallest"]
     if "10000" in state["runs"]:
@@ -544,16 +582,37 @@ def targets(result: dict) -> list[dict]:
         compares = f"{int(largest):,} vs {int(min(state['runs'], key=int)):,} keys"
         ratio = sizes[largest]["batch_time_ratio"]
         limit = TARGETS["state_size_batch_time_ratio"]
-        out.append({"target": "state_size_batch_time_ratio", "compares": compares, "at_most": limit,
-                    "measured": ratio, "met": ratio <= limit})
+        out.append(
+            {
+                "target": "state_size_batch_time_ratio",
+                "compares": compares,
+                "at_most": limit,
+                "measured": ratio,
+                "met": ratio <= limit,
+            }
+        )
         reloads = sum(len(run["steady"]["batches_that_reloaded_state"]) for run in state["runs"].values())
         limit = TARGETS["steady_batches_reloading_state"]
-        out.append({"target": "steady_batches_reloading_state", "compares": "every state size", "at_most": limit,
-                    "measured": reloads, "met": reloads <= limit})
+        out.append(
+            {
+                "target": "steady_batches_reloading_state",
+                "compares": "every state size",
+                "at_most": limit,
+                "measured": reloads,
+                "met": reloads <= limit,
+            }
+        )
         spread = state["runs"][largest]["steady"]["max_over_median"]
         limit = TARGETS["steady_batch_max_over_median"]
-        out.append({"target": "steady_batch_max_over_median", "compares": f"{int(largest):,} keys", "at_most": limit,
-                    "measured": spread, "met": spread <= limit})
+        out.append(
+            {
+                "target": "steady_batch_max_over_median",
+                "compares": f"{int(largest):,} keys",
+                "at_most": limit,
+                "measured": spread,
+                "met": spread <= limit,
+            }
+        )
     return out
 
 
@@ -574,17 +633,28 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks([j + width * (len(by_p) - 1) / 2 for j in range(len(systems))])
     limits = result["throughput"]["measured_batches_by_system"]
     ax.set_xticklabels(
-        [s.replace("_", "\n", 2) + (f"\n(batch 1 to {limits[s]} only)" if limits[s] < result["throughput"]
-                                     ["measured_batches"] else "") for s in systems],
+        [
+            s.replace("_", "\n", 2)
+            + (f"\n(batch 1 to {limits[s]} only)" if limits[s] < result["throughput"]["measured_batches"] else "")
+            for s in systems
+        ],
         fontsize=7,
     )
-    for i, (parallelism, numbers) in enumerate(by_p.items()):
+    for i, numbers in enumerate(by_p.values()):
         for j, system in enumerate(systems):
             versus = numbers["keyed_count_vs"].get(system)
             if versus:
-                ax.annotate(f"ours {versus['ratio']}x", (j + i * width, numbers["rows_per_s"][system]),
-                            ha="center", va="top", rotation=90, fontsize=7, xytext=(0, -4),
-                            textcoords="offset points", color="white")
+                ax.annotate(
+                    f"ours {versus['ratio']}x",
+                    (j + i * width, numbers["rows_per_s"][system]),
+                    ha="center",
+                    va="top",
+                    rotation=90,
+                    fontsize=7,
+                    xytext=(0, -4),
+                    textcoords="offset points",
+                    color="white",
+                )
     ax.set_yscale("log")
     ax.set_ylim(bottom=min(v for n in by_p.values() for v in n["rows_per_s"].values()) / 20)
     ax.set_ylabel("rows/s (measured batches, log scale)")
@@ -594,7 +664,7 @@ def plot(result: dict, path: Path) -> None:
     state = result["state_size"]
     ax = axes[1]
     xs = list(range(1, len(state["steady_batch_ids"]) + 1))
-    for label, run in state["runs"].items():
+    for run in state["runs"].values():
         steady = [run["batches"][i] for i in state["steady_batch_ids"]]
         ax.plot(xs, [b["seconds"] for b in steady], marker="o", label=f"{run['state_keys']:,} keys of state")
         for x, b in zip(xs, steady):
@@ -603,8 +673,11 @@ def plot(result: dict, path: Path) -> None:
             if b["full_entries"] and b["delta_entries"]:
                 ax.annotate("compaction", (x, b["seconds"]), fontsize=7, xytext=(3, 5), textcoords="offset points")
     ax.set_xticks(xs)
-    ax.set_xlabel(f"steady batch ({state['rows_per_batch']:,} rows over {state['steady_batch_keys']:,} keys); "
-                  "red ring: state read from the store", fontsize=8)
+    ax.set_xlabel(
+        f"steady batch ({state['rows_per_batch']:,} rows over {state['steady_batch_keys']:,} keys); "
+        "red ring: state read from the store",
+        fontsize=8,
+    )
     ax.set_ylabel("batch seconds")
     ax.set_ylim(bottom=0)
     ax.set_title("Batch time of the same batches vs state size")
@@ -614,8 +687,12 @@ def plot(result: dict, path: Path) -> None:
     sizes = [int(label) for label in state["versus_smallest"]]
     ratios = [state["versus_smallest"][str(n)]["batch_time_ratio"] for n in sizes]
     ax.semilogx(sizes, ratios, marker="o", label="batch time (paired median)")
-    ax.semilogx(sizes, [state["versus_smallest"][str(n)]["checkpoint_bytes_ratio"] for n in sizes], marker="s",
-                label="checkpoint bytes of the same change")
+    ax.semilogx(
+        sizes,
+        [state["versus_smallest"][str(n)]["checkpoint_bytes_ratio"] for n in sizes],
+        marker="s",
+        label="checkpoint bytes of the same change",
+    )
     for n, r in zip(sizes, ratios):
         ax.annotate(f"{r}x", (n, r), fontsize=8, xytext=(3, 5), textcoords="offset points")
     ax.axhline(1.0, color="grey", linestyle=":")
@@ -657,7 +734,10 @@ def run(spark, config: Config) -> dict:
     rng = np.random.default_rng(20240601)
     keys = config.key_space(max(max(config.state_sizes), config.throughput_keys))
     try:
-        result = {"throughput": throughput(spark, config, keys, rng), "state_size": state_size(spark, config, keys, rng)}
+        result = {
+            "throughput": throughput(spark, config, keys, rng),
+            "state_size": state_size(spark, config, keys, rng),
+        }
         result["rocksdb_memory"] = rocksdb_memory(spark, config, keys, rng)
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
@@ -666,13 +746,22 @@ def run(spark, config: Config) -> dict:
 
 
 def _arguments(parser) -> None:
-    parser.add_argument("--keys", choices=common.KEY_TYPES, default=common.KEY_TYPES[0],
-                        help="the key column's type (long: results in keyed_long*.json)")
+    parser.add_argument(
+        "--keys",
+        choices=common.KEY_TYPES,
+        default=common.KEY_TYPES[0],
+        help="the key column's type (long: results in keyed_long*.json)",
+    )
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "parallelism 2 and 4, HDFS provider, 10M keys, more batches",
-                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv, _arguments)
+    args, config = common.parse_mode(
+        __doc__,
+        "parallelism 2 and 4, HDFS provider, 10M keys, more batches",
+        {"quick": QUICK, "full": FULL, "smoke": SMOKE},
+        argv,
+        _arguments,
+    )
     config = replace(config, key_type=args.keys)
     variant = "" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}"
     conf = {
@@ -682,9 +771,14 @@ def main(argv=None) -> dict:
         "spark.state.maxChainLength": "8 (default)",
     }
     command = common.command_line("bench_keyed", args) + (f" --keys {args.keys}" if variant else "")
-    return common.run_and_save("keyed", config.mode, command,
-                               lambda spark: {"spark_conf": conf, "key_type": config.key_type, **run(spark, config)},
-                               plot, variant=variant)
+    return common.run_and_save(
+        "keyed",
+        config.mode,
+        command,
+        lambda spark: {"spark_conf": conf, "key_type": config.key_type, **run(spark, config)},
+        plot,
+        variant=variant,
+    )
 
 
 if __name__ == "__main__":

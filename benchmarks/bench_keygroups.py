@@ -74,9 +74,7 @@ def main() -> dict:
                 N_VECTOR, lambda: key_groups_for_columns([ints, strings], m)
             ),
             "scalar_int64": _best_keys_per_second(N_SCALAR, lambda: [key_group_for(k, m) for k in scalar_ints]),
-            "scalar_short_string": _best_keys_per_second(
-                N_SCALAR, lambda: [key_group_for(k, m) for k in scalar_keys]
-            ),
+            "scalar_short_string": _best_keys_per_second(N_SCALAR, lambda: [key_group_for(k, m) for k in scalar_keys]),
             "raw_mmh3_short_string": _best_keys_per_second(
                 N_SCALAR, lambda: [mmh3.hash(k.encode(), 42) for k in scalar_keys]
             ),
@@ -96,8 +94,11 @@ def main() -> dict:
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     import common
 
-    common.bar_plot(RESULTS.with_suffix(".png"), f"Key-group mapping, best of {REPEATS} (load avg "
-                    f"{result['load_average_1m']})", [("keys/s", result["keys_per_s"], "keys per second", True)])
+    common.bar_plot(
+        RESULTS.with_suffix(".png"),
+        f"Key-group mapping, best of {REPEATS} (load avg {result['load_average_1m']})",
+        [("keys/s", result["keys_per_s"], "keys per second", True)],
+    )
     return result
 
 

@@ -35,15 +35,16 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-from spark_state.store import manifestlog  # noqa: E402
-from spark_state.store.blobstore import BlobStore  # noqa: E402
-from spark_state.keyspace import instance_for_key_group, key_group_range  # noqa: E402
-from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
-from spark_state.store.manifestlog import ManifestLog, ManifestReader  # noqa: E402
-from spark_state.executor.resident import ResidentState  # noqa: E402
-from spark_state.model.schema import KeyedSchema  # noqa: E402
-from spark_state.storage.local import LocalStorage  # noqa: E402
+import common
+
+from spark_state.executor.resident import ResidentState
+from spark_state.keyspace import instance_for_key_group, key_group_range
+from spark_state.model.schema import KeyedSchema
+from spark_state.storage.local import LocalStorage
+from spark_state.store import manifestlog
+from spark_state.store.blobstore import BlobStore
+from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest
+from spark_state.store.manifestlog import ManifestLog, ManifestReader
 
 COMPONENT = "counts"
 PARALLELISM = 8
@@ -85,10 +86,12 @@ def run(max_parallelism: int, checkpoints: int, keys_per_group: int, work: Path)
                     states[owner[g]].table.put(g, (f"{g}-{n}",), (-checkpoint_id,))
         refs = [r for r in (s.checkpoint(blobs, COMPONENT, checkpoint_id, i)[0] for i, s in enumerate(states)) if r]
         delta_bytes = sum(ref.size for ref in refs)
-        for name in (POLICIES if checkpoint_id % 2 else POLICIES[::-1]):  # alternate who goes first
+        for name in POLICIES if checkpoint_id % 2 else POLICIES[::-1]:  # alternate who goes first
             log = logs[name]
             started = time.perf_counter()
-            manifest = log.commit(next_manifest(log.latest(), checkpoint_id, {COMPONENT: ComponentUpdate(spec, refs)}, {}))
+            manifest = log.commit(
+                next_manifest(log.latest(), checkpoint_id, {COMPONENT: ComponentUpdate(spec, refs)}, {})
+            )
             commit = time.perf_counter() - started
             record = log.storage.size(manifestlog.manifest_path(checkpoint_id))
             if checkpoint_id:
@@ -97,11 +100,17 @@ def run(max_parallelism: int, checkpoints: int, keys_per_group: int, work: Path)
                 _, warm_seconds = common.timed(lambda: warm.load(checkpoint_id))
                 _, cold_seconds = common.timed(lambda: ManifestReader(log.storage).load(checkpoint_id))
                 assert warm.load(checkpoint_id) == manifest
-                rows[name].append({
-                    "checkpoint_id": checkpoint_id, "record_bytes": record, "state_delta_bytes": delta_bytes,
-                    "record_to_delta": round(record / delta_bytes, 4), "commit_seconds": round(commit, 4),
-                    "warm_load_seconds": round(warm_seconds, 4), "cold_load_seconds": round(cold_seconds, 4),
-                })
+                rows[name].append(
+                    {
+                        "checkpoint_id": checkpoint_id,
+                        "record_bytes": record,
+                        "state_delta_bytes": delta_bytes,
+                        "record_to_delta": round(record / delta_bytes, 4),
+                        "commit_seconds": round(commit, 4),
+                        "warm_load_seconds": round(warm_seconds, 4),
+                        "cold_load_seconds": round(cold_seconds, 4),
+                    }
+                )
             log.cleanup(manifest)
     result = {"max_parallelism": max_parallelism, "key_groups_changed": changed, "keys_per_group": keys_per_group}
     for name in POLICIES:
@@ -124,16 +133,26 @@ def plot(report: dict, path: Path) -> None:
 
     sizes = report["sizes"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    for ax, (metric, label) in zip(axes, [("record_bytes", "bytes per checkpoint record (median)"),
-                                          ("commit_seconds", "driver commit seconds (median)"),
-                                          ("cold_load_seconds", "executor cold read seconds (median)")]):
+    for ax, (metric, label) in zip(
+        axes,
+        [
+            ("record_bytes", "bytes per checkpoint record (median)"),
+            ("commit_seconds", "driver commit seconds (median)"),
+            ("cold_load_seconds", "executor cold read seconds (median)"),
+        ],
+    ):
         for offset, name in enumerate(POLICIES):
             xs = [i + offset * 0.4 for i in range(len(sizes))]
             ax.bar(xs, [s[name][metric]["median"] for s in sizes], 0.4, label=name.replace("_", " "))
         if metric == "record_bytes":
             xs = [i + 0.2 for i in range(len(sizes))]
-            ax.plot(xs, [s["delta_records"]["checkpoints"][0]["state_delta_bytes"] for s in sizes], "k_",
-                    markersize=30, label="state delta bytes")
+            ax.plot(
+                xs,
+                [s["delta_records"]["checkpoints"][0]["state_delta_bytes"] for s in sizes],
+                "k_",
+                markersize=30,
+                label="state delta bytes",
+            )
         ax.set_xticks([i + 0.2 for i in range(len(sizes))])
         ax.set_xticklabels([f"{s['max_parallelism']} key groups" for s in sizes])
         ax.set_yscale("log")
@@ -163,22 +182,51 @@ def main(argv=None) -> None:
         "environment": common.environment(),
         "sizes": sizes,
         "targets": [
-            {"target": "record bytes <= 10% of the state delta bytes (median, every size)",
-             "value": max(s["delta_records"]["record_to_state_delta"]["median"] for s in sizes),
-             "met": all(s["delta_records"]["record_to_state_delta"]["median"] <= 0.10 for s in sizes)},
-            {"target": f"commit <= 100 ms at {sizes[-1]['max_parallelism']} key groups (median)",
-             "value": largest["commit_seconds"]["median"], "met": largest["commit_seconds"]["median"] <= 0.1},
+            {
+                "target": "record bytes <= 10% of the state delta bytes (median, every size)",
+                "value": max(s["delta_records"]["record_to_state_delta"]["median"] for s in sizes),
+                "met": all(s["delta_records"]["record_to_state_delta"]["median"] <= 0.10 for s in sizes),
+            },
+            {
+                "target": f"commit <= 100 ms at {sizes[-1]['max_parallelism']} key groups (median)",
+                "value": largest["commit_seconds"]["median"],
+                "met": largest["commit_seconds"]["median"] <= 0.1,
+            },
         ],
     }
-    out = Path(args.out) if args.out else common.RESULTS_DIR / ("manifest_smoke.json" if args.smoke else "manifest.json")
+    out = (
+        Path(args.out) if args.out else common.RESULTS_DIR / ("manifest_smoke.json" if args.smoke else "manifest.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, out.with_suffix(".png"))
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "sizes"} | {
-        "medians": [{"max_parallelism": s["max_parallelism"], **{
-            name: {m: s[name][m]["median"] for m in ("record_bytes", "record_to_state_delta", "commit_seconds",
-                                                     "warm_load_seconds", "cold_load_seconds")}
-            for name in POLICIES}} for s in sizes]}, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in report.items() if k != "sizes"}
+            | {
+                "medians": [
+                    {
+                        "max_parallelism": s["max_parallelism"],
+                        **{
+                            name: {
+                                m: s[name][m]["median"]
+                                for m in (
+                                    "record_bytes",
+                                    "record_to_state_delta",
+                                    "commit_seconds",
+                                    "warm_load_seconds",
+                                    "cold_load_seconds",
+                                )
+                            }
+                            for name in POLICIES
+                        },
+                    }
+                    for s in sizes
+                ]
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

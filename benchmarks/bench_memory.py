@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import common
 
 WORK = common.WORK_DIR / "memory"
 SCHEMA_DDL = "key string"
@@ -92,11 +92,20 @@ def _memory_rows(query) -> list[dict]:
     """Per batch: each instance's memory report and what it read back, from the query's batch records."""
     rows = []
     for batch in query.batches:
-        rows.append({
-            "batch_id": batch["batch_id"],
-            "instances": [{"pid": m["pid"], "keys_in_memory": m["keys"], **m["memory"],
-                           "loaded": m["restore"].get("loaded", {})} for m in batch["instances"]],
-        })
+        rows.append(
+            {
+                "batch_id": batch["batch_id"],
+                "instances": [
+                    {
+                        "pid": m["pid"],
+                        "keys_in_memory": m["keys"],
+                        **m["memory"],
+                        "loaded": m["restore"].get("loaded", {}),
+                    }
+                    for m in batch["instances"]
+                ],
+            }
+        )
     return rows
 
 
@@ -111,22 +120,27 @@ def run(spark, config: Config) -> dict:
     common.fresh_dir(WORK)
     rng = np.random.default_rng(20261125)
     keys = common.key_space(config.state_keys)
-    steady = (common.uniform_batches(keys, config.state_keys, config.rows_per_batch, config.uniform_batches, rng)
-              + common.uniform_batches(keys, config.hot_keys, config.rows_per_batch, config.hot_batches, rng))
+    steady = common.uniform_batches(
+        keys, config.state_keys, config.rows_per_batch, config.uniform_batches, rng
+    ) + common.uniform_batches(keys, config.hot_keys, config.rows_per_batch, config.hot_batches, rng)
     order = rng.permutation(config.state_keys)
-    prefill = [common.batch_over(keys, order[i:i + config.prefill_rows])
-               for i in range(0, config.state_keys, config.prefill_rows)]
+    prefill = [
+        common.batch_over(keys, order[i : i + config.prefill_rows])
+        for i in range(0, config.state_keys, config.prefill_rows)
+    ]
     files = [*prefill, *steady]
     labels = ["unbounded", *(f"bound_{b}" for b in config.bounds)]
     inputs = {label: common.write_input(WORK / f"{label}-files", files, SCHEMA_DDL) for label in labels}
-    inputs["baseline"] = common.write_input(WORK / "baseline-files", [common.batch_over(keys, np.arange(1000))],
-                                            SCHEMA_DDL)
+    inputs["baseline"] = common.write_input(
+        WORK / "baseline-files", [common.batch_over(keys, np.arange(1000))], SCHEMA_DDL
+    )
     schedules = {label: list(range(len(files))) for label in labels}
     schedules["baseline"] = [0]
     confs = {f"bound_{b}": {BOUND: b} for b in config.bounds}
     try:
-        queries, wall = common.timed(lambda: common.run_keyed_interleaved(
-            spark, inputs, schedules, config.parallelism, WORK, confs))
+        queries, wall = common.timed(
+            lambda: common.run_keyed_interleaved(spark, inputs, schedules, config.parallelism, WORK, confs)
+        )
         runs = {label: _measure(queries[label], WORK / f"{label}-chk" / "state") for label in [*labels, "baseline"]}
         expected = _final_state(WORK / "unbounded-chk" / "state")
         for label in labels[1:]:
@@ -135,8 +149,8 @@ def run(spark, config: Config) -> dict:
         shutil.rmtree(WORK, ignore_errors=True)
     baseline_rss = statistics.median(runs["baseline"]["rss_high_water_by_host"].values())
     steady_ids = list(range(len(prefill), len(files)))
-    uniform_ids = steady_ids[:config.uniform_batches]
-    hot_ids = steady_ids[config.uniform_batches:]
+    uniform_ids = steady_ids[: config.uniform_batches]
+    hot_ids = steady_ids[config.uniform_batches :]
     for label in labels:
         run_ = runs[label]
         hosts = run_["rss_high_water_by_host"]
@@ -148,14 +162,20 @@ def run(spark, config: Config) -> dict:
         if label != "unbounded":
             limit = _bytes(label.removeprefix("bound_"))
             run_["limit_bytes"] = limit
-            run_["batches_over_share"] = [b["batch_id"] for b in run_["batches"]
-                                          if any(i["resident_bytes"] > i["limit_bytes"] for i in b["instances"])]
+            run_["batches_over_share"] = [
+                b["batch_id"]
+                for b in run_["batches"]
+                if any(i["resident_bytes"] > i["limit_bytes"] for i in b["instances"])
+            ]
             for name, ids in (("uniform", uniform_ids), ("hot", hot_ids)):
                 paired = [run_["seconds"][i] / runs["unbounded"]["seconds"][i] for i in ids]
-                run_[f"{name}_batch_time_vs_unbounded"] = {"median": round(statistics.median(paired), 3),
-                                                           "paired": [round(p, 3) for p in paired]}
+                run_[f"{name}_batch_time_vs_unbounded"] = {
+                    "median": round(statistics.median(paired), 3),
+                    "paired": [round(p, 3) for p in paired],
+                }
             run_["bytes_read_back_per_steady_batch"] = statistics.median(
-                sum(i["loaded"].get("bytes_read", 0) for i in run_["batches"][b]["instances"]) for b in steady_ids)
+                sum(i["loaded"].get("bytes_read", 0) for i in run_["batches"][b]["instances"]) for b in steady_ids
+            )
     result = {
         "parallelism": config.parallelism,
         "state_keys": config.state_keys,
@@ -188,11 +208,20 @@ def targets(result: dict) -> list[dict]:
     for label, run_ in result["runs"].items():
         if not label.startswith("bound_"):
             continue
-        out.append({"target": f"{label}, batches leaving an instance above its share of the bound (at most 0)",
-                    "value": len(run_["batches_over_share"]), "met": not run_["batches_over_share"]})
-        out.append({"target": f"{label}, final state equal to the unbounded run's",
-                    "value": "yes" if run_["final_state_equals_unbounded"] else "no",
-                    "met": bool(run_["final_state_equals_unbounded"])})
+        out.append(
+            {
+                "target": f"{label}, batches leaving an instance above its share of the bound (at most 0)",
+                "value": len(run_["batches_over_share"]),
+                "met": not run_["batches_over_share"],
+            }
+        )
+        out.append(
+            {
+                "target": f"{label}, final state equal to the unbounded run's",
+                "value": "yes" if run_["final_state_equals_unbounded"] else "no",
+                "met": bool(run_["final_state_equals_unbounded"]),
+            }
+        )
     return out
 
 
@@ -205,13 +234,19 @@ def plot(result: dict, path: Path) -> None:
     labels = [label for label in result["runs"] if label != "baseline"]
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
     ax = axes[0]
-    kinds = [("state_kept_between_batches_bytes", "state kept between batches (estimate, max)"),
-             ("peak_estimate_bytes", "peak during a batch (estimate, max)"),
-             ("rss_growth_over_baseline_bytes", "hosts' RSS high-water over baseline hosts")]
+    kinds = [
+        ("state_kept_between_batches_bytes", "state kept between batches (estimate, max)"),
+        ("peak_estimate_bytes", "peak during a batch (estimate, max)"),
+        ("rss_growth_over_baseline_bytes", "hosts' RSS high-water over baseline hosts"),
+    ]
     width = 0.8 / len(kinds)
     for k, (field, name) in enumerate(kinds):
-        values = [result["runs"][label][field] if not isinstance(result["runs"][label][field], dict)
-                  else result["runs"][label][field]["max"] for label in labels]
+        values = [
+            result["runs"][label][field]
+            if not isinstance(result["runs"][label][field], dict)
+            else result["runs"][label][field]["max"]
+            for label in labels
+        ]
         ax.bar([j + k * width for j in range(len(labels))], [v / MiB for v in values], width, label=name)
     for j, label in enumerate(labels):
         limit = result["runs"][label].get("limit_bytes")
@@ -236,10 +271,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "5M keys of state, bounds 256m and 32m",
-                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
-    return common.run_and_save("memory", config.mode, common.command_line("bench_memory", args),
-                               lambda spark: run(spark, config), plot)
+    args, config = common.parse_mode(
+        __doc__, "5M keys of state, bounds 256m and 32m", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv
+    )
+    return common.run_and_save(
+        "memory", config.mode, common.command_line("bench_memory", args), lambda spark: run(spark, config), plot
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import common
 
 WORK = common.WORK_DIR / "reader"
 COMPONENT = "bench_counts"
@@ -70,12 +70,12 @@ def write_store(keys_n: int, store: Path, parquet: Path, seed: int = 7) -> dict:
     """Write the store (checkpoints 0 and 1) and the Parquet copy of its final state; the model's totals."""
     import pyarrow.parquet as pq
 
-    from spark_state.store.blobstore import BlobStore
     from spark_state.keyspace import key_group_range, key_groups_for_columns
-    from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest
-    from spark_state.store.manifestlog import ManifestLog
     from spark_state.model.schema import KeyedSchema
     from spark_state.storage.local import LocalStorage
+    from spark_state.store.blobstore import BlobStore
+    from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest
+    from spark_state.store.manifestlog import ManifestLog
 
     rng = np.random.default_rng(seed)
     keys = common.key_space(keys_n)
@@ -93,8 +93,9 @@ def write_store(keys_n: int, store: Path, parquet: Path, seed: int = 7) -> dict:
 
     def rows(lo: int, hi: int, values: np.ndarray, deleted: bool = False) -> pa.Table:
         value = pa.StructArray.from_arrays([pa.array(values, pa.int64())], fields=list(schema.value.fields))
-        return pa.Table.from_arrays([keys.slice(lo, hi - lo), value, pa.array(np.full(hi - lo, deleted))],
-                                    schema=blob_schema)
+        return pa.Table.from_arrays(
+            [keys.slice(lo, hi - lo), value, pa.array(np.full(hi - lo, deleted))], schema=blob_schema
+        )
 
     def commit(checkpoint_id: int, entries_of) -> None:
         refs = []
@@ -103,12 +104,23 @@ def write_store(keys_n: int, store: Path, parquet: Path, seed: int = 7) -> dict:
             entries = [e for g in range(owned.start, owned.end + 1) for e in entries_of(g)]
             if entries:
                 refs.append(blobs.write_blob(COMPONENT, checkpoint_id, instance, owned, blob_schema, entries))
-        manifest = next_manifest(log.latest(), checkpoint_id, {COMPONENT: ComponentUpdate(spec, refs)},
-                                 {"bench": {"offset": checkpoint_id}}, committed_at=time.time())
+        manifest = next_manifest(
+            log.latest(),
+            checkpoint_id,
+            {COMPONENT: ComponentUpdate(spec, refs)},
+            {"bench": {"offset": checkpoint_id}},
+            committed_at=time.time(),
+        )
         log.cleanup(log.commit(manifest))
 
-    commit(0, lambda g: [(g, "full", rows(bounds[g], bounds[g + 1], counts[bounds[g]:bounds[g + 1]]))]
-           if bounds[g + 1] > bounds[g] else [])
+    commit(
+        0,
+        lambda g: (
+            [(g, "full", rows(bounds[g], bounds[g + 1], counts[bounds[g] : bounds[g + 1]]))]
+            if bounds[g + 1] > bounds[g]
+            else []
+        ),
+    )
     changed_groups = set(range(0, MAX_PARALLELISM, 10))
     final = counts.copy()
 
@@ -117,8 +129,8 @@ def write_store(keys_n: int, store: Path, parquet: Path, seed: int = 7) -> dict:
         if g not in changed_groups or hi - lo < 10:
             return []
         width = max(1, (hi - lo) // 10)  # 10% of the keys of 10% of the key groups: 1% of all keys
-        final[lo:lo + width] += 1
-        return [(g, "delta", rows(lo, lo + width, final[lo:lo + width]))]
+        final[lo : lo + width] += 1
+        return [(g, "delta", rows(lo, lo + width, final[lo : lo + width]))]
 
     commit(1, delta)
     common.fresh_dir(parquet)
@@ -128,8 +140,12 @@ def write_store(keys_n: int, store: Path, parquet: Path, seed: int = 7) -> dict:
         lo, hi = bounds[owned.start], bounds[owned.end + 1]
         pq.write_table(table.slice(lo, hi - lo), parquet / f"part-{instance:05d}.parquet")
     store_bytes = sum(p.stat().st_size for p in store.rglob("*.arrow"))
-    return {"keys": keys_n, "count_sum": int(final.sum()), "store_bytes": store_bytes,
-            "parquet_bytes": sum(p.stat().st_size for p in parquet.rglob("*.parquet"))}
+    return {
+        "keys": keys_n,
+        "count_sum": int(final.sum()),
+        "store_bytes": store_bytes,
+        "parquet_bytes": sum(p.stat().st_size for p in parquet.rglob("*.parquet")),
+    }
 
 
 class ParquetThroughPython:
@@ -194,8 +210,11 @@ def run(spark, config: Config) -> dict:
 
     def spark_read(fmt: str) -> None:
         reader = spark.read.format(fmt)
-        reader = reader.option("store", str(store)).option("component", COMPONENT) if fmt == "spark-state" \
+        reader = (
+            reader.option("store", str(store)).option("component", COMPONENT)
+            if fmt == "spark-state"
             else reader.option("path", str(parquet))
+        )
         reader.load().write.format("noop").mode("overwrite").save()
 
     state_df = spark.read.format("spark-state").option("store", str(store)).option("component", COMPONENT).load()
@@ -205,8 +224,11 @@ def run(spark, config: Config) -> dict:
     spark.dataSource.register(ParquetThroughPython.source())
     seconds = {"spark_state_source": float("inf"), "parquet": float("inf"), "python_source_ceiling": float("inf")}
     for _ in range(config.repeats):  # alternating, so a change of load hits all three alike
-        for label, fmt in [("spark_state_source", "spark-state"), ("parquet", "parquet"),
-                           ("python_source_ceiling", "bench_parquet_through_python")]:
+        for label, fmt in [
+            ("spark_state_source", "spark-state"),
+            ("parquet", "parquet"),
+            ("python_source_ceiling", "bench_parquet_through_python"),
+        ]:
             seconds[label] = min(seconds[label], _best(lambda: spark_read(fmt), 1)[0])
     seconds["read_state"], table = _best(lambda: read_state(str(store), COMPONENT), config.repeats)
     if table.num_rows != model["keys"] or pa.compute.sum(table.column("count")).as_py() != model["count_sum"]:
@@ -228,8 +250,12 @@ def run(spark, config: Config) -> dict:
         "ceiling_vs_parquet": round(rows_per_s["python_source_ceiling"] / rows_per_s["parquet"], 3),
         "source_vs_ceiling": round(rows_per_s["spark_state_source"] / rows_per_s["python_source_ceiling"], 3),
         "read_state_vs_pyarrow_parquet": round(rows_per_s["read_state"] / rows_per_s["pyarrow_parquet"], 3),
-        "cli": {"verify_seconds": round(verify_s, 2), "verify_bytes": verified["checked"]["bytes"],
-                "plan_seconds": round(plan_s, 2), "plan_requests": planned["target"]["requests"]},
+        "cli": {
+            "verify_seconds": round(verify_s, 2),
+            "verify_bytes": verified["checked"]["bytes"],
+            "plan_seconds": round(plan_s, 2),
+            "plan_requests": planned["target"]["requests"],
+        },
         "targets": [
             {"target": "state reader rows/s >= 0.5x Parquet's", "value": round(ratio, 3), "met": ratio >= 0.5},
             {"target": "verify finishes in seconds", "value": round(verify_s, 2), "met": verify_s < 60},
@@ -242,23 +268,43 @@ def run(spark, config: Config) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     rates = result["rows_per_s"]
-    common.bar_plot(path, f"Reading {result['store']['keys']:,} keys of state", [
-        ("Spark DataFrame (noop sink), rows/s", {"spark-state": rates["spark_state_source"],
-                                                  "parquet": rates["parquet"],
-                                                  "parquet via Python source": rates["python_source_ceiling"]},
-         "rows/s", False),
-        ("Without Spark, rows/s", {"read_state": rates["read_state"],
-                                   "pyarrow parquet": rates["pyarrow_parquet"]}, "rows/s", False),
-        ("CLI on the store, seconds", {"verify": result["cli"]["verify_seconds"],
-                                       "plan -p 7": result["cli"]["plan_seconds"]}, "seconds", False),
-    ])
+    common.bar_plot(
+        path,
+        f"Reading {result['store']['keys']:,} keys of state",
+        [
+            (
+                "Spark DataFrame (noop sink), rows/s",
+                {
+                    "spark-state": rates["spark_state_source"],
+                    "parquet": rates["parquet"],
+                    "parquet via Python source": rates["python_source_ceiling"],
+                },
+                "rows/s",
+                False,
+            ),
+            (
+                "Without Spark, rows/s",
+                {"read_state": rates["read_state"], "pyarrow parquet": rates["pyarrow_parquet"]},
+                "rows/s",
+                False,
+            ),
+            (
+                "CLI on the store, seconds",
+                {"verify": result["cli"]["verify_seconds"], "plan -p 7": result["cli"]["plan_seconds"]},
+                "seconds",
+                False,
+            ),
+        ],
+    )
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "10M keys instead of 1M", {"quick": QUICK, "full": FULL, "smoke": SMOKE},
-                                     argv)
-    return common.run_and_save("reader", config.mode, common.command_line("bench_reader", args),
-                               lambda spark: run(spark, config), plot)
+    args, config = common.parse_mode(
+        __doc__, "10M keys instead of 1M", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv
+    )
+    return common.run_and_save(
+        "reader", config.mode, common.command_line("bench_reader", args), lambda spark: run(spark, config), plot
+    )
 
 
 if __name__ == "__main__":

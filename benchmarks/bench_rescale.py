@@ -109,10 +109,10 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
-import naive_store  # noqa: E402
+import common
+import naive_store
 
-from tests.s3_server import SeaweedS3  # noqa: E402
+from tests.s3_server import SeaweedS3
 
 WORK = common.WORK_DIR / "rescale"
 COMPONENT = "rescale_counts"
@@ -150,9 +150,10 @@ class Config:
 QUICK = Config("quick", (100_000,), PAIRS, 10_000)
 # Three repeats of each restart (a single one swung by up to 3x on this shared machine), but one of Spark's
 # repartition + restart: it rewrites all state, tens of seconds at 10M keys, far from any target.
-FULL = Config("full", (100_000, 1_000_000, 10_000_000), PAIRS, 10_000, repeats=3,
-              measured_once=("spark_repartition",))
-SMOKE = Config("smoke", (4_000,), ((2, 3),), 500, live_chain=(2, 3), live_rows=500)  # tests/test_benchmarks.py: every code path, in seconds
+FULL = Config("full", (100_000, 1_000_000, 10_000_000), PAIRS, 10_000, repeats=3, measured_once=("spark_repartition",))
+SMOKE = Config(
+    "smoke", (4_000,), ((2, 3),), 500, live_chain=(2, 3), live_rows=500
+)  # tests/test_benchmarks.py: every code path, in seconds
 S3 = Config("s3", (100_000, 1_000_000), PAIRS, 10_000, store="s3", repeats=3)
 S3_SMOKE = Config("s3_smoke", (4_000,), ((2, 3),), 500, store="s3")  # tests/test_benchmarks.py
 
@@ -181,8 +182,9 @@ class Stores:
             client = self.server.client()
             source, target = self._prefix(base), self._prefix(run_dir)
             for key in self._keys(source):
-                client.copy_object(Bucket=S3_BUCKET, Key=target + key[len(source):],
-                                   CopySource={"Bucket": S3_BUCKET, "Key": key})
+                client.copy_object(
+                    Bucket=S3_BUCKET, Key=target + key[len(source) :], CopySource={"Bucket": S3_BUCKET, "Key": key}
+                )
 
     def state_bytes(self, run_dir: Path) -> int:
         if self.server is None:
@@ -198,7 +200,9 @@ class Stores:
         if self.server is not None:
             client, keys = self.server.client(), self._keys(self._prefix(run_dir))
             for start in range(0, len(keys), 1000):
-                client.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+                client.delete_objects(
+                    Bucket=S3_BUCKET, Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]]}
+                )
 
     def _keys(self, prefix: str) -> list[str]:
         keys = []
@@ -269,8 +273,10 @@ def _cpu_used(before: dict, after: dict, driver_before) -> dict:
         totals[0] += user - user0
         totals[1] += system - system0
         totals[2] += faults - faults0
-    out = {kind: {"user_seconds": round(u / tick, 2), "system_seconds": round(s / tick, 2), "page_faults": f}
-           for kind, (u, s, f) in used.items()}
+    out = {
+        kind: {"user_seconds": round(u / tick, 2), "system_seconds": round(s / tick, 2), "page_faults": f}
+        for kind, (u, s, f) in used.items()
+    }
     out["driver"] = _usage_since(driver_before)
     return out
 
@@ -305,8 +311,9 @@ def _reset_conf(spark) -> None:
     spark.conf.set("spark.sql.shuffle.partitions", "2")
 
 
-def build(spark, system: str, files: common.InputFiles, run_dir: Path, parallelism: int, size: int,
-          stores: Stores) -> dict:
+def build(
+    spark, system: str, files: common.InputFiles, run_dir: Path, parallelism: int, size: int, stores: Stores
+) -> dict:
     """Count the ``size`` distinct keys of file 0 at ``parallelism``; the query is stopped when done.
 
     Ours builds in a store of its own, copied to ``run_dir`` and deleted:
@@ -322,8 +329,15 @@ def build(spark, system: str, files: common.InputFiles, run_dir: Path, paralleli
     sink = CheckedSink()
     started = time.perf_counter()
     try:
-        query, _ = _start(spark, "spark_pinned" if system.startswith("spark") else system, files.stream(spark),
-                          build_dir, parallelism, sink, stores)
+        query, _ = _start(
+            spark,
+            "spark_pinned" if system.startswith("spark") else system,
+            files.stream(spark),
+            build_dir,
+            parallelism,
+            sink,
+            stores,
+        )
         query.awaitTermination()
         query.stop()
     finally:
@@ -337,8 +351,18 @@ def build(spark, system: str, files: common.InputFiles, run_dir: Path, paralleli
     return {"seconds": round(seconds, 3), "state_bytes_on_disk": stores.state_bytes(run_dir)}
 
 
-def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: Path, old: int, new: int,
-            size: int, expected: tuple[int, int], stores: Stores) -> dict:
+def restart(
+    spark,
+    system: str,
+    files: common.InputFiles,
+    base: Path,
+    run_dir: Path,
+    old: int,
+    new: int,
+    size: int,
+    expected: tuple[int, int],
+    stores: Stores,
+) -> dict:
     """Copy ``base`` to ``run_dir``, then time: (repartition), start at ``new``, first batch (file 1) done."""
     from spark_state.executor.task import _usage
 
@@ -365,8 +389,10 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
     result["cpu"] = _cpu_used(cpu_before, _processes_cpu(pid), driver_before)
     progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
     if len(progress) != 1 or list(sink.batches.values()) != [expected]:
-        raise RuntimeError(f"{system} {old}->{new}: batches {sink.batches} (progress {len(progress)}), "
-                           f"expected one with {expected} (updated keys, sum of counts)")
+        raise RuntimeError(
+            f"{system} {old}->{new}: batches {sink.batches} (progress {len(progress)}), "
+            f"expected one with {expected} (updated keys, sum of counts)"
+        )
     result["first_batch_seconds"] = progress[0]["durationMs"].get("triggerExecution", 0) / 1000.0
     result["load_average_1m"] = round(os.getloadavg()[0], 2)
     if system.startswith("spark"):
@@ -374,15 +400,18 @@ def restart(spark, system: str, files: common.InputFiles, base: Path, run_dir: P
         result["state_partitions"] = operator["numShufflePartitions"]
         result["state_rows_total"] = operator["numRowsTotal"]
         if (operator["numShufflePartitions"], operator["numRowsTotal"]) != (target, size):
-            raise RuntimeError(f"{system} {old}->{new}: state operator {operator}, expected {target} partitions "
-                               f"and {size} rows")
+            raise RuntimeError(
+                f"{system} {old}->{new}: state operator {operator}, expected {target} partitions and {size} rows"
+            )
         result["state_bytes_on_disk_after"] = _dir_bytes(run_dir / "chk")
     else:
         history = naive.history if naive is not None else query.batches
         instances = history[-1]["instances"]
         if history[-1]["parallelism"] != new or sum(m["keys"] for m in instances) != size:
-            raise RuntimeError(f"{system} {old}->{new}: ran at {history[-1]['parallelism']} with "
-                               f"{sum(m['keys'] for m in instances)} keys, expected {new} and {size}")
+            raise RuntimeError(
+                f"{system} {old}->{new}: ran at {history[-1]['parallelism']} with "
+                f"{sum(m['keys'] for m in instances)} keys, expected {new} and {size}"
+            )
         if system == "keyed_count":
             adopted = sum(m["pid"] in cpu_before for m in instances)  # it ran before the restart: adopted
             result["hosts"] = {"adopted": adopted, "forked": len(instances) - adopted}
@@ -417,18 +446,20 @@ def _instance_reads(system: str, instances: list[dict], base_store: str, old: in
         j = m["instance"]
         wire = restore.get("storage")
         read = wire["bytes_read"] if wire else restore["bytes_read"]
-        out.append({
-            "instance": j,
-            "keys": m["keys"],
-            "bytes_read": read,
-            "bytes_owned": owned[j],
-            "read_amplification": round(read / owned[j], 4) if owned[j] else None,
-            "requests": wire["requests"] if wire else restore["requests"],
-            "counted_by": "storage backend" if wire else "restore plan",
-            "restore_seconds": restore["seconds"],
-            "phase_seconds": m.get("phase_seconds"),
-            "resident": restore["resident"],
-        })
+        out.append(
+            {
+                "instance": j,
+                "keys": m["keys"],
+                "bytes_read": read,
+                "bytes_owned": owned[j],
+                "read_amplification": round(read / owned[j], 4) if owned[j] else None,
+                "requests": wire["requests"] if wire else restore["requests"],
+                "counted_by": "storage backend" if wire else "restore plan",
+                "restore_seconds": restore["seconds"],
+                "phase_seconds": m.get("phase_seconds"),
+                "resident": restore["resident"],
+            }
+        )
     if any(i["resident"] for i in out):
         raise RuntimeError(f"{system} {old}->{new}: an instance used resident state; the restart must read the store")
     return out
@@ -445,8 +476,10 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
     for size in config.sizes:
         work = common.fresh_dir(WORK / f"keys-{size}")
         update = rng.integers(0, size, config.update_rows)
-        tables = [pa.table({"key": keys.take(pa.array(rng.permutation(size)))}),
-                  pa.table({"key": keys.take(pa.array(update))})]
+        tables = [
+            pa.table({"key": keys.take(pa.array(rng.permutation(size)))}),
+            pa.table({"key": keys.take(pa.array(update))}),
+        ]
         files = common.write_input(work / "files", tables, config.schema_ddl)
         live = common.fresh_dir(work / "input")
         common.release_file(files, 0, live)
@@ -458,8 +491,9 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
         base_systems = ("keyed_count", "naive_hash_mod", "spark")[: 3 if config.store == "local" else 2]
         for old in olds:
             for system in base_systems:
-                builds[(system, old)] = build(spark, system, stream_files, work / f"base-{system}-p{old}", old, size,
-                                              stores)
+                builds[(system, old)] = build(
+                    spark, system, stream_files, work / f"base-{system}-p{old}", old, size, stores
+                )
                 print(f"build {size} keys p={old} {system}: {builds[(system, old)]['seconds']} s", file=sys.stderr)
         common.release_file(files, 1, live)
         runs = []
@@ -468,7 +502,7 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
             repeats: dict[str, list[dict]] = {system: [] for system in systems}
             for repeat in range(config.repeats):
                 turn = index + repeat
-                order = systems[turn % len(systems):] + systems[: turn % len(systems)]  # rotate: no fixed position
+                order = systems[turn % len(systems) :] + systems[: turn % len(systems)]  # rotate: no fixed position
                 for system in order:
                     if repeat and system in config.measured_once:
                         continue
@@ -480,14 +514,24 @@ def run(spark, config: Config, stores: Stores | None = None) -> dict:
                     repeats[system].append(r)
                     print(f"{size} keys {old}->{new} {system}: {r['restart_seconds']} s", file=sys.stderr)
             runs += [_median_run(rs) for rs in repeats.values()]
-        for (system, old) in builds:
+        for system, old in builds:
             stores.delete(work / f"base-{system}-p{old}")
         shutil.rmtree(work, ignore_errors=True)
-        sizes.append({"keys": size, "update_rows": config.update_rows,
-                      "builds": [{"system": s, "old_parallelism": p, **b} for (s, p), b in builds.items()],
-                      "runs": runs, "summary": _summary(runs, config.pairs, config.systems)})
-    result = {"sizes": sizes, "store": config.store, "repeats": config.repeats,
-              "measured_once": list(config.measured_once)}
+        sizes.append(
+            {
+                "keys": size,
+                "update_rows": config.update_rows,
+                "builds": [{"system": s, "old_parallelism": p, **b} for (s, p), b in builds.items()],
+                "runs": runs,
+                "summary": _summary(runs, config.pairs, config.systems),
+            }
+        )
+    result = {
+        "sizes": sizes,
+        "store": config.store,
+        "repeats": config.repeats,
+        "measured_once": list(config.measured_once),
+    }
     if config.store == "local":
         live_rng = np.random.default_rng(20261125)
         result["live"] = [live_rescale(spark, config, size, keys, live_rng) for size in config.sizes]
@@ -514,8 +558,14 @@ def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.rando
     spark.conf.set("spark.state.store", str(store))
     spark.conf.set("spark.state.parallelism", str(schedule[0]))
     stream = spark.readStream.schema(config.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(live))
-    query = (keyed(stream, "key", name=COMPONENT).count().writeStream.foreachBatch(common.noop_sink)
-             .option("checkpointLocation", str(work / "chk")).trigger(processingTime="100 milliseconds").start())
+    query = (
+        keyed(stream, "key", name=COMPONENT)
+        .count()
+        .writeStream.foreachBatch(common.noop_sink)
+        .option("checkpointLocation", str(work / "chk"))
+        .trigger(processingTime="100 milliseconds")
+        .start()
+    )
     try:
         for index, parallelism in enumerate(schedule):
             spark.conf.set("spark.state.parallelism", str(parallelism))
@@ -525,32 +575,51 @@ def live_rescale(spark, config: Config, size: int, keys: pa.Array, rng: np.rando
         query.stop()
         _reset_conf(spark)
     seconds = {b["batch_id"]: b["seconds"] for b in common.batch_progress(query)}
-    batches = [{"batch_id": b["batch_id"], "parallelism": b["parallelism"], "seconds": seconds.get(b["batch_id"]),
-                "bytes_read": sum(m["restore"]["bytes_read"] for m in b["instances"]),
-                "max_task_seconds": max(m["seconds"] for m in b["instances"])} for b in query.batches]
+    batches = [
+        {
+            "batch_id": b["batch_id"],
+            "parallelism": b["parallelism"],
+            "seconds": seconds.get(b["batch_id"]),
+            "bytes_read": sum(m["restore"]["bytes_read"] for m in b["instances"]),
+            "max_task_seconds": max(m["seconds"] for m in b["instances"]),
+        }
+        for b in query.batches
+    ]
     if [b["parallelism"] for b in batches] != schedule:
-        raise RuntimeError(f"live rescale {size}: parallelism per batch {[b['parallelism'] for b in batches]}, "
-                           f"expected {schedule}")
+        raise RuntimeError(
+            f"live rescale {size}: parallelism per batch {[b['parallelism'] for b in batches]}, expected {schedule}"
+        )
     changes = []
     for start in range(1, len(schedule), config.live_steady):
-        first, after = batches[start], batches[start + 1:start + config.live_steady]
+        first, after = batches[start], batches[start + 1 : start + config.live_steady]
         if start == 1 or not after:
             continue  # the first steps run at the starting parallelism: no change
         steady = statistics.median(b["seconds"] for b in after)
-        changes.append({"pair": f"{batches[start - 1]['parallelism']}->{first['parallelism']}",
-                        "rescale_batch_seconds": first["seconds"], "steady_batch_seconds": steady,
-                        "ratio": round(first["seconds"] / steady, 3), "bytes_read": first["bytes_read"]})
+        changes.append(
+            {
+                "pair": f"{batches[start - 1]['parallelism']}->{first['parallelism']}",
+                "rescale_batch_seconds": first["seconds"],
+                "steady_batch_seconds": steady,
+                "ratio": round(first["seconds"] / steady, 3),
+                "bytes_read": first["bytes_read"],
+            }
+        )
     state = read_state(str(store), COMPONENT)
     expected = np.bincount(np.concatenate([np.arange(size), *draws]), minlength=size)
     got = np.zeros(size, np.int64)
     got[common.key_indexes(state.column("key"))] = state.column("count").to_numpy()
     shutil.rmtree(work, ignore_errors=True)
     ratios = [c["ratio"] for c in changes]
-    return {"keys": size, "rows_per_batch": config.live_rows, "chain": list(config.live_chain),
-            "batches": batches, "changes": changes,
-            "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
-            "max_ratio": max(ratios) if ratios else None,
-            "final_state_exact": bool(state.num_rows == size and np.array_equal(got, expected))}
+    return {
+        "keys": size,
+        "rows_per_batch": config.live_rows,
+        "chain": list(config.live_chain),
+        "batches": batches,
+        "changes": changes,
+        "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
+        "max_ratio": max(ratios) if ratios else None,
+        "final_state_exact": bool(state.num_rows == size and np.array_equal(got, expected)),
+    }
 
 
 RESTART_TARGETS = {"spark_pinned": 1.2, "naive_hash_mod": 1.0}
@@ -561,24 +630,40 @@ _RESTART_LABELS = {"spark_pinned": "Spark's restart without rescaling", "naive_h
 
 def restart_ratio(size: dict, system: str) -> float:
     """Median over ``size``'s pairs of our restart seconds / ``system``'s."""
-    return round(statistics.median(r["restart_seconds"]["keyed_count"] / r["restart_seconds"][system]
-                                   for r in size["summary"]), 3)
+    return round(
+        statistics.median(r["restart_seconds"]["keyed_count"] / r["restart_seconds"][system] for r in size["summary"]),
+        3,
+    )
 
 
 def restart_targets(result: dict) -> list[dict]:
     """The restart targets (``RESTART_TARGETS``) per size, each with the measured value and whether it was met."""
-    return [{"target": f"restart at {size['keys']:,} keys: ours / {_RESTART_LABELS[system]}, median over pairs "
-                       f"(at most {limit})",
-             "kind": "restart", "value": (value := restart_ratio(size, system)), "met": value <= limit}
-            for size in result["sizes"] for system, limit in RESTART_TARGETS.items()]
+    return [
+        {
+            "target": f"restart at {size['keys']:,} keys: ours / {_RESTART_LABELS[system]}, median over pairs "
+            f"(at most {limit})",
+            "kind": "restart",
+            "value": (value := restart_ratio(size, system)),
+            "met": value <= limit,
+        }
+        for size in result["sizes"]
+        for system, limit in RESTART_TARGETS.items()
+    ]
 
 
 def live_targets(result: dict) -> list[dict]:
-    return [{"target": f"live rescale at {live['keys']:,} keys: first batch at the new parallelism / the steady "
-                       f"batches after it, median over changes (at most {LIVE_TARGET})",
-             "kind": "live", "value": live["median_ratio"], "met": live["median_ratio"] is not None
-             and live["median_ratio"] <= LIVE_TARGET and live["final_state_exact"]}
-            for live in result.get("live", [])]
+    return [
+        {
+            "target": f"live rescale at {live['keys']:,} keys: first batch at the new parallelism / the steady "
+            f"batches after it, median over changes (at most {LIVE_TARGET})",
+            "kind": "live",
+            "value": live["median_ratio"],
+            "met": live["median_ratio"] is not None
+            and live["median_ratio"] <= LIVE_TARGET
+            and live["final_state_exact"],
+        }
+        for live in result.get("live", [])
+    ]
 
 
 def _median_run(repeats: list[dict]) -> dict:
@@ -605,8 +690,9 @@ def _summary(runs: list[dict], pairs, systems=SYSTEMS) -> list[dict]:
             "read_amplification": {s: of[s]["read_amplification"] for s in stored},
             "max_bytes_read_per_instance": {s: of[s]["max_bytes_read_per_instance"] for s in stored},
             "total_bytes_read": {s: of[s]["total_bytes_read"] for s in stored},
-            "naive_vs_ours_total_bytes_read": round(of["naive_hash_mod"]["total_bytes_read"]
-                                                    / ours["total_bytes_read"], 3),
+            "naive_vs_ours_total_bytes_read": round(
+                of["naive_hash_mod"]["total_bytes_read"] / ours["total_bytes_read"], 3
+            ),
             "max_requests_per_instance": {s: of[s]["max_requests_per_instance"] for s in stored},
             "python_cpu": {s: of[s]["cpu"].get("python") for s in stored if "cpu" in of[s]},
             "hosts": ours.get("hosts"),  # ours: new instances' hosts adopted / forked, in the median repeat
@@ -614,7 +700,8 @@ def _summary(runs: list[dict], pairs, systems=SYSTEMS) -> list[dict]:
         if "spark_repartition" in of:
             row["spark_repartition_seconds"] = of["spark_repartition"]["repartition_seconds"]
             row["ours_vs_spark_repartition"] = round(
-                of["spark_repartition"]["restart_seconds"] / ours["restart_seconds"], 3)
+                of["spark_repartition"]["restart_seconds"] / ours["restart_seconds"], 3
+            )
             row["ours_vs_spark_pinned"] = round(of["spark_pinned"]["restart_seconds"] / ours["restart_seconds"], 3)
         rows.append(row)
     return rows
@@ -626,14 +713,20 @@ def headline(result: dict) -> dict:
     out = {}
     for size in result["sizes"]:
         rows = size["summary"]
-        ratios = [key for key in ("ours_vs_spark_repartition", "ours_vs_spark_pinned", "ours_vs_naive") if key in rows[0]]
-        pinned = {"ours_over_spark_pinned": restart_ratio(size, "spark_pinned")} if "ours_vs_spark_pinned" in rows[0] else {}
-        out[str(size["keys"])] = {
-            key: round(statistics.median(r[key] for r in rows), 3) for key in ratios
-        } | pinned | {
-            "max_read_amplification_ours": max(r["read_amplification"]["keyed_count"] for r in rows),
-            "max_read_amplification_naive": max(r["read_amplification"]["naive_hash_mod"] for r in rows),
-        }
+        ratios = [
+            key for key in ("ours_vs_spark_repartition", "ours_vs_spark_pinned", "ours_vs_naive") if key in rows[0]
+        ]
+        pinned = (
+            {"ours_over_spark_pinned": restart_ratio(size, "spark_pinned")} if "ours_vs_spark_pinned" in rows[0] else {}
+        )
+        out[str(size["keys"])] = (
+            {key: round(statistics.median(r[key] for r in rows), 3) for key in ratios}
+            | pinned
+            | {
+                "max_read_amplification_ours": max(r["read_amplification"]["keyed_count"] for r in rows),
+                "max_read_amplification_naive": max(r["read_amplification"]["naive_hash_mod"] for r in rows),
+            }
+        )
     return out
 
 
@@ -645,24 +738,34 @@ def s3_targets(result: dict) -> list[dict]:
     """The S3 mode's targets, each with the measured value and whether it was met."""
     rows = {(size["keys"], r["pair"]): r for size in result["sizes"] for r in size["summary"]}
     amplification = max(r["read_amplification"]["keyed_count"] for r in rows.values())
-    bytes_ratio = [r["naive_vs_ours_total_bytes_read"] for (_, pair), r in rows.items()
-                   if pair in S3_TARGETS_BYTES_PAIRS]
+    bytes_ratio = [
+        r["naive_vs_ours_total_bytes_read"] for (_, pair), r in rows.items() if pair in S3_TARGETS_BYTES_PAIRS
+    ]
     at_size = [r for (keys, _), r in rows.items() if keys == S3_TARGET_TIME_KEYS]
     targets = [
-        {"target": "read amplification <= 1.05 for every pair and size (ours, max over new instances)",
-         "value": amplification, "met": amplification <= 1.05},
-        {"target": "ours reads >= 3x fewer bytes than the naive store on 4->8 and 1->8 (total over new instances, "
-                   "min over sizes)",
-         "value": min(bytes_ratio) if bytes_ratio else None, "met": bool(bytes_ratio) and min(bytes_ratio) >= 3},
+        {
+            "target": "read amplification <= 1.05 for every pair and size (ours, max over new instances)",
+            "value": amplification,
+            "met": amplification <= 1.05,
+        },
+        {
+            "target": "ours reads >= 3x fewer bytes than the naive store on 4->8 and 1->8 (total over new instances, "
+            "min over sizes)",
+            "value": min(bytes_ratio) if bytes_ratio else None,
+            "met": bool(bytes_ratio) and min(bytes_ratio) >= 3,
+        },
     ]
     if at_size:
         worst = min(r["ours_vs_naive"] for r in at_size)
-        targets.append({
-            "target": f"restart time at {S3_TARGET_TIME_KEYS:,} keys no worse than the naive store on any pair "
-                      "(naive seconds / ours, min over pairs)",
-            "value": worst, "met": worst >= 1.0,
-            "slower_pairs": [r["pair"] for r in at_size if r["ours_vs_naive"] < 1.0],
-        })
+        targets.append(
+            {
+                "target": f"restart time at {S3_TARGET_TIME_KEYS:,} keys no worse than the naive store on any pair "
+                "(naive seconds / ours, min over pairs)",
+                "value": worst,
+                "met": worst >= 1.0,
+                "slower_pairs": [r["pair"] for r in at_size if r["ours_vs_naive"] < 1.0],
+            }
+        )
     return targets
 
 
@@ -675,8 +778,12 @@ def plot(result: dict, path: Path) -> None:
     sizes = result["sizes"]
     systems = SYSTEMS if result.get("store", "local") == "local" else S3_SYSTEMS
     fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 8.5), squeeze=False)
-    colors = {"keyed_count": "tab:blue", "naive_hash_mod": "tab:orange", "spark_repartition": "tab:red",
-              "spark_pinned": "tab:grey"}
+    colors = {
+        "keyed_count": "tab:blue",
+        "naive_hash_mod": "tab:orange",
+        "spark_repartition": "tab:red",
+        "spark_pinned": "tab:grey",
+    }
     for column, size in enumerate(sizes):
         rows = size["summary"]
         pairs = [r["pair"] for r in rows]
@@ -688,8 +795,15 @@ def plot(result: dict, path: Path) -> None:
             ax.bar(xs, [r["restart_seconds"][system] for r in rows], width, label=label, color=colors[system])
         if "spark_repartition" in systems:
             xs = [j + 2 * width for j in range(len(pairs))]
-            ax.bar(xs, [r["spark_repartition_seconds"] for r in rows], width, color="none", edgecolor="black",
-                   hatch="//", label="of which offline repartition")
+            ax.bar(
+                xs,
+                [r["spark_repartition_seconds"] for r in rows],
+                width,
+                color="none",
+                edgecolor="black",
+                hatch="//",
+                label="of which offline repartition",
+            )
         ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(pairs))])
         ax.set_xticklabels(pairs)
         ax.set_ylabel("seconds: stop -> first batch done at new parallelism")
@@ -714,28 +828,45 @@ def plot(result: dict, path: Path) -> None:
 
 def _arguments(parser) -> None:
     parser.add_argument("--sizes", help="comma-separated key counts, overriding the mode's")
-    parser.add_argument("--store", choices=("local", "s3"), default="local",
-                        help="where both stores keep state: local disk, or S3 (SeaweedFS started for the run)")
-    parser.add_argument("--keys", choices=common.KEY_TYPES, default=common.KEY_TYPES[0],
-                        help="the key column's type (long: keys 0..n-1, results in rescale_long*.json)")
+    parser.add_argument(
+        "--store",
+        choices=("local", "s3"),
+        default="local",
+        help="where both stores keep state: local disk, or S3 (SeaweedFS started for the run)",
+    )
+    parser.add_argument(
+        "--keys",
+        choices=common.KEY_TYPES,
+        default=common.KEY_TYPES[0],
+        help="the key column's type (long: keys 0..n-1, results in rescale_long*.json)",
+    )
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "100k, 1M and 10M keys", {"quick": QUICK, "full": FULL, "smoke": SMOKE},
-                                     argv, _arguments)
+    args, config = common.parse_mode(
+        __doc__, "100k, 1M and 10M keys", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv, _arguments
+    )
     if args.store == "s3":
         config = S3_SMOKE if args.smoke else S3
     if args.sizes:
         config = replace(config, sizes=tuple(int(s) for s in args.sizes.split(",")))
     config = replace(config, key_type=args.keys)
     variant = "" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}"
-    command = common.command_line("bench_rescale", args) + (" --store s3" if args.store == "s3" else "") + (
-        f" --sizes {args.sizes}" if args.sizes else "") + (f" --keys {args.keys}" if variant else "")
+    command = (
+        common.command_line("bench_rescale", args)
+        + (" --store s3" if args.store == "s3" else "")
+        + (f" --sizes {args.sizes}" if args.sizes else "")
+        + (f" --keys {args.keys}" if variant else "")
+    )
     with s3_store(config, common.WORK_DIR / "rescale-s3") as stores:
 
         def measure(spark) -> dict:
-            result = {"state_store_provider_spark": common.ROCKSDB_PROVIDER, "key_type": config.key_type,
-                      "pairs": [f"{a}->{b}" for a, b in config.pairs], **run(spark, config, stores)}
+            result = {
+                "state_store_provider_spark": common.ROCKSDB_PROVIDER,
+                "key_type": config.key_type,
+                "pairs": [f"{a}->{b}" for a, b in config.pairs],
+                **run(spark, config, stores),
+            }
             if config.store == "local":
                 result["targets"] = restart_targets(result) + live_targets(result)
             result["headline"] = headline(result)
@@ -762,7 +893,9 @@ def s3_store(config: Config, root: Path):
     server.root.mkdir(parents=True)
     server.write_aws_files(root / "aws-config", root / "aws-credentials")
     saved = {k: os.environ.get(k) for k in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
-    os.environ.update(AWS_CONFIG_FILE=str(root / "aws-config"), AWS_SHARED_CREDENTIALS_FILE=str(root / "aws-credentials"))
+    os.environ.update(
+        AWS_CONFIG_FILE=str(root / "aws-config"), AWS_SHARED_CREDENTIALS_FILE=str(root / "aws-credentials")
+    )
     server.start()
     try:
         yield Stores(server)

@@ -33,19 +33,19 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spark_state.store.blobstore import BlobStore  # noqa: E402
-from spark_state.keyspace import (  # noqa: E402
+from spark_state.keyspace import (
     DEFAULT_MAX_PARALLELISM,
     instances_for_key_groups,
     key_group_range,
     key_groups_for_columns,
 )
-from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest  # noqa: E402
-from spark_state.store.manifestlog import ManifestLog  # noqa: E402
-from spark_state.store.restore import fold_chain, plan_instance_restore  # noqa: E402
-from spark_state.model.schema import KeyedSchema  # noqa: E402
-from spark_state.storage.base import CountingStorage  # noqa: E402
-from spark_state.storage.local import LocalStorage  # noqa: E402
+from spark_state.model.schema import KeyedSchema
+from spark_state.storage.base import CountingStorage
+from spark_state.storage.local import LocalStorage
+from spark_state.store.blobstore import BlobStore
+from spark_state.store.manifest import ComponentSpec, ComponentUpdate, next_manifest
+from spark_state.store.manifestlog import ManifestLog
+from spark_state.store.restore import fold_chain, plan_instance_restore
 
 PAIRS = [(2, 3), (3, 2), (7, 4), (1, 16), (16, 1), (4, 8), (8, 4), (4, 7), (7, 2)]
 COMPONENT = "counts"
@@ -95,9 +95,7 @@ def restore_pair(root: Path, old: int, new: int, expected: dict[int, int] | None
         seconds = time.perf_counter() - started
         fetched = counting.bytes_read - before_bytes
         owned_range = plan.key_group_range
-        whole = sum(
-            b.size for b in component.blobs.values() if b.key_group_range.intersection(owned_range) is not None
-        )
+        whole = sum(b.size for b in component.blobs.values() if b.key_group_range.intersection(owned_range) is not None)
         n = sum(t.num_rows for t in rows.values())
         restored_keys += n
         if expected is not None:
@@ -120,7 +118,9 @@ def restore_pair(root: Path, old: int, new: int, expected: dict[int, int] | None
     return {
         "old_parallelism": old,
         "new_parallelism": new,
-        "read_amplification": round(max(i["bytes_fetched"] / i["bytes_owned"] for i in instances if i["bytes_owned"]), 4),
+        "read_amplification": round(
+            max(i["bytes_fetched"] / i["bytes_owned"] for i in instances if i["bytes_owned"]), 4
+        ),
         "whole_blob_amplification": round(
             max(i["whole_blob_bytes"] / i["bytes_owned"] for i in instances if i["bytes_owned"]), 4
         ),
@@ -171,20 +171,35 @@ def main() -> None:
         "pairs": [{k: v for k, v in r.items() if k != "instances"} for r in results],
         "instances": {f"{r['old_parallelism']}->{r['new_parallelism']}": r["instances"] for r in results},
     }
-    report["command"] = "./run bench bench_restore" + (" --verify" if args.verify else "") + (
-        f" --keys {args.keys}" if args.keys != 1_000_000 else "")
+    report["command"] = (
+        "./run bench bench_restore"
+        + (" --verify" if args.verify else "")
+        + (f" --keys {args.keys}" if args.keys != 1_000_000 else "")
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import common
 
     pairs = {f"{r['old_parallelism']}->{r['new_parallelism']}": r for r in report["pairs"]}
-    common.bar_plot(Path(args.out).with_suffix(".png"), f"Restore at a new parallelism, {args.keys:,} keys, local disk", [
-        ("key groups: ranged reads of owned entries", {k: r["read_amplification"] for k, r in pairs.items()},
-         "read amplification (max over new instances)", False),
-        ("whole overlapping blobs", {k: r["whole_blob_amplification"] for k, r in pairs.items()},
-         "read amplification (max over new instances)", False),
-    ])
+    common.bar_plot(
+        Path(args.out).with_suffix(".png"),
+        f"Restore at a new parallelism, {args.keys:,} keys, local disk",
+        [
+            (
+                "key groups: ranged reads of owned entries",
+                {k: r["read_amplification"] for k, r in pairs.items()},
+                "read amplification (max over new instances)",
+                False,
+            ),
+            (
+                "whole overlapping blobs",
+                {k: r["whole_blob_amplification"] for k, r in pairs.items()},
+                "read amplification (max over new instances)",
+                False,
+            ),
+        ],
+    )
     print(json.dumps({k: v for k, v in report.items() if k != "instances"}, indent=2))
 
 

@@ -91,11 +91,16 @@ def _session():
     sys.path.insert(0, str(ROOT))
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master("local[2]").appName("bench-source")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2")
-             .config("spark.sql.adaptive.enabled", "false").config("spark.driver.memory", "4g")
-             .getOrCreate())
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("bench-source")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.driver.memory", "4g")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -117,8 +122,13 @@ def _timed(action) -> float:
 def _stream_to_noop(reader, checkpoint: Path) -> dict:
     shutil.rmtree(checkpoint, ignore_errors=True)
     start = time.perf_counter()
-    query = (reader.load().writeStream.format("noop").trigger(availableNow=True)
-             .option("checkpointLocation", str(checkpoint)).start())
+    query = (
+        reader.load()
+        .writeStream.format("noop")
+        .trigger(availableNow=True)
+        .option("checkpointLocation", str(checkpoint))
+        .start()
+    )
     query.awaitTermination()
     seconds = time.perf_counter() - start
     rows = sum(p["numInputRows"] for p in query.recentProgress)
@@ -128,16 +138,26 @@ def _stream_to_noop(reader, checkpoint: Path) -> dict:
 
 def _rate_source(spark, rows_per_second: int, run_seconds: float, checkpoint: Path) -> dict:
     shutil.rmtree(checkpoint, ignore_errors=True)
-    query = (spark.readStream.format("rate").option("rowsPerSecond", rows_per_second)
-             .option("numPartitions", 2).load()
-             .writeStream.format("noop").option("checkpointLocation", str(checkpoint)).start())
+    query = (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", rows_per_second)
+        .option("numPartitions", 2)
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(checkpoint))
+        .start()
+    )
     time.sleep(run_seconds)  # the rate source only ends when stopped
     query.stop()
     progress = [p for p in query.recentProgress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in progress)
     busy = sum(p["durationMs"].get("triggerExecution", 0) for p in progress) / 1000
-    return {"rows": rows, "seconds": round(busy, 3), "rows_per_s": None,
-            "processing_rows_per_s": round(rows / busy) if busy else None}
+    return {
+        "rows": rows,
+        "seconds": round(busy, 3),
+        "rows_per_s": None,
+        "processing_rows_per_s": round(rows / busy) if busy else None,
+    }
 
 
 def _measure_writes(data, rows: int, repeats: int) -> dict:
@@ -148,8 +168,19 @@ def _measure_writes(data, rows: int, repeats: int) -> dict:
     write = {"log": [], "parquet": []}
     for attempt in range(repeats):
         log_path, parquet_path = WORK / f"log-{attempt}", WORK / f"parquet-{attempt}"
-        write["log"].append(_rate(rows, _timed(lambda: data.write.format("replayable").mode("append")
-                                               .option("numSplits", str(SPLITS)).save(str(log_path)))))
+        write["log"].append(
+            _rate(
+                rows,
+                _timed(
+                    lambda: (
+                        data.write.format("replayable")
+                        .mode("append")
+                        .option("numSplits", str(SPLITS))
+                        .save(str(log_path))
+                    )
+                ),
+            )
+        )
         write["parquet"].append(_rate(rows, _timed(lambda: data.write.parquet(str(parquet_path)))))
     return write
 
@@ -164,8 +195,9 @@ def _measure_reads(spark, generator: dict, rows: int, repeats: int) -> tuple[dic
     streams = {
         "log": lambda: spark.readStream.format("replayable").option("path", str(log_path)),
         "parquet": lambda: spark.readStream.schema(schema).format("parquet").option("path", str(parquet_path)),
-        "parquet_with_position": lambda: spark.readStream.schema(positioned_schema).format("parquet")
-        .option("path", str(positioned_path)),
+        "parquet_with_position": lambda: (
+            spark.readStream.schema(positioned_schema).format("parquet").option("path", str(positioned_path))
+        ),
         "generator": lambda: spark.readStream.format("replayable").options(**generator),
     }
     log_schema = spark.read.format("replayable").load(str(log_path)).schema
@@ -185,8 +217,7 @@ def _measure_reads(spark, generator: dict, rows: int, repeats: int) -> tuple[dic
         for name, reader in streams.items():
             read[name].append(_stream_to_noop(reader(), WORK / f"ck-{name}"))
         for name, frame in batches.items():
-            batch_read[name].append(_rate(rows, _timed(
-                lambda: frame().write.format("noop").mode("overwrite").save())))
+            batch_read[name].append(_rate(rows, _timed(lambda: frame().write.format("noop").mode("overwrite").save())))
     for name, runs in read.items():
         assert all(r["rows"] == rows for r in runs), (name, runs)
     return read, batch_read
@@ -205,10 +236,15 @@ def main(full: bool) -> dict:
     spark = _session()
     load_at_start = os.getloadavg()[0]
 
-    generator = {"generator": "keyed", "numSplits": str(SPLITS), "rowsPerSplit": str(rows_per_split),
-                 "keys": "100000", "skew": "1.0", "seed": "1"}
-    data = (spark.read.format("replayable").options(**generator).load().drop("split", "offset")
-            .repartition(2).cache())
+    generator = {
+        "generator": "keyed",
+        "numSplits": str(SPLITS),
+        "rowsPerSplit": str(rows_per_split),
+        "keys": "100000",
+        "skew": "1.0",
+        "seed": "1",
+    }
+    data = spark.read.format("replayable").options(**generator).load().drop("split", "offset").repartition(2).cache()
     assert data.count() == rows
     write = _measure_writes(data, rows, write_repeats)
     data.unpersist()
@@ -232,12 +268,13 @@ def main(full: bool) -> dict:
         "log_vs_parquet_read": _ratio(read["log"], read["parquet"], "rows_per_s"),
         "log_vs_parquet_read_processing": _ratio(read["log"], read["parquet"], "processing_rows_per_s"),
         "log_vs_parquet_with_position_read_processing": _ratio(
-            read["log"], read["parquet_with_position"], "processing_rows_per_s"),
+            read["log"], read["parquet_with_position"], "processing_rows_per_s"
+        ),
         "log_vs_parquet_batch_read": _ratio(batch_read["log"], batch_read["parquet"], "rows_per_s"),
         "log_vs_parquet_with_position_batch_read": _ratio(
-            batch_read["log"], batch_read["parquet_with_position"], "rows_per_s"),
-        "log_vs_python_ceiling_batch_read": _ratio(
-            batch_read["log"], batch_read["python_ceiling"], "rows_per_s"),
+            batch_read["log"], batch_read["parquet_with_position"], "rows_per_s"
+        ),
+        "log_vs_python_ceiling_batch_read": _ratio(batch_read["log"], batch_read["python_ceiling"], "rows_per_s"),
         "log_vs_parquet_write": _ratio(write["log"], write["parquet"], "rows_per_s"),
         "load_average_at_end": os.getloadavg()[0],
     }
@@ -257,10 +294,18 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import common
 
-    common.bar_plot(RESULTS.with_suffix(".png"), f"Sources and writers, {out['rows']:,} rows, local[2]", [
-        ("streaming read (batches' processing time)",
-         {k: v["processing_rows_per_s"] for k, v in out["read_rows_per_s"].items()}, "rows/s", False),
-        ("batch read", {k: v["rows_per_s"] for k, v in out["batch_read_rows_per_s"].items()}, "rows/s", False),
-        ("batch write", {k: v["rows_per_s"] for k, v in out["write_rows_per_s"].items()}, "rows/s", False),
-    ])
+    common.bar_plot(
+        RESULTS.with_suffix(".png"),
+        f"Sources and writers, {out['rows']:,} rows, local[2]",
+        [
+            (
+                "streaming read (batches' processing time)",
+                {k: v["processing_rows_per_s"] for k, v in out["read_rows_per_s"].items()},
+                "rows/s",
+                False,
+            ),
+            ("batch read", {k: v["rows_per_s"] for k, v in out["batch_read_rows_per_s"].items()}, "rows/s", False),
+            ("batch write", {k: v["rows_per_s"] for k, v in out["write_rows_per_s"].items()}, "rows/s", False),
+        ],
+    )
     print(json.dumps(out, indent=2))

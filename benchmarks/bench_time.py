@@ -57,7 +57,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import common
 
 WORK = common.WORK_DIR / "time"
 BASE_MS = 1_700_000_000_000
@@ -98,28 +98,35 @@ def _session_tables(config: Config, rng) -> list[pa.Table]:
         n = config.session_rows
         keys = rng.choice(config.session_keys, size=n, p=weights)
         times = BASE_MS + i * 10_000 + np.sort(rng.integers(0, 10_000, size=n)) - rng.integers(0, DELAY_MS // 2, size=n)
-        tables.append(pa.table({
-            "key": pa.array([f"k{k:06d}" for k in keys]),
-            "ts": pa.array(times.astype("datetime64[ms]"), pa.timestamp("ms", tz="UTC")),
-            "v": pa.array(rng.integers(0, 1000, size=n), pa.int64()),
-        }))
+        tables.append(
+            pa.table(
+                {
+                    "key": pa.array([f"k{k:06d}" for k in keys]),
+                    "ts": pa.array(times.astype("datetime64[ms]"), pa.timestamp("ms", tz="UTC")),
+                    "v": pa.array(rng.integers(0, 1000, size=n), pa.int64()),
+                }
+            )
+        )
     return tables
 
 
 def _ours(spark, stream):
     from spark_state import keyed
 
-    return keyed(stream, "key", name="sessions").withWatermark("ts", f"{DELAY_MS} ms").session_window(
-        f"{GAP_MS} ms", "v")
+    return (
+        keyed(stream, "key", name="sessions").withWatermark("ts", f"{DELAY_MS} ms").session_window(f"{GAP_MS} ms", "v")
+    )
 
 
 def _native(spark, stream):
     from pyspark.sql import functions as F
 
     grouped = stream.withWatermark("ts", f"{DELAY_MS} milliseconds").groupBy(
-        "key", F.session_window("ts", f"{GAP_MS} milliseconds"))
-    return grouped.agg(F.count("*").alias("count"), F.sum("v").alias("sum_v"), F.min("v").alias("min_v"),
-                       F.max("v").alias("max_v"))
+        "key", F.session_window("ts", f"{GAP_MS} milliseconds")
+    )
+    return grouped.agg(
+        F.count("*").alias("count"), F.sum("v").alias("sum_v"), F.min("v").alias("min_v"), F.max("v").alias("max_v")
+    )
 
 
 def _tws(spark, stream):
@@ -130,7 +137,8 @@ def _tws(spark, stream):
         def init(self, handle):
             self.handle = handle
             self.sessions = handle.getListState(
-                "sessions", "start long, end long, count long, sum_v long, min_v long, max_v long")
+                "sessions", "start long, end long, count long, sum_v long, min_v long, max_v long"
+            )
 
         def handleInputRows(self, key, rows, timerValues):
             sessions = [list(s) for s in self.sessions.get()]
@@ -142,8 +150,14 @@ def _tws(spark, stream):
                     keep = []
                     for s in sessions:
                         if s[0] <= merged[1] and merged[0] <= s[1]:
-                            merged = [min(s[0], merged[0]), max(s[1], merged[1]), s[2] + merged[2],
-                                      s[3] + merged[3], min(s[4], merged[4]), max(s[5], merged[5])]
+                            merged = [
+                                min(s[0], merged[0]),
+                                max(s[1], merged[1]),
+                                s[2] + merged[2],
+                                s[3] + merged[3],
+                                min(s[4], merged[4]),
+                                max(s[5], merged[5]),
+                            ]
                         else:
                             keep.append(s)
                     sessions = keep + [merged]
@@ -166,17 +180,31 @@ def _tws(spark, stream):
             if rest:
                 self.sessions.put(rest)
             if closed:
-                yield pd.DataFrame({"key": [key[0]] * len(closed), "start": [s[0] for s in closed],
-                                    "end": [s[1] for s in closed], "count": [s[2] for s in closed],
-                                    "sum_v": [s[3] for s in closed], "min_v": [s[4] for s in closed],
-                                    "max_v": [s[5] for s in closed]})
+                yield pd.DataFrame(
+                    {
+                        "key": [key[0]] * len(closed),
+                        "start": [s[0] for s in closed],
+                        "end": [s[1] for s in closed],
+                        "count": [s[2] for s in closed],
+                        "sum_v": [s[3] for s in closed],
+                        "min_v": [s[4] for s in closed],
+                        "max_v": [s[5] for s in closed],
+                    }
+                )
 
         def close(self):
             pass
 
-    return stream.withWatermark("ts", f"{DELAY_MS} milliseconds").groupBy("key").transformWithStateInPandas(
-        Sessions(), "key string, start long, end long, count long, sum_v long, min_v long, max_v long",
-        "Append", "EventTime")
+    return (
+        stream.withWatermark("ts", f"{DELAY_MS} milliseconds")
+        .groupBy("key")
+        .transformWithStateInPandas(
+            Sessions(),
+            "key string, start long, end long, count long, sum_v long, min_v long, max_v long",
+            "Append",
+            "EventTime",
+        )
+    )
 
 
 def _session_rows(system: str, rows: list) -> set[tuple]:
@@ -201,11 +229,15 @@ def sessions(spark, config: Config, rng) -> dict:
     for system, build in builds.items():
         work = common.fresh_dir(WORK / system)
         if system == "spark_tws":
-            spark.conf.set("spark.sql.streaming.stateStore.providerClass",
-                           "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+            spark.conf.set(
+                "spark.sql.streaming.stateStore.providerClass",
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+            )
         out: list = []
         stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(files.directory))
-        query = build(spark, stream).writeStream.foreachBatch(lambda df, b: out.extend(r.asDict() for r in df.collect()))
+        query = build(spark, stream).writeStream.foreachBatch(
+            lambda df, b: out.extend(r.asDict() for r in df.collect())
+        )
         if system != "ours":
             query = query.outputMode("append")
         query = query.option("checkpointLocation", str(work / "chk")).trigger(availableNow=True).start()
@@ -214,9 +246,13 @@ def sessions(spark, config: Config, rng) -> dict:
         progress = common.batch_progress(query)
         measured = [p for p in progress if p["batch_id"] >= 1 and p["rows"]]
         seconds = sum(p["seconds"] for p in measured)
-        results[system] = {"rows": sum(p["rows"] for p in measured), "seconds": round(seconds, 3),
-                           "rows_per_s": round(sum(p["rows"] for p in measured) / seconds),
-                           "batches": len(progress), "sessions_emitted": len(out)}
+        results[system] = {
+            "rows": sum(p["rows"] for p in measured),
+            "seconds": round(seconds, 3),
+            "rows_per_s": round(sum(p["rows"] for p in measured) / seconds),
+            "batches": len(progress),
+            "sessions_emitted": len(out),
+        }
         if system == "ours":
             results[system]["last_watermark_ms"] = query.batches[-1]["watermark_ms"]
             results[system]["late_rows"] = sum(b["late_rows"] for b in query.batches)
@@ -263,9 +299,20 @@ def ttl(spark, config: Config, rng) -> dict:
         spark.conf.set("spark.state.store", str(work / "state"))
         live = common.fresh_dir(work / "input")
         stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(live))
-        query = keyed(stream, "key", name=label).withWatermark("t", "0 ms").apply(
-            _remember, state_schema="n long", output_schema="key string", ttl=time_to_live, ttl_kind="event",
-        ).writeStream.foreachBatch(common.noop_sink).option("checkpointLocation", str(work / "chk")).start()
+        query = (
+            keyed(stream, "key", name=label)
+            .withWatermark("t", "0 ms")
+            .apply(
+                _remember,
+                state_schema="n long",
+                output_schema="key string",
+                ttl=time_to_live,
+                ttl_kind="event",
+            )
+            .writeStream.foreachBatch(common.noop_sink)
+            .option("checkpointLocation", str(work / "chk"))
+            .start()
+        )
         stored, keys_held = [], []
         try:
             for index in range(config.ttl_batches):
@@ -278,21 +325,29 @@ def ttl(spark, config: Config, rng) -> dict:
             spark.conf.unset("spark.state.store")
             spark.conf.unset("spark.state.parallelism")
         progress = common.batch_progress(query)
-        runs[label] = {"stored_bytes": stored, "keys": keys_held,
-                       "batch_seconds": [p["seconds"] for p in progress],
-                       "expired": sum(b["expired"] for b in query.batches)}
+        runs[label] = {
+            "stored_bytes": stored,
+            "keys": keys_held,
+            "batch_seconds": [p["seconds"] for p in progress],
+            "expired": sum(b["expired"] for b in query.batches),
+        }
 
     def around(values, index):
-        return statistics.median(values[max(0, index - 2): index + 3])
+        return statistics.median(values[max(0, index - 2) : index + 3])
 
     ttl_run, last = runs["with_ttl"], config.ttl_batches - 3
     early = min(10, config.ttl_batches // 2)
     return {
         "runs": runs,
-        "bytes_last_vs_batch_10": round(around(ttl_run["stored_bytes"], last) / around(ttl_run["stored_bytes"], early), 3),
-        "seconds_last_vs_batch_10": round(around(ttl_run["batch_seconds"], last) / around(ttl_run["batch_seconds"], early), 3),
+        "bytes_last_vs_batch_10": round(
+            around(ttl_run["stored_bytes"], last) / around(ttl_run["stored_bytes"], early), 3
+        ),
+        "seconds_last_vs_batch_10": round(
+            around(ttl_run["batch_seconds"], last) / around(ttl_run["batch_seconds"], early), 3
+        ),
         "without_ttl_bytes_last_vs_batch_10": round(
-            around(runs["without_ttl"]["stored_bytes"], last) / around(runs["without_ttl"]["stored_bytes"], early), 3),
+            around(runs["without_ttl"]["stored_bytes"], last) / around(runs["without_ttl"]["stored_bytes"], early), 3
+        ),
         "compared_batches": [early, last],
     }
 
@@ -319,13 +374,25 @@ def timers(spark, config: Config, rng) -> dict:
 
     n = config.timer_keys
     keys = np.array([f"k{k:07d}" for k in range(n)])
-    setup = pa.table({"key": pa.array(keys), "t": pa.array([BASE_MS] * n, pa.int64()),
-                      "due": pa.array(BASE_MS + 1000 + (np.arange(n) % 100) * 1000, pa.int64())})
+    setup = pa.table(
+        {
+            "key": pa.array(keys),
+            "t": pa.array([BASE_MS] * n, pa.int64()),
+            "due": pa.array(BASE_MS + 1000 + (np.arange(n) % 100) * 1000, pa.int64()),
+        }
+    )
     tables = [setup]
     for step in range(1, config.timer_batches + 1):
         chosen = rng.choice(n, size=max(1, n // 100), replace=False)
-        tables.append(pa.table({"key": pa.array(keys[chosen]), "t": pa.array([BASE_MS + step * 1000] * len(chosen), pa.int64()),
-                                "due": pa.array([0] * len(chosen), pa.int64())}))
+        tables.append(
+            pa.table(
+                {
+                    "key": pa.array(keys[chosen]),
+                    "t": pa.array([BASE_MS + step * 1000] * len(chosen), pa.int64()),
+                    "due": pa.array([0] * len(chosen), pa.int64()),
+                }
+            )
+        )
     files = common.write_input(WORK / "timer-files", tables, "key string, t long, due long")
     runs = {}
     for label in ("timers", "no_timers"):
@@ -335,21 +402,33 @@ def timers(spark, config: Config, rng) -> dict:
         stream = spark.readStream.schema(files.schema_ddl).option("maxFilesPerTrigger", 1).parquet(str(files.directory))
         keyed_stream = keyed(stream, "key", name=label).withWatermark("t", "0 ms")
         if label == "timers":
-            stateful = keyed_stream.apply(_with_timer, state_schema="t long", output_schema="key string",
-                                          on_timer=_refire)
+            stateful = keyed_stream.apply(
+                _with_timer, state_schema="t long", output_schema="key string", on_timer=_refire
+            )
         else:
             stateful = keyed_stream.apply(_without_timer, state_schema="t long", output_schema="key string")
-        query = stateful.writeStream.foreachBatch(common.noop_sink).option(
-            "checkpointLocation", str(work / "chk")).trigger(availableNow=True).start()
+        query = (
+            stateful.writeStream.foreachBatch(common.noop_sink)
+            .option("checkpointLocation", str(work / "chk"))
+            .trigger(availableNow=True)
+            .start()
+        )
         query.awaitTermination()
         spark.conf.unset("spark.state.store")
         spark.conf.unset("spark.state.parallelism")
         progress = common.batch_progress(query)
         steady = [p["seconds"] for p in progress if p["batch_id"] >= 2]  # 0: setup, 1: warm
-        runs[label] = {"steady_batch_seconds": steady, "median_steady_seconds": round(statistics.median(steady), 3),
-                       "timers_fired": [b["timers_fired"] for b in query.batches]}
-    return {"runs": runs, "timer_keys": n, "fired_per_batch_target": n // 100,
-            "ratio": round(runs["timers"]["median_steady_seconds"] / runs["no_timers"]["median_steady_seconds"], 3)}
+        runs[label] = {
+            "steady_batch_seconds": steady,
+            "median_steady_seconds": round(statistics.median(steady), 3),
+            "timers_fired": [b["timers_fired"] for b in query.batches],
+        }
+    return {
+        "runs": runs,
+        "timer_keys": n,
+        "fired_per_batch_target": n // 100,
+        "ratio": round(runs["timers"]["median_steady_seconds"] / runs["no_timers"]["median_steady_seconds"], 3),
+    }
 
 
 # 4. Checkpoint cost with timers against state size -------------------------------------------------
@@ -359,12 +438,12 @@ class _TimedState:
     """One state of ``timer_checkpoint``: ``size`` keys with a value (and an event-time timer), checkpointed."""
 
     def __init__(self, size: int, with_timers: bool):
-        from spark_state.store.blobstore import BlobStore
-        from spark_state.keyspace import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
         from spark_state.executor.resident import ResidentState
+        from spark_state.keyspace import DEFAULT_MAX_PARALLELISM, key_group_for, key_group_range
         from spark_state.model.schema import KeyedSchema, StateVariable
-        from spark_state.storage.memory import MemoryStorage
         from spark_state.model.timers import TIMERS
+        from spark_state.storage.memory import MemoryStorage
+        from spark_state.store.blobstore import BlobStore
 
         value = StateVariable("value", (pa.field("t", pa.int64()),))
         schema = KeyedSchema((pa.field("key", pa.string()),), (value, TIMERS) if with_timers else (value,))
@@ -404,8 +483,11 @@ def timer_checkpoint(config: Config, rng) -> dict:
 
     from spark_state.hosts.policy import collect_garbage
 
-    states = {(str(size), label): _TimedState(size, label == "timers")
-              for size in config.timer_state_sizes for label in ("timers", "no_timers")}
+    states = {
+        (str(size), label): _TimedState(size, label == "timers")
+        for size in config.timer_state_sizes
+        for label in ("timers", "no_timers")
+    }
     order, seconds = list(states), {name: [] for name in states}
     try:
         gc.collect()
@@ -426,11 +508,16 @@ def timer_checkpoint(config: Config, rng) -> dict:
     def ratio(label: str) -> float:
         return round(runs[largest][label]["median_seconds"] / runs[smallest][label]["median_seconds"], 3)
 
-    return {"runs": runs, "changed_keys": config.timer_changes, "largest_vs_smallest": ratio("timers"),
-            "largest_vs_smallest_without_timers": ratio("no_timers"),
-            "growth_vs_without_timers": round(ratio("timers") / ratio("no_timers"), 3),
-            "timers_vs_none_at_largest": round(runs[largest]["timers"]["median_seconds"]
-                                               / runs[largest]["no_timers"]["median_seconds"], 3)}
+    return {
+        "runs": runs,
+        "changed_keys": config.timer_changes,
+        "largest_vs_smallest": ratio("timers"),
+        "largest_vs_smallest_without_timers": ratio("no_timers"),
+        "growth_vs_without_timers": round(ratio("timers") / ratio("no_timers"), 3),
+        "timers_vs_none_at_largest": round(
+            runs[largest]["timers"]["median_seconds"] / runs[largest]["no_timers"]["median_seconds"], 3
+        ),
+    }
 
 
 # Report ---------------------------------------------------------------------------------------------
@@ -439,19 +526,41 @@ def timer_checkpoint(config: Config, rng) -> dict:
 def targets(result: dict) -> list[dict]:
     s, t, m, k = result["sessions"], result["ttl"], result["timers"], result["timer_checkpoint"]
     return [
-        {"target": "sessions rows/s >= 1.0x transformWithStateInPandas", "value": s["ours_vs_spark_tws"],
-         "met": s["ours_vs_spark_tws"] >= 1.0},
-        {"target": "sessions rows/s >= 0.5x Spark's native session_window", "value": s["ours_vs_spark_native"],
-         "met": s["ours_vs_spark_native"] >= 0.5},
-        {"target": "the three systems emit the same sessions", "value": s["sessions_compared"], "met": s["same_sessions"]},
-        {"target": "with TTL: stored bytes at the last batch <= 1.2x batch 10", "value": t["bytes_last_vs_batch_10"],
-         "met": t["bytes_last_vs_batch_10"] <= 1.2},
-        {"target": "with TTL: batch time at the last batch <= 1.2x batch 10", "value": t["seconds_last_vs_batch_10"],
-         "met": t["seconds_last_vs_batch_10"] <= 1.2},
-        {"target": "1% of the timers firing per batch: <= 1.3x the batch without timers", "value": m["ratio"],
-         "met": m["ratio"] <= 1.3},
-        {"target": "checkpoint with timers, smallest to largest state: growth <= 1.2x the growth without timers",
-         "value": k["growth_vs_without_timers"], "met": k["growth_vs_without_timers"] <= 1.2},
+        {
+            "target": "sessions rows/s >= 1.0x transformWithStateInPandas",
+            "value": s["ours_vs_spark_tws"],
+            "met": s["ours_vs_spark_tws"] >= 1.0,
+        },
+        {
+            "target": "sessions rows/s >= 0.5x Spark's native session_window",
+            "value": s["ours_vs_spark_native"],
+            "met": s["ours_vs_spark_native"] >= 0.5,
+        },
+        {
+            "target": "the three systems emit the same sessions",
+            "value": s["sessions_compared"],
+            "met": s["same_sessions"],
+        },
+        {
+            "target": "with TTL: stored bytes at the last batch <= 1.2x batch 10",
+            "value": t["bytes_last_vs_batch_10"],
+            "met": t["bytes_last_vs_batch_10"] <= 1.2,
+        },
+        {
+            "target": "with TTL: batch time at the last batch <= 1.2x batch 10",
+            "value": t["seconds_last_vs_batch_10"],
+            "met": t["seconds_last_vs_batch_10"] <= 1.2,
+        },
+        {
+            "target": "1% of the timers firing per batch: <= 1.3x the batch without timers",
+            "value": m["ratio"],
+            "met": m["ratio"] <= 1.3,
+        },
+        {
+            "target": "checkpoint with timers, smallest to largest state: growth <= 1.2x the growth without timers",
+            "value": k["growth_vs_without_timers"],
+            "met": k["growth_vs_without_timers"] <= 1.2,
+        },
     ]
 
 
@@ -475,8 +584,13 @@ def plot(result: dict, path: Path) -> None:
     checkpoint = result["timer_checkpoint"]
     sizes = list(checkpoint["runs"])
     for label, color in (("timers", "tab:orange"), ("no_timers", "tab:gray")):
-        axes[3].plot([int(s) for s in sizes], [checkpoint["runs"][s][label]["median_seconds"] * 1000 for s in sizes],
-                     marker="o", color=color, label=label.replace("_", " "))
+        axes[3].plot(
+            [int(s) for s in sizes],
+            [checkpoint["runs"][s][label]["median_seconds"] * 1000 for s in sizes],
+            marker="o",
+            color=color,
+            label=label.replace("_", " "),
+        )
     axes[3].set_xscale("log")
     axes[3].set_ylim(bottom=0)
     axes[3].set_xlabel("keys of state")
@@ -487,17 +601,27 @@ def plot(result: dict, path: Path) -> None:
 
 def run(spark, config: Config) -> dict:
     rng = np.random.default_rng(20261123)
-    result = {"config": config.__dict__, "sessions": sessions(spark, config, rng), "ttl": ttl(spark, config, rng),
-              "timers": timers(spark, config, rng), "timer_checkpoint": timer_checkpoint(config, rng)}
+    result = {
+        "config": config.__dict__,
+        "sessions": sessions(spark, config, rng),
+        "ttl": ttl(spark, config, rng),
+        "timers": timers(spark, config, rng),
+        "timer_checkpoint": timer_checkpoint(config, rng),
+    }
     result["targets"] = targets(result)
     return result
 
 
 def main(argv=None) -> dict:
-    args, config = common.parse_mode(__doc__, "12 session files of 50k rows, 100 TTL batches, 1M timers",
-                                     {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv)
-    return common.run_and_save("time", config.mode, common.command_line("bench_time", args),
-                               lambda spark: run(spark, config), plot)
+    args, config = common.parse_mode(
+        __doc__,
+        "12 session files of 50k rows, 100 TTL batches, 1M timers",
+        {"quick": QUICK, "full": FULL, "smoke": SMOKE},
+        argv,
+    )
+    return common.run_and_save(
+        "time", config.mode, common.command_line("bench_time", args), lambda spark: run(spark, config), plot
+    )
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -201,8 +202,11 @@ def interference(spark) -> dict[str, float]:
     """What was taken from the code under test so far: ``jvm_gc_seconds``, and where the machine counts
     them ``cpu_steal_seconds`` and ``io_stall_seconds``. The difference over a batch, beside its time, says
     whether the machine or the JVM rather than the code under test made it slow."""
-    taken = {"jvm_gc_seconds": jvm_gc_seconds(spark), "cpu_steal_seconds": cpu_steal_seconds(),
-             "io_stall_seconds": io_stall_seconds()}
+    taken = {
+        "jvm_gc_seconds": jvm_gc_seconds(spark),
+        "cpu_steal_seconds": cpu_steal_seconds(),
+        "io_stall_seconds": io_stall_seconds(),
+    }
     return {name: value for name, value in taken.items() if value is not None}
 
 
@@ -343,7 +347,9 @@ def run_keyed_interleaved(
             for key, value in confs.get(label, {}).items():
                 spark.conf.set(key, value)
             queries[label] = (
-                keyed(stream, "key", name=KEYED_COMPONENT).count().writeStream.foreachBatch(noop_sink)
+                keyed(stream, "key", name=KEYED_COMPONENT)
+                .count()
+                .writeStream.foreachBatch(noop_sink)
                 .option("checkpointLocation", str(work / f"{label}-chk"))
                 .trigger(processingTime="100 milliseconds")
                 .start()
@@ -460,8 +466,13 @@ def bar_plot(path: Path, title: str, panels: list[tuple[str, dict[str, float], s
         labels = list(values)
         bars = ax.bar(range(len(labels)), [values[k] for k in labels], color="tab:blue")
         for bar, label in zip(bars, labels):
-            ax.annotate(f"{values[label]:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{values[label]:.3g}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels([label.replace("_", "\n") for label in labels], fontsize=7)
         if log:
@@ -476,8 +487,9 @@ def save_figure(fig, path: Path, title: str, result: dict | None = None, dpi: in
     import matplotlib.pyplot as plt
 
     if result is not None:
-        title = (f"{title}, {result['mode']} mode, {result['master']}, load avg "
-                 f"{result['environment']['load_average_1m']}")
+        title = (
+            f"{title}, {result['mode']} mode, {result['master']}, load avg {result['environment']['load_average_1m']}"
+        )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -505,12 +517,18 @@ def command_line(script: str, args) -> str:
 
 def result_header(spark, name: str, mode: str, command: str) -> dict:
     """The fields every Spark benchmark's report starts with: what ran, how, and on what."""
-    return {"benchmark": f"bench_{name}", "mode": mode, "command": command, "master": spark.sparkContext.master,
-            "environment": environment(spark)}
+    return {
+        "benchmark": f"bench_{name}",
+        "mode": mode,
+        "command": command,
+        "master": spark.sparkContext.master,
+        "environment": environment(spark),
+    }
 
 
-def run_and_save(name: str, mode: str, command: str, measure: Callable[[Any], dict], plot: Callable,
-                 variant: str = "") -> dict:
+def run_and_save(
+    name: str, mode: str, command: str, measure: Callable[[Any], dict], plot: Callable, variant: str = ""
+) -> dict:
     """Run one Spark benchmark in a fresh session; save ``results/<name><variant>[_<mode>].json`` and its plot.
 
     ``measure(spark)`` returns the benchmark's own fields; the machine,

@@ -27,8 +27,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,6 +44,7 @@ META = "_meta"
 def state_schema(key_type: pa.DataType) -> pa.Schema:
     """The state's (and the output's) columns: the key, of the stream's key type, and its count."""
     return pa.schema([("key", key_type), ("count", pa.int64())])
+
 
 _RESIDENT: dict[tuple[str, int, int], tuple[int, pa.Table]] = {}  # (root, parallelism, instance) -> (checkpoint, state)
 _LOCK = threading.Lock()
@@ -67,7 +68,7 @@ class Manifest:
         return json.dumps(self.__dict__)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         d = json.loads(text)
         return cls(d["checkpoint_id"], d["parallelism"], tuple(d["blobs"]))
 
@@ -85,8 +86,9 @@ def _owned_rows(table: pa.Table, parallelism: int, instance: int) -> pa.Table:
     return table.filter(pa.array(key_groups_for_columns([table.column("key")], parallelism) == instance))
 
 
-def _read_state(storage: CountingStorage, base: Manifest | None, parallelism: int, instance: int,
-                schema: pa.Schema) -> pa.Table:
+def _read_state(
+    storage: CountingStorage, base: Manifest | None, parallelism: int, instance: int, schema: pa.Schema
+) -> pa.Table:
     if base is None:
         return schema.empty_table()
     if base.parallelism == parallelism:  # same partitioning: the instance's own blob is its whole state
@@ -111,7 +113,12 @@ def _update(state: pa.Table, rows: pa.Table, schema: pa.Schema) -> tuple[pa.Tabl
 
 
 def run_instance(
-    root: str, base: Manifest | None, checkpoint_id: int, parallelism: int, instance: int, batches,
+    root: str,
+    base: Manifest | None,
+    checkpoint_id: int,
+    parallelism: int,
+    instance: int,
+    batches,
     key_type: pa.DataType = pa.string(),
 ) -> Iterator[pa.RecordBatch]:
     schema = state_schema(key_type)
@@ -143,18 +150,26 @@ def run_instance(
         "blob": path,
         "size": len(data),
         "keys": state.num_rows,
-        "restore": {"resident": resident is not None and resident[0] == base_id, "bytes_read": storage.bytes_read,
-                    "requests": storage.requests, "seconds": round(restore_seconds, 4),
-                    **({"storage": {k: wire_after[k] - wire_before.get(k, 0) for k in wire_after}}
-                       if wire_before is not None else {})},
+        "restore": {
+            "resident": resident is not None and resident[0] == base_id,
+            "bytes_read": storage.bytes_read,
+            "requests": storage.requests,
+            "seconds": round(restore_seconds, 4),
+            **(
+                {"storage": {k: wire_after[k] - wire_before.get(k, 0) for k in wire_after}}
+                if wire_before is not None
+                else {}
+            ),
+        },
         "pid": os.getpid(),
         "seconds": round(time.perf_counter() - started, 4),
     }
     out = schema.append(pa.field(META, pa.string()))
     for batch in updated.combine_chunks().to_batches():
         yield pa.RecordBatch.from_arrays(list(batch.columns) + [pa.nulls(batch.num_rows, pa.string())], schema=out)
-    yield pa.RecordBatch.from_arrays([pa.nulls(1, pa.string()), pa.nulls(1, pa.int64()), pa.array([json.dumps(meta)])],
-                                     schema=out)
+    yield pa.RecordBatch.from_arrays(
+        [pa.nulls(1, pa.string()), pa.nulls(1, pa.int64()), pa.array([json.dumps(meta)])], schema=out
+    )
 
 
 def _ship_to_workers(spark) -> None:
@@ -191,15 +206,17 @@ class NaiveCount:
         def process(batches):
             from pyspark import TaskContext
 
-            yield from run_instance(root, base, checkpoint_id, parallelism, TaskContext.get().partitionId(), batches,
-                                    key_type)
+            yield from run_instance(
+                root, base, checkpoint_id, parallelism, TaskContext.get().partitionId(), batches, key_type
+            )
 
         from spark_state.spark.routing import key_group_column
 
         # key groups with max parallelism = parallelism: exactly pmod(hash(key), parallelism)
         routed = batch_df.select("key").withColumn("_instance", key_group_column(batch_df, ["key"], parallelism))
         result = (
-            routed.repartitionById(parallelism, F.col("_instance")).drop("_instance")
+            routed.repartitionById(parallelism, F.col("_instance"))
+            .drop("_instance")
             .mapInArrow(process, f"key {key_ddl}, count long, _meta string")
             .persist(StorageLevel.MEMORY_AND_DISK)
         )
@@ -213,5 +230,6 @@ class NaiveCount:
             open_storage(root).create(f"manifests/{checkpoint_id}.json", manifest.to_json().encode())
         finally:
             result.unpersist()
-        self.history.append({"batch_id": batch_id, "checkpoint_id": checkpoint_id, "parallelism": parallelism,
-                             "instances": metas})
+        self.history.append(
+            {"batch_id": batch_id, "checkpoint_id": checkpoint_id, "parallelism": parallelism, "instances": metas}
+        )

@@ -19,8 +19,8 @@ The event at ``offset`` of ``split`` (``0 <= split < num_splits``, ``offset >= 0
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -87,11 +87,13 @@ class GeneratorSpec:
     def schema(self) -> pa.Schema:
         """The payload schema: ``key`` (string or int64), ``value`` (int64), ``event_time`` (timestamp UTC)."""
         key = pa.string() if self.key_type == "string" else pa.int64()
-        return pa.schema([
-            pa.field("key", key),
-            pa.field("value", pa.int64()),
-            pa.field("event_time", pa.timestamp("us", tz="UTC")),
-        ])
+        return pa.schema(
+            [
+                pa.field("key", key),
+                pa.field("value", pa.int64()),
+                pa.field("event_time", pa.timestamp("us", tz="UTC")),
+            ]
+        )
 
     def available(self, base: Mapping[int, int], elapsed_seconds: float) -> dict[int, int]:
         """The end offsets available ``elapsed_seconds`` after a clock started at offsets ``base``."""
@@ -143,8 +145,9 @@ def string_keys(prefix: str, width: int, rank: np.ndarray) -> pa.Array:
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
 
 
-def generate(spec: GeneratorSpec, split: int, start: int, end: int,
-             schema: pa.Schema | None = None, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+def generate(
+    spec: GeneratorSpec, split: int, start: int, end: int, schema: pa.Schema | None = None, batch_rows: int = BATCH_ROWS
+) -> Iterator[pa.RecordBatch]:
     """Yield the events ``[start, end)`` of ``split`` with ``split`` and ``offset`` columns appended.
 
     ``schema`` (default: payload + split int32 + offset int64) is attached to every batch.

@@ -67,8 +67,8 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -83,13 +83,13 @@ from datasources.errors import (
     SegmentMissingError,
 )
 from datasources.logindex import (
+    MAX_SEGMENT_ROWS,
     Commit,
     LogIndex,
     LogMeta,
     ReadTask,
     SegmentRef,
     SinkMark,
-    MAX_SEGMENT_ROWS,
     StagedSegment,
     apply_commit,
     plan_append,
@@ -97,10 +97,10 @@ from datasources.logindex import (
     plan_trim,
     position_schema,
 )
-from spark_state.store.commitlog import CommitLog, decode_record, encode_record
 from spark_state.driver.conf import COMPRESSIONS
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError, StorageError
 from spark_state.storage.base import Storage, join
+from spark_state.store.commitlog import CommitLog, decode_record, encode_record
 
 META_PATH = "_log.json"
 COMMITS_DIR = "_commits"
@@ -138,6 +138,7 @@ def directory_time_ms(name: str) -> int | None:
 # ---------------------------------------------------------------------------
 # Segment files
 # ---------------------------------------------------------------------------
+
 
 def encode_segment(batches: Sequence[pa.RecordBatch], schema: pa.Schema, compression: str = "none") -> bytes:
     """Serialize batches as one Arrow IPC file, re-chunked to at most ``IPC_CHUNK_ROWS`` rows per batch.
@@ -248,7 +249,7 @@ class ReplayableLog:
         self._index_loaded = False
 
     @classmethod
-    def open(cls, storage: Storage, cache: SegmentCache | None = None) -> "ReplayableLog":
+    def open(cls, storage: Storage, cache: SegmentCache | None = None) -> ReplayableLog:
         """Open an existing log; ``LogNotFoundError`` if there is none at the storage root.
 
         ``CorruptLogError`` if its ``_log.json`` is damaged.
@@ -266,8 +267,9 @@ class ReplayableLog:
         return cls(storage, LogMeta.from_json(body, where), cache)
 
     @classmethod
-    def create(cls, storage: Storage, meta: LogMeta, cache: SegmentCache | None = None,
-               exact_splits: bool = True) -> "ReplayableLog":
+    def create(
+        cls, storage: Storage, meta: LogMeta, cache: SegmentCache | None = None, exact_splits: bool = True
+    ) -> ReplayableLog:
         """Create the log, or open it if it exists with the same schema.
 
         An existing log must also have ``meta.num_splits`` splits unless
@@ -371,8 +373,12 @@ class ReplayableLog:
         except BlobExistsError:
             pass  # another process wrote the snapshot of the same commit: same content.
         except StorageError as exc:
-            _LOG.warning("index snapshot of commit %d in %s not written (readers replay more commits): %s",
-                         index.commit_id, self.storage.uri, exc)
+            _LOG.warning(
+                "index snapshot of commit %d in %s not written (readers replay more commits): %s",
+                index.commit_id,
+                self.storage.uri,
+                exc,
+            )
 
     # -- writes --------------------------------------------------------------
 
@@ -487,12 +493,17 @@ class ReplayableLog:
         try:
             return self.collect_garbage(grace_seconds)
         except StorageError as exc:
-            _LOG.warning("garbage collection of %s/%s failed; unreferenced files stay until the next run: %s",
-                         self.storage.uri, DATA_DIR, exc)
+            _LOG.warning(
+                "garbage collection of %s/%s failed; unreferenced files stay until the next run: %s",
+                self.storage.uri,
+                DATA_DIR,
+                exc,
+            )
             return []
 
-    def segment_writer(self, directory: str | None = None, order: int = 0, max_records: int = 1_000_000,
-                       compression: str = "none") -> "SegmentWriter":
+    def segment_writer(
+        self, directory: str | None = None, order: int = 0, max_records: int = 1_000_000, compression: str = "none"
+    ) -> SegmentWriter:
         """A writer for one task's segments under ``data/<directory>/``.
 
         ``directory`` defaults to a fresh ``writer_directory("writer")``; give
@@ -545,8 +556,9 @@ class ReplayableLog:
                 yield pa.RecordBatch.from_arrays(batch.columns + [split, offset], schema=schema)
                 position += n
 
-    def read_range(self, start: Mapping[int, int], end: Mapping[int, int],
-                   max_records: int = 1 << 62) -> Iterator[pa.RecordBatch]:
+    def read_range(
+        self, start: Mapping[int, int], end: Mapping[int, int], max_records: int = 1 << 62
+    ) -> Iterator[pa.RecordBatch]:
         """Every record between two offset dicts, split by split, in offset order."""
         for task in plan_reads(self.index(), start, end, max_records):
             yield from self.read(task)
@@ -559,8 +571,9 @@ class SegmentWriter:
     what to put in a commit, ``discard()`` deletes what was written.
     """
 
-    def __init__(self, storage: Storage, schema: pa.Schema, directory: str, order: int,
-                 max_records: int, compression: str) -> None:
+    def __init__(
+        self, storage: Storage, schema: pa.Schema, directory: str, order: int, max_records: int, compression: str
+    ) -> None:
         if max_records < 1:
             raise ReplayableOptionError(f"option maxRecordsPerSegment={max_records} must be >= 1")
         if compression not in COMPRESSIONS:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import base64
 import bisect
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import pyarrow as pa
 
@@ -72,7 +72,7 @@ class LogMeta:
         }
 
     @classmethod
-    def from_json(cls, raw, where: str) -> "LogMeta":
+    def from_json(cls, raw, where: str) -> LogMeta:
         """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
         _check_format(raw, where)
         try:
@@ -98,20 +98,34 @@ class SegmentRef:
         return self.end - self.start
 
     def to_dict(self) -> dict:
-        return {"split": self.split, "start": self.start, "end": self.end,
-                "path": self.path, "size": self.size, "crc32": self.crc32}
+        return {
+            "split": self.split,
+            "start": self.start,
+            "end": self.end,
+            "path": self.path,
+            "size": self.size,
+            "crc32": self.crc32,
+        }
 
     @classmethod
-    def from_dict(cls, raw: Mapping, where: str = "a log record") -> "SegmentRef":
+    def from_dict(cls, raw: Mapping, where: str = "a log record") -> SegmentRef:
         """Parse; ``CorruptLogError`` for numbers no real segment has (negative, reversed, more rows than
         ``MAX_SEGMENT_ROWS``), so a hostile record cannot drive a reader's allocation."""
-        ref = cls(int(raw["split"]), int(raw["start"]), int(raw["end"]),
-                  str(raw["path"]), int(raw["size"]), int(raw["crc32"]))
-        if (ref.split < 0 or ref.start < 0 or not 0 <= ref.end - ref.start <= MAX_SEGMENT_ROWS or ref.size < 0
-                or not 0 <= ref.crc32 < 2**32):
-            raise CorruptLogError(f"{where} claims segment {ref.path!r} of split {ref.split} at offsets "
-                                  f"[{ref.start}, {ref.end}), {ref.size} bytes, CRC {ref.crc32}: no segment has these; "
-                                  "restore the record from a copy, or rewrite the log")
+        ref = cls(
+            int(raw["split"]), int(raw["start"]), int(raw["end"]), str(raw["path"]), int(raw["size"]), int(raw["crc32"])
+        )
+        if (
+            ref.split < 0
+            or ref.start < 0
+            or not 0 <= ref.end - ref.start <= MAX_SEGMENT_ROWS
+            or ref.size < 0
+            or not 0 <= ref.crc32 < 2**32
+        ):
+            raise CorruptLogError(
+                f"{where} claims segment {ref.path!r} of split {ref.split} at offsets "
+                f"[{ref.start}, {ref.end}), {ref.size} bytes, CRC {ref.crc32}: no segment has these; "
+                "restore the record from a copy, or rewrite the log"
+            )
         return ref
 
 
@@ -160,7 +174,7 @@ class Commit:
         }
 
     @classmethod
-    def from_json(cls, raw, where: str) -> "Commit":
+    def from_json(cls, raw, where: str) -> Commit:
         """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
         _check_format(raw, where)
         try:
@@ -211,7 +225,7 @@ class LogIndex:
     sinks: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, num_splits: int) -> "LogIndex":
+    def empty(cls, num_splits: int) -> LogIndex:
         return cls(commit_id=-1, splits=tuple(SplitIndex() for _ in range(num_splits)))
 
     @property
@@ -236,7 +250,7 @@ class LogIndex:
         }
 
     @classmethod
-    def from_json(cls, raw, where: str) -> "LogIndex":
+    def from_json(cls, raw, where: str) -> LogIndex:
         """Parse a ``to_json`` body; ``CorruptLogError`` naming ``where`` if it is not one."""
         _check_format(raw, where)
         try:
@@ -273,7 +287,8 @@ class ReadTask:
 def position_schema(payload: pa.Schema) -> pa.Schema:
     """The schema of rows read from a log: the payload, then ``split`` (int32) and ``offset`` (int64)."""
     return payload.append(pa.field("split", pa.int32(), nullable=False)).append(
-        pa.field("offset", pa.int64(), nullable=False))
+        pa.field("offset", pa.int64(), nullable=False)
+    )
 
 
 def _unparsable(what: str, where: str, exc: Exception) -> CorruptLogError:
@@ -303,8 +318,10 @@ def _check_format(raw, where: str) -> None:
 # Pure planning
 # ---------------------------------------------------------------------------
 
-def plan_append(index: LogIndex, staged: Iterable[StagedSegment], commit_id: int | None = None,
-                sink: SinkMark | None = None) -> Commit:
+
+def plan_append(
+    index: LogIndex, staged: Iterable[StagedSegment], commit_id: int | None = None, sink: SinkMark | None = None
+) -> Commit:
     """Give staged segments offsets that continue each split's end; empty segments are dropped.
 
     Segments of one split are laid out in ``order``; the result is the commit
@@ -336,9 +353,7 @@ def plan_trim(index: LogIndex, floors: Mapping[int, int]) -> tuple[dict[int, int
     dropped: list[SegmentRef] = []
     for split, floor in sorted(floors.items()):
         if not 0 <= split < index.num_splits:
-            raise OffsetOutOfRangeError(
-                f"cannot trim split {split}: the log has splits 0..{index.num_splits - 1}"
-            )
+            raise OffsetOutOfRangeError(f"cannot trim split {split}: the log has splits 0..{index.num_splits - 1}")
         current = index.splits[split]
         gone = [seg for seg in current.segments if seg.end <= floor]
         if gone:
@@ -406,8 +421,7 @@ def check_offsets(index: LogIndex, offsets: Mapping[int, int], what: str) -> Non
             )
 
 
-def plan_reads(index: LogIndex, start: Mapping[int, int], end: Mapping[int, int],
-               max_records: int) -> list[ReadTask]:
+def plan_reads(index: LogIndex, start: Mapping[int, int], end: Mapping[int, int], max_records: int) -> list[ReadTask]:
     """Cut ``[start[s], end[s])`` of every split into read tasks of at most ``max_records`` records.
 
     Cuts fall on segment boundaries when one lies inside the allowed span, so a

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 from urllib.parse import urlparse
 
 from datasources.errors import InvalidOffsetsError, ReplayableOptionError, UnknownOptionError
@@ -39,8 +39,19 @@ EARLIEST, LATEST = -2, -1
 """Per-split markers allowed in explicit offsets JSON (as in Kafka's startingOffsets)."""
 
 _LOG_READ = ("path", "startingOffsets", "stateStore", "maxRecordsPerPartition")
-_GENERATOR = ("generator", "numSplits", "keys", "keyType", "keyPrefix", "skew", "seed",
-              "rowsPerSplit", "rowsPerSecond", "startingOffsets", "maxRecordsPerPartition")
+_GENERATOR = (
+    "generator",
+    "numSplits",
+    "keys",
+    "keyType",
+    "keyPrefix",
+    "skew",
+    "seed",
+    "rowsPerSplit",
+    "rowsPerSecond",
+    "startingOffsets",
+    "maxRecordsPerPartition",
+)
 _WRITE = ("path", "numSplits", "keyColumn", "maxRecordsPerSegment", "compression")
 ALLOWED = {
     (READ, "log"): _LOG_READ + ("endingOffsets",),
@@ -128,8 +139,10 @@ class OffsetsSpec:
                 f"option {self.option} must name every split 0..{len(earliest) - 1} exactly once "
                 f"(missing {missing}, unknown {extra}); use -2 for earliest, -1 for latest"
             )
-        return {split: earliest[split] if o == EARLIEST else latest[split] if o == LATEST else o
-                for split, o in sorted(given.items())}
+        return {
+            split: earliest[split] if o == EARLIEST else latest[split] if o == LATEST else o
+            for split, o in sorted(given.items())
+        }
 
 
 def parse_offsets_option(option: str, text: str | None, default: str, allowed: tuple[str, ...]) -> OffsetsSpec:
@@ -141,7 +154,8 @@ def parse_offsets_option(option: str, text: str | None, default: str, allowed: t
         number = text.split(":", 1)[1].strip()
         if not number.isdigit():
             raise InvalidOffsetsError(
-                f"option {option}={text!r}: after 'checkpoint:' give a retained checkpoint id (a whole number)")
+                f"option {option}={text!r}: after 'checkpoint:' give a retained checkpoint id (a whole number)"
+            )
         return OffsetsSpec(option, "checkpoint", checkpoint_id=int(number))
     try:
         raw = json.loads(text)

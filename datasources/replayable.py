@@ -25,8 +25,8 @@ When each method runs (Spark 4.x):
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -45,7 +45,6 @@ from pyspark.sql.types import IntegerType, LongType, StructField, StructType
 from datasources.errors import IncompatibleLogError, ReplayableOptionError, UnsupportedKeyColumnError
 from datasources.log import ReplayableLog, writer_directory
 from datasources.logindex import LogMeta, SinkMark, StagedSegment
-from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.options import (
     ANY_READ,
     DEFAULT_NUM_SPLITS,
@@ -61,6 +60,7 @@ from datasources.options import (
     parse_read_options,
     parse_write_options,
 )
+from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.sources import open_log_storage, open_source, parse_spark_offsets
 
 __all__ = ["ReplayableDataSource", "log_source_id", "normalize_log_uri"]
@@ -147,7 +147,7 @@ class _BatchReader(DataSourceReader):
                     f"endingOffsets {self.end[split]} of split {split} is before startingOffsets {self.start[split]}"
                 )
 
-    def partitions(self) -> List[InputPartition]:
+    def partitions(self) -> list[InputPartition]:
         return [InputPartition(task) for task in self.source.plan(self.start, self.end)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -200,13 +200,17 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return offsets_to_json(available, self.source.source_id)
         raise ReplayableOptionError(f"read limit {limit!r} is not supported; use option maxRecordsPerBatch")
 
-    def reportLatestOffset(self) -> Optional[dict]:
-        return None if self.source.kind == "generator" else offsets_to_json(self.source.latest(None), self.source.source_id)
+    def reportLatestOffset(self) -> dict | None:
+        return (
+            None
+            if self.source.kind == "generator"
+            else offsets_to_json(self.source.latest(None), self.source.source_id)
+        )
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self.source.available_now_target()
 
-    def partitions(self, start: dict, end: dict) -> List[InputPartition]:
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         start = self._offsets(start, "the batch's start offsets")
         end = self._offsets(end, "the batch's end offsets")
         return [InputPartition(task) for task in self.source.plan(start, end)]
@@ -248,7 +252,7 @@ def _open_for_write(options: WriteOptions, schema: StructType, overwrite: bool) 
 class _Staged(WriterCommitMessage):
     """What one write task produced: the segments it wrote, all in its own writer directory."""
 
-    segments: List[StagedSegment]
+    segments: list[StagedSegment]
 
 
 def _task_order() -> tuple[int, int]:
@@ -276,8 +280,9 @@ def _write_task(options: WriteOptions, meta: LogMeta, directory: str, batches: I
     """
     partition, _ = _task_order()
     log = ReplayableLog(open_log_storage(options.uri), meta)
-    writer = log.segment_writer(directory, order=partition, max_records=options.max_records_per_segment,
-                                compression=options.compression)
+    writer = log.segment_writer(
+        directory, order=partition, max_records=options.max_records_per_segment, compression=options.compression
+    )
     n = meta.num_splits
     try:
         for i, batch in enumerate(batches):
@@ -324,7 +329,7 @@ class _BatchWriter(DataSourceArrowWriter):
         directory = writer_directory("task", f"{self.job}-{partition}-{attempt}")
         return _write_task(self.options, self.meta, directory, iterator)
 
-    def commit(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         segments = _staged(messages)
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
         if any(seg.rows for seg in segments):
@@ -332,7 +337,7 @@ class _BatchWriter(DataSourceArrowWriter):
             log.append(segments, mark)
         log.collect_garbage_after_commit(self.options.orphan_grace_seconds)
 
-    def abort(self, messages: List[Optional[WriterCommitMessage]]) -> None:
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Delete the segments of the attempts that reported back, unless ``commit`` got past its commit point."""
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
         log.discard(seg.path for seg in _staged(messages))
@@ -356,9 +361,9 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         partition, attempt = _task_order()
         return _write_task(self.options, self.meta, writer_directory("stream", f"{partition}-{attempt}"), iterator)
 
-    def commit(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
         log.append(_staged(messages), SinkMark(self.options.sink_id, batchId))
 
-    def abort(self, messages: List[Optional[WriterCommitMessage]], batchId: int) -> None:
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         ReplayableLog(open_log_storage(self.options.uri), self.meta).discard(seg.path for seg in _staged(messages))

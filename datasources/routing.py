@@ -12,7 +12,7 @@ Never Python's ``hash()``: it differs between processes.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -29,9 +29,13 @@ def is_key_type(arrow_type: pa.DataType) -> bool:
     ``uint64`` is not (its values do not all fit the 8-byte signed encoding);
     Spark never produces it.
     """
-    return (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
-            or pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type)
-            or (pa.types.is_integer(arrow_type) and not pa.types.is_uint64(arrow_type)))
+    return (
+        pa.types.is_string(arrow_type)
+        or pa.types.is_large_string(arrow_type)
+        or pa.types.is_binary(arrow_type)
+        or pa.types.is_large_binary(arrow_type)
+        or (pa.types.is_integer(arrow_type) and not pa.types.is_uint64(arrow_type))
+    )
 
 
 def splits_of_keys(column: pa.Array, num_splits: int) -> np.ndarray:

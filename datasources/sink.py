@@ -8,8 +8,9 @@ restarts of one checkpoint location.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from datasources.errors import ReplayableOptionError
 

@@ -9,7 +9,7 @@ metadata and the parsed options; storage handles are opened lazily per process.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import pyarrow as pa
 
@@ -52,9 +52,12 @@ def retained_checkpoint_offsets(state_store: str, source_id: str) -> list[Offset
     """The offsets of ``source_id`` in every retained checkpoint of ``state_store``."""
     from spark_state.store.manifestlog import retained_source_offsets
 
-    return [offsets_from_json(raw, f"the offsets of {source_id} in a retained checkpoint of {state_store}",
-                              source_id=source_id)
-            for raw in retained_source_offsets(state_store, source_id)]
+    return [
+        offsets_from_json(
+            raw, f"the offsets of {source_id} in a retained checkpoint of {state_store}", source_id=source_id
+        )
+        for raw in retained_source_offsets(state_store, source_id)
+    ]
 
 
 def retention_floors(end: Mapping[int, int], retention: int, retained: list[Offsets] | None) -> Offsets | None:
@@ -87,7 +90,7 @@ class LogSource:
         self._log: ReplayableLog | None = None
 
     @classmethod
-    def open(cls, options: ReadOptions) -> "LogSource":
+    def open(cls, options: ReadOptions) -> LogSource:
         """Open the log named by the options (``LogNotFoundError`` if there is none)."""
         log = ReplayableLog.open(open_log_storage(options.uri))
         source = cls(options, log.meta)
@@ -208,9 +211,7 @@ class GeneratorSource:
     def available_now_target(self) -> Offsets:
         """Where a ``trigger(availableNow=True)`` run stops: every row of a bounded generator."""
         if not self.spec.bounded:
-            raise ReplayableOptionError(
-                "trigger(availableNow=True) needs a bounded generator: set option rowsPerSplit"
-            )
+            raise ReplayableOptionError("trigger(availableNow=True) needs a bounded generator: set option rowsPerSplit")
         return {split: self.spec.rows_per_split for split in range(self.num_splits)}
 
     def starting_offsets(self) -> Offsets:
@@ -230,7 +231,9 @@ class GeneratorSource:
 
     def _check(self, offsets: Mapping[int, int], what: str) -> None:
         if set(offsets) != set(range(self.num_splits)):
-            raise OffsetOutOfRangeError(f"{what} names splits {sorted(offsets)}, the generator has 0..{self.num_splits - 1}")
+            raise OffsetOutOfRangeError(
+                f"{what} names splits {sorted(offsets)}, the generator has 0..{self.num_splits - 1}"
+            )
         for split, offset in offsets.items():
             if self.spec.bounded and offset > self.spec.rows_per_split:
                 raise OffsetOutOfRangeError(
@@ -245,7 +248,9 @@ class GeneratorSource:
         tasks = []
         for split in range(self.num_splits):
             if end[split] < start[split]:
-                raise OffsetOutOfRangeError(f"end offset {end[split]} of split {split} is before its start {start[split]}")
+                raise OffsetOutOfRangeError(
+                    f"end offset {end[split]} of split {split} is before its start {start[split]}"
+                )
             for lo in range(start[split], end[split], step):
                 tasks.append(ReadTask(split, lo, min(end[split], lo + step), ()))
         return tasks

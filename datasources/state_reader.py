@@ -32,8 +32,8 @@ savepoint of it for a long read of a live query's state.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator, List
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
@@ -45,8 +45,17 @@ from spark_state.errors import BlobNotFoundError
 from spark_state.keyspace import KeyGroupRange
 from spark_state.store.manifest import ComponentManifest
 
-OPTIONS = ("store", "component", "checkpoint", "timers", "partitions", "readchangefeed", "changestartcheckpoint",
-           "changeendcheckpoint", "path")
+OPTIONS = (
+    "store",
+    "component",
+    "checkpoint",
+    "timers",
+    "partitions",
+    "readchangefeed",
+    "changestartcheckpoint",
+    "changeendcheckpoint",
+    "path",
+)
 PART_BYTES = 32 << 20
 SPREAD = 8
 """Without option partitions: one partition per ``PART_BYTES`` of entries, and at least ``SPREAD`` (of >= 1 MB)."""
@@ -66,17 +75,20 @@ class ReaderOptions:
     change_end: str | None
 
     @classmethod
-    def parse(cls, options) -> "ReaderOptions":
+    def parse(cls, options) -> ReaderOptions:
         given = {str(k).lower(): str(v) for k, v in dict(options).items()}
         unknown = sorted(set(given) - set(OPTIONS))
         if unknown:
-            raise StateReaderOptionError(f"unknown option(s) {unknown} of format spark-state; the options are "
-                                         "store, component, checkpoint, timers, partitions, readChangeFeed, "
-                                         "changeStartCheckpoint, changeEndCheckpoint")
+            raise StateReaderOptionError(
+                f"unknown option(s) {unknown} of format spark-state; the options are "
+                "store, component, checkpoint, timers, partitions, readChangeFeed, "
+                "changeStartCheckpoint, changeEndCheckpoint"
+            )
         store = given.get("store") or given.get("path")
         if not store or not given.get("component"):
-            raise StateReaderOptionError("format spark-state needs option('store', <state store URI>) and "
-                                         "option('component', <component name>)")
+            raise StateReaderOptionError(
+                "format spark-state needs option('store', <state store URI>) and option('component', <component name>)"
+            )
         partitions = None
         if given.get("partitions"):
             try:
@@ -87,13 +99,24 @@ class ReaderOptions:
                 raise StateReaderOptionError(f"option partitions={given['partitions']!r} must be a whole number >= 1")
         change_feed = _flag(given, "readchangefeed", "readChangeFeed")
         if change_feed and not given.get("changestartcheckpoint"):
-            raise StateReaderOptionError("readChangeFeed needs option('changeStartCheckpoint', <checkpoint id or "
-                                         "savepoint>): the changes are those after it")
+            raise StateReaderOptionError(
+                "readChangeFeed needs option('changeStartCheckpoint', <checkpoint id or "
+                "savepoint>): the changes are those after it"
+            )
         if not change_feed and ({"changestartcheckpoint", "changeendcheckpoint"} & set(given)):
-            raise StateReaderOptionError("changeStartCheckpoint and changeEndCheckpoint need "
-                                         "option('readChangeFeed', 'true')")
-        return cls(store, given["component"], given.get("checkpoint"), _flag(given, "timers", "timers"), partitions,
-                   change_feed, given.get("changestartcheckpoint"), given.get("changeendcheckpoint"))
+            raise StateReaderOptionError(
+                "changeStartCheckpoint and changeEndCheckpoint need option('readChangeFeed', 'true')"
+            )
+        return cls(
+            store,
+            given["component"],
+            given.get("checkpoint"),
+            _flag(given, "timers", "timers"),
+            partitions,
+            change_feed,
+            given.get("changestartcheckpoint"),
+            given.get("changeendcheckpoint"),
+        )
 
 
 def _flag(given: dict, key: str, name: str) -> bool:
@@ -111,8 +134,8 @@ def _storage(uri: str):
 
 def _resolve(options: ReaderOptions) -> tuple[int, ComponentManifest, int | None]:
     """The checkpoint read (its id and component; the change feed's start id too)."""
-    from spark_state.store.manifestlog import ManifestReader
     from spark_state.ops.reader import component_of, resolve_checkpoint
+    from spark_state.store.manifestlog import ManifestReader
 
     manifests = ManifestReader(_storage(options.store))
     if options.change_feed:
@@ -135,7 +158,9 @@ class StateDataSource(DataSource):
 
         options = ReaderOptions.parse(self.options)
         _, component, _ = _resolve(options)
-        fields = (change_fields if options.change_feed else output_fields)(component.keyed_schema, timers=options.timers)
+        fields = (change_fields if options.change_feed else output_fields)(
+            component.keyed_schema, timers=options.timers
+        )
         return from_arrow_schema(pa.schema(fields))
 
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -162,7 +187,7 @@ class _Reader(DataSourceReader):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "component": None}  # partitions carry what each reads
 
-    def partitions(self) -> List[InputPartition]:
+    def partitions(self) -> list[InputPartition]:
         from spark_state.ops.reader import split_key_groups
 
         component = self.component
@@ -170,15 +195,22 @@ class _Reader(DataSourceReader):
         if self.options.change_feed:
             count = max(1, self.options.partitions or len(pieces))
             step = -(-component.max_parallelism // count)
-            return [InputPartition(_Part((s, min(s + step, component.max_parallelism) - 1), None, None))
-                    for s in range(0, component.max_parallelism, step)]
+            return [
+                InputPartition(_Part((s, min(s + step, component.max_parallelism) - 1), None, None))
+                for s in range(0, component.max_parallelism, step)
+            ]
         parts = []
         for piece in pieces:
             paths = {path for links in piece.plan.chains.values() for path, _ in links}
-            trimmed = replace(component, blobs={p: component.blobs[p] for p in paths},
-                              chains={g: component.chains[g] for g in piece.plan.chains}, instance_items={})
-            parts.append(InputPartition(_Part((piece.key_group_range.start, piece.key_group_range.end), trimmed,
-                                              piece.plan)))
+            trimmed = replace(
+                component,
+                blobs={p: component.blobs[p] for p in paths},
+                chains={g: component.chains[g] for g in piece.plan.chains},
+                instance_items={},
+            )
+            parts.append(
+                InputPartition(_Part((piece.key_group_range.start, piece.key_group_range.end), trimmed, piece.plan))
+            )
         return parts or [InputPartition(_Part((0, 0), None, None))]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -196,8 +228,8 @@ class _Reader(DataSourceReader):
             ) from exc
 
     def _state(self, part: _Part) -> Iterator[pa.RecordBatch]:
-        from spark_state.store.blobstore import BlobStore
         from spark_state.ops.reader import read_part
+        from spark_state.store.blobstore import BlobStore
 
         blobs = BlobStore(_storage(self.options.store))
         for table in read_part(blobs, part.component, part.plan, timers=self.options.timers):
@@ -206,8 +238,14 @@ class _Reader(DataSourceReader):
     def _changes(self, part: _Part) -> Iterator[pa.RecordBatch]:
         from spark_state.ops.reader import read_changes
 
-        table = read_changes(_storage(self.options.store), self.options.component, self.start_id, self.checkpoint_id,
-                             timers=self.options.timers, key_groups=KeyGroupRange(*part.key_groups))
+        table = read_changes(
+            _storage(self.options.store),
+            self.options.component,
+            self.start_id,
+            self.checkpoint_id,
+            timers=self.options.timers,
+            key_groups=KeyGroupRange(*part.key_groups),
+        )
         yield from _conform(table, self.arrow_schema)
 
 

@@ -136,7 +136,7 @@ class StandaloneCluster:
             )
         self._procs.append((name, proc))
 
-    def start(self, timeout: float = 90.0) -> "StandaloneCluster":
+    def start(self, timeout: float = 90.0) -> StandaloneCluster:
         """Start the master, then (once it leads) the workers; return once every worker is registered.
 
         A worker that registers while the master is still in standby is
@@ -150,17 +150,35 @@ class StandaloneCluster:
         deadline = time.monotonic() + timeout
         self._spawn(
             "master",
-            ["org.apache.spark.deploy.master.Master", "--host", LOOPBACK,
-             "--port", str(self.master_port), "--webui-port", str(self.master_ui_port)],
+            [
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(self.master_port),
+                "--webui-port",
+                str(self.master_ui_port),
+            ],
         )
         self._wait_until(lambda status: status.get("status") == "ALIVE", "the master to lead", deadline)
         for i, work_dir in enumerate(self.work_dirs):
             work_dir.mkdir(parents=True, exist_ok=True)
             self._spawn(
                 f"worker-{i}",
-                ["org.apache.spark.deploy.worker.Worker", "--host", LOOPBACK,
-                 "--cores", "1", "--memory", self.worker_memory, "--work-dir", str(work_dir),
-                 "--webui-port", "0", self.master_url],
+                [
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    LOOPBACK,
+                    "--cores",
+                    "1",
+                    "--memory",
+                    self.worker_memory,
+                    "--work-dir",
+                    str(work_dir),
+                    "--webui-port",
+                    "0",
+                    self.master_url,
+                ],
             )
         self._wait_until(
             lambda status: status.get("aliveworkers") == self.workers,
@@ -196,7 +214,7 @@ class StandaloneCluster:
     def stop(self, grace: float = 15.0) -> None:
         """End the workers, then the master (TERM, KILL after ``grace`` s), then anything they left running."""
         leftovers: list[tuple[int, int]] = []
-        for name, proc in reversed(self._procs):  # workers first: they kill their executors on TERM
+        for _, proc in reversed(self._procs):  # workers first: they kill their executors on TERM
             leftovers += _descendants(proc.pid)
             if proc.poll() is None:
                 proc.terminate()
@@ -233,7 +251,6 @@ class StandaloneCluster:
             "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
             "spark.executorEnv.PYTHONPATH": str(REPO),
         }
-
 
 
 class Driver:
@@ -340,9 +357,14 @@ def run_application(spec: dict) -> dict:
         for run in spec["runs"]:
             session.conf.set("spark.state.parallelism", str(run["parallelism"]))
             if run["append"]:
-                (session.createDataFrame([(user,) for user in run["append"]], "user string")
-                 .write.format("replayable").mode("append").option("numSplits", 2).option("keyColumn", "user")
-                 .save(spec["log"]))
+                (
+                    session.createDataFrame([(user,) for user in run["append"]], "user string")
+                    .write.format("replayable")
+                    .mode("append")
+                    .option("numSplits", 2)
+                    .option("keyColumn", "user")
+                    .save(spec["log"])
+                )
             outputs: dict[int, dict[str, int]] = {}
 
             def sink(out, batch_id: int, outputs=outputs) -> None:
@@ -373,12 +395,14 @@ def run_application(spec: dict) -> dict:
             finally:
                 query.stop()
             pids = {m["pid"] for b in query.batches for m in b["instances"]}
-            runs.append({
-                "outputs": outputs,
-                "batches": query.batches,
-                "process_dirs": {str(pid): _process_dir(pid) for pid in sorted(pids)},
-                "local_store_refused": refused,
-            })
+            runs.append(
+                {
+                    "outputs": outputs,
+                    "batches": query.batches,
+                    "process_dirs": {str(pid): _process_dir(pid) for pid in sorted(pids)},
+                    "local_store_refused": refused,
+                }
+            )
         return {"app_id": session.sparkContext.applicationId, "runs": runs}
     finally:
         session.stop()
@@ -398,7 +422,7 @@ def serve(done_fd: int) -> None:
         spec = json.loads(line)
         try:
             result = run_application(spec)
-        except Exception:
+        except Exception:  # noqa: BLE001 - printed for the test that reads the application's output
             traceback.print_exc()
             sys.stdout.flush()
             os.write(done_fd, b"error\n")

@@ -34,9 +34,19 @@ def pytest_configure(config):
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance-role lookups (1 s timeouts) on a test machine
 
 
-SLOWEST_FILES = ("test_benchmarks.py", "test_keyed_spark.py", "test_driver_kill.py", "test_cluster.py",
-                 "test_campaign.py", "test_time_spark.py", "test_state_machine.py", "test_replayable_spark.py",
-                 "test_two_drivers.py", "test_ops_spark.py", "test_remote_storage_spark.py")
+SLOWEST_FILES = (
+    "test_benchmarks.py",
+    "test_keyed_spark.py",
+    "test_driver_kill.py",
+    "test_cluster.py",
+    "test_campaign.py",
+    "test_time_spark.py",
+    "test_state_machine.py",
+    "test_replayable_spark.py",
+    "test_two_drivers.py",
+    "test_ops_spark.py",
+    "test_remote_storage_spark.py",
+)
 """The files that take 20 s or more, longest first (measured per file in a two-worker run)."""
 
 
@@ -72,8 +82,7 @@ def pytest_unconfigure(config):
 
 
 FAST_LOCAL_CHECKPOINTS = {
-    "spark.sql.streaming.checkpointFileManagerClass":
-        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+    "spark.sql.streaming.checkpointFileManagerClass": "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
 }
 """How the session writes Spark's own checkpoint files (offsets, commits, sources' logs, Spark's state stores) on
 local disk. Without Hadoop's native library (the pip package has none), Spark's default manager (through

@@ -65,8 +65,8 @@ def main() -> None:
         MicroBatch._fault = die
     work = Path(args.work)
     spark = driver_session(work, args.parallelism)
-    events = spark.readStream.schema("user string, amount long").option("maxFilesPerTrigger", 1).parquet(
-        str(work / "input")
+    events = (
+        spark.readStream.schema("user string, amount long").option("maxFilesPerTrigger", 1).parquet(str(work / "input"))
     )
     stream = keyed(events, "user", name="clicks")
     if args.function == "count":

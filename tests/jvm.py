@@ -81,8 +81,12 @@ def ensure_class_archive() -> None:
         partial = archive.with_name(f"{archive.name}.{os.getpid()}.partial")
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
         try:
-            done = subprocess.run([sys.executable, "-c", _DUMP, f"{JVM_OPTIONS} -XX:ArchiveClassesAtExit={partial}"],
-                                  env=env, capture_output=True, timeout=300)
+            done = subprocess.run(
+                [sys.executable, "-c", _DUMP, f"{JVM_OPTIONS} -XX:ArchiveClassesAtExit={partial}"],
+                env=env,
+                capture_output=True,
+                timeout=300,
+            )
             if done.returncode == 0 and partial.exists() and partial.stat().st_size > 0:
                 os.replace(partial, archive)
         except subprocess.TimeoutExpired:

@@ -132,8 +132,9 @@ class SeaweedS3:
 
     def _choose_internal_ports(self) -> None:
         """Master, volume, filer and gRPC ports: any free ones but the S3 port, which clients hold."""
-        (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc,
-         self.s3_grpc) = _free_ports(7, avoid=frozenset({self.s3}))
+        (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc, self.s3_grpc) = (
+            _free_ports(7, avoid=frozenset({self.s3}))
+        )
 
     @property
     def pid(self) -> int | None:
@@ -143,26 +144,49 @@ class SeaweedS3:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         identities = self.root / "s3.json"
-        identities.write_text(json.dumps({"identities": [{
-            "name": "tester",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": self.secret}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "tester",
+                            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": self.secret}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
         return [
-            weed_binary(), "server",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
-            f"-master.port={self.master}", f"-master.port.grpc={self.master_grpc}",
-            "-master.volumeSizeLimitMB=64", "-master.telemetry=false", "-master.electionTimeout=1s",
-            f"-volume.port={self.volume}", f"-volume.port.grpc={self.volume_grpc}", "-volume.max=0",
+            weed_binary(),
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={data}",
+            f"-master.port={self.master}",
+            f"-master.port.grpc={self.master_grpc}",
+            "-master.volumeSizeLimitMB=64",
+            "-master.telemetry=false",
+            "-master.electionTimeout=1s",
+            f"-volume.port={self.volume}",
+            f"-volume.port.grpc={self.volume_grpc}",
+            "-volume.max=0",
             "-volume.preStopSeconds=0",
-            "-filer", f"-filer.port={self.filer}", f"-filer.port.grpc={self.filer_grpc}",
+            "-filer",
+            f"-filer.port={self.filer}",
+            f"-filer.port.grpc={self.filer_grpc}",
             f"-filer.localSocket={self.root / 'filer.sock'}",
-            "-s3", f"-s3.port={self.s3}", f"-s3.port.grpc={self.s3_grpc}", f"-s3.config={identities}",
-            f"-s3.localSocket={self.root / 's3.sock'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-s3",
+            f"-s3.port={self.s3}",
+            f"-s3.port.grpc={self.s3_grpc}",
+            f"-s3.config={identities}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             "-s3.autoCreateBucket=false",
         ]
 
-    def start(self, timeout: float = 90.0, attempts: int = 5, settle: float = 40.0) -> "SeaweedS3":
+    def start(self, timeout: float = 90.0, attempts: int = 5, settle: float = 40.0) -> SeaweedS3:
         """Start the process and wait until the S3 gateway answers an authenticated ListBuckets.
 
         If ``weed`` exits because a port was taken meanwhile, or is not
@@ -186,15 +210,19 @@ class SeaweedS3:
                 failures.append(f"start {self._starts}: {err.args[0]}")
             if time.monotonic() >= deadline:
                 break
-        raise RuntimeError(f"SeaweedFS's S3 gateway did not answer in {len(failures)} starts within {timeout} s: "
-                           + "; ".join(failures) + f"\n{self.log_tail()}")
+        raise RuntimeError(
+            f"SeaweedFS's S3 gateway did not answer in {len(failures)} starts within {timeout} s: "
+            + "; ".join(failures)
+            + f"\n{self.log_tail()}"
+        )
 
-    def _start_once(self, timeout: float) -> "SeaweedS3":
+    def _start_once(self, timeout: float) -> SeaweedS3:
         self._starts += 1
         log = open(self.root / f"weed-{self._starts}.log", "wb")
         try:
-            self._proc = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=self.root)
+            self._proc = subprocess.Popen(
+                self._command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.root
+            )
         finally:
             log.close()
         deadline = time.monotonic() + timeout
@@ -259,8 +287,11 @@ class SeaweedS3:
 
         return boto3.session.Session(
             aws_access_key_id=ACCESS_KEY, aws_secret_access_key=secret or self.secret, region_name=REGION
-        ).client("s3", endpoint_url=self.endpoint,
-                 config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}))
+        ).client(
+            "s3",
+            endpoint_url=self.endpoint,
+            config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}),
+        )
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` unless this server's account already has it (fixtures may share one)."""

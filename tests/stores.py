@@ -8,8 +8,10 @@ Tasks write through the ``BlobStore``; the driver commits through the
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from spark_state.storage.base import Storage
 from spark_state.store.blobstore import BlobStore
 from spark_state.store.manifest import (
     BlobRef,
@@ -21,7 +23,6 @@ from spark_state.store.manifest import (
     next_manifest,
 )
 from spark_state.store.manifestlog import DEFAULT_RETAINED, ManifestLog
-from spark_state.storage.base import Storage
 
 
 class Store:

@@ -80,8 +80,11 @@ def _imports(path: Path, module: str) -> list[tuple[str, int, bool]]:
                 base = ".".join(module.split(".")[: -node.level] + [node.module])
             found.append((base, node.lineno, id(node) in top_level))
             known = _modules()
-            found += [(f"{base}.{alias.name}", node.lineno, id(node) in top_level)
-                      for alias in node.names if f"{base}.{alias.name}" in known]
+            found += [
+                (f"{base}.{alias.name}", node.lineno, id(node) in top_level)
+                for alias in node.names
+                if f"{base}.{alias.name}" in known
+            ]
     return found
 
 
@@ -107,8 +110,11 @@ def test_only_the_spark_edge_imports_pyspark():
         for imported, line, _ in _imports(path, module):
             if imported.split(".")[0] != "pyspark":
                 continue
-            if here not in PYSPARK_ALLOWED or (here == "hosts" and imported not in HOSTS_PYSPARK) or (
-                    here == "ops" and module != "spark_state.ops.main"):
+            if (
+                here not in PYSPARK_ALLOWED
+                or (here == "hosts" and imported not in HOSTS_PYSPARK)
+                or (here == "ops" and module != "spark_state.ops.main")
+            ):
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {imported}")
     assert wrong == []
 
@@ -129,7 +135,7 @@ def test_no_module_level_import_circle():
             if nxt.startswith(node + "."):
                 continue
             if state.get(nxt) == "open":
-                circles.append(trail[trail.index(nxt):] + [nxt])
+                circles.append(trail[trail.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = "done"
@@ -146,9 +152,22 @@ def test_each_package_says_what_it_owns_and_may_import():
         assert "May import" in doc or "may import" in doc, layer
 
 
-ALLOWED_AT_ROOT = {".ci", ".gitignore", "README.md", "benchmarks", "datasources", "docs", "mkdocs.yml",
-                   "pyproject.toml", "pyspark_replayable.py", "pyspark_spark_state.py", "run", "scripts",
-                   "spark_state", "tests"}
+ALLOWED_AT_ROOT = {
+    ".ci",
+    ".gitignore",
+    "README.md",
+    "benchmarks",
+    "datasources",
+    "docs",
+    "mkdocs.yml",
+    "pyproject.toml",
+    "pyspark_replayable.py",
+    "pyspark_spark_state.py",
+    "run",
+    "scripts",
+    "spark_state",
+    "tests",
+}
 BINARY_SUFFIXES = {".whl", ".zip", ".tar", ".gz", ".jar", ".so", ".pyc", ".parquet", ".arrow", ".bin", ".exe"}
 
 

@@ -160,24 +160,51 @@ def test_rescale_smoke(rescale):
 
 def test_restart_targets_take_the_median_over_pairs_of_ours_over_theirs_at_every_size():
     def size(keys, seconds):  # (ours, spark_pinned, naive) per pair
-        return {"keys": keys, "summary": [{"restart_seconds": dict(zip(
-            ("keyed_count", "spark_pinned", "naive_hash_mod"), s))} for s in seconds]}
+        return {
+            "keys": keys,
+            "summary": [
+                {"restart_seconds": dict(zip(("keyed_count", "spark_pinned", "naive_hash_mod"), s))} for s in seconds
+            ],
+        }
 
-    result = {"sizes": [size(1_000, [(1.0, 1.0, 2.0), (3.0, 2.0, 2.0), (1.3, 1.0, 1.0)]),
-                        size(9_000, [(2.0, 1.0, 4.0)])]}
+    result = {
+        "sizes": [size(1_000, [(1.0, 1.0, 2.0), (3.0, 2.0, 2.0), (1.3, 1.0, 1.0)]), size(9_000, [(2.0, 1.0, 4.0)])]
+    }
     targets = bench_rescale.restart_targets(result)
     assert [(t["value"], t["met"]) for t in targets] == [(1.3, False), (1.3, False), (2.0, False), (0.5, True)]
     assert targets[0]["target"].startswith("restart at 1,000 keys: ours / Spark's restart without rescaling")
-    assert bench_rescale.headline({"sizes": [{**result["sizes"][1], "summary": [{
-        **result["sizes"][1]["summary"][0], "ours_vs_spark_pinned": 0.5, "ours_vs_naive": 2.0,
-        "read_amplification": {"keyed_count": 1.0, "naive_hash_mod": 3.0}}]}]})["9000"]["ours_over_spark_pinned"] == 2.0
+    assert (
+        bench_rescale.headline(
+            {
+                "sizes": [
+                    {
+                        **result["sizes"][1],
+                        "summary": [
+                            {
+                                **result["sizes"][1]["summary"][0],
+                                "ours_vs_spark_pinned": 0.5,
+                                "ours_vs_naive": 2.0,
+                                "read_amplification": {"keyed_count": 1.0, "naive_hash_mod": 3.0},
+                            }
+                        ],
+                    }
+                ]
+            }
+        )["9000"]["ours_over_spark_pinned"]
+        == 2.0
+    )
 
 
 @pytest.mark.spark
 def test_keyed_smoke(keyed):
     rates = keyed["throughput"]["by_parallelism"]["2"]["rows_per_s"]
-    assert set(rates) == {"keyed_count", "groupby_count_rocksdb", "groupby_count_hdfs", "apply_in_pandas_with_state",
-                          "transform_with_state_in_pandas"}
+    assert set(rates) == {
+        "keyed_count",
+        "groupby_count_rocksdb",
+        "groupby_count_hdfs",
+        "apply_in_pandas_with_state",
+        "transform_with_state_in_pandas",
+    }
     assert all(r > 0 for r in rates.values())
     sizes = keyed["state_size"]["versus_smallest"]
     assert sizes["1000"]["batch_time_ratio"] == 1.0 and set(sizes) == {"1000", "10000"}
@@ -232,8 +259,20 @@ def test_checkpoint_smoke(checkpoint):
 
 def test_restore_benchmark_runs(tmp_path):
     out = tmp_path / "restore.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_restore.py"), "--keys", "20000", "--verify",
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_restore.py"),
+            "--keys",
+            "20000",
+            "--verify",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     data = json.loads(out.read_text())
     assert data["all_within_target"] and all(p["state_equal"] for p in data["pairs"])
     assert out.with_suffix(".png").stat().st_size > 10_000
@@ -241,8 +280,12 @@ def test_restore_benchmark_runs(tmp_path):
 
 def test_manifest_benchmark_runs(tmp_path):
     out = tmp_path / "manifest.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_manifest.py"), "--smoke", "--out", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_manifest.py"), "--smoke", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     data = json.loads(out.read_text())
     (size,) = data["sizes"]
     delta, full = size["delta_records"], size["full_records"]
@@ -252,8 +295,9 @@ def test_manifest_benchmark_runs(tmp_path):
 
 
 @pytest.mark.spark
-def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result,
-                                      memory):
+def test_report_renders_smoke_results(
+    results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result, memory
+):
     """The README section renders from the smoke runs' files (plus the committed others)."""
     for name in ("keygroups.json", "source.json", "restore.json", "manifest.json", "campaign.json"):
         shutil.copy(report.RESULTS / name, results / name)
@@ -269,12 +313,32 @@ def test_report_renders_smoke_results(results, rescale, keyed, checkpoint, resca
 
 
 def _campaign(**changes) -> dict:
-    summary = {"command": "./run campaign --cycles 200 --seed 1", "seed": 1, "scheduled_cycles": 200, "cycles": 206,
-               "resumes": 0, "queries": 6, "fault_kinds": ["kill_random", "stall"],
-               "faults": {"kill_random": 9, "stall": 5}, "batches_checked": 900, "keys_checked": 12_000,
-               "states_checked": 6, "wrong": 0, "lost": 0, "duplicated": 0, "hangs": 0, "untyped_faults": 0,
-               "unexplained_failures": 0, "corrupt_commits": 0, "log_problems": 0, "longest_recovery_s": 40.1,
-               "events": 90_000, "elapsed_s": 7200, "problems": [], "complete": True}
+    summary = {
+        "command": "./run campaign --cycles 200 --seed 1",
+        "seed": 1,
+        "scheduled_cycles": 200,
+        "cycles": 206,
+        "resumes": 0,
+        "queries": 6,
+        "fault_kinds": ["kill_random", "stall"],
+        "faults": {"kill_random": 9, "stall": 5},
+        "batches_checked": 900,
+        "keys_checked": 12_000,
+        "states_checked": 6,
+        "wrong": 0,
+        "lost": 0,
+        "duplicated": 0,
+        "hangs": 0,
+        "untyped_faults": 0,
+        "unexplained_failures": 0,
+        "corrupt_commits": 0,
+        "log_problems": 0,
+        "longest_recovery_s": 40.1,
+        "events": 90_000,
+        "elapsed_s": 7200,
+        "problems": [],
+        "complete": True,
+    }
     return {**summary, **changes}
 
 
@@ -319,13 +383,17 @@ def test_rescale_with_long_keys_renders_its_restarts_live_rescales_and_missed_ta
     (line, _) = report.rescale_long_lines(data, file)
     assert line.startswith(f"With long keys (`benchmarks/results/{file}`") and "final state exact" in line
     size = data["sizes"][0]["keys"]
-    broken = {**data, "live": [{**data["live"][0], "final_state_exact": False}],
-              "targets": [{**t, "met": False} for t in data["targets"]]}
+    broken = {
+        **data,
+        "live": [{**data["live"][0], "final_state_exact": False}],
+        "targets": [{**t, "met": False} for t in data["targets"]],
+    }
     (line, _) = report.rescale_long_lines(broken, file)
     assert "final state **not** exact" in line and "(met)" not in line
     keyed, rescale = report.load("keyed")[0], report.load("rescale")[0]
-    behind = report.behind_section(rescale, keyed, *(report.load(n)[0] for n in ("checkpoint", "source")),
-                                   rescale_long=broken)
+    behind = report.behind_section(
+        rescale, keyed, *(report.load(n)[0] for n in ("checkpoint", "source")), rescale_long=broken
+    )
     assert sum(f"Rescale with long keys, target missed: restart at {size:,} keys" in b for b in behind) == 2
 
 
@@ -339,8 +407,9 @@ def test_report_refuses_missing_results(tmp_path):
 
 
 def test_an_s3_campaign_renders_as_one_paragraph_naming_its_queries_on_s3():
-    lines = report.campaign_s3_lines(_campaign(command="./run campaign --cycles 30 --seed 5 --s3", queries_on_s3=3),
-                                     "campaign_s3.json")
+    lines = report.campaign_s3_lines(
+        _campaign(command="./run campaign --cycles 30 --seed 5 --s3", queries_on_s3=3), "campaign_s3.json"
+    )
     assert "3 of 6 queries with their state store on SeaweedFS" in lines[0] and "nothing wrong" in lines[0]
     assert "`kill_random` 9" in lines[0]
     lines = report.campaign_s3_lines(_campaign(queries_on_s3=3, lost=2, problems=["x"]), "campaign_s3.json")
@@ -348,8 +417,11 @@ def test_an_s3_campaign_renders_as_one_paragraph_naming_its_queries_on_s3():
 
 
 def test_a_savepoints_campaign_renders_as_one_paragraph_naming_its_savepoints_and_forks():
-    data = _campaign(command="./run campaign --cycles 40 --seed 5 --savepoints", queries_forked=2,
-                     faults={"savepoint": 3, "fork": 2, "stall": 0})
+    data = _campaign(
+        command="./run campaign --cycles 40 --seed 5 --savepoints",
+        queries_forked=2,
+        faults={"savepoint": 3, "fork": 2, "stall": 0},
+    )
     (line, _) = report.campaign_savepoints_lines(data, "campaign_savepoints.json")
     assert "3 savepoints taken while their queries ran and 2 of 6 queries forked from them;" in line
     assert "`fork` 2" in line and "`stall`" not in line and "SeaweedFS" not in line and "nothing wrong" in line
@@ -367,9 +439,11 @@ def test_the_python_cpu_of_restarts_is_summarised_as_medians_over_pairs_and_abse
     def cpu(user, system, faults):
         return {"user_seconds": user, "system_seconds": system, "page_faults": faults}
 
-    rows = [{"python_cpu": {"keyed_count": cpu(0.3, 0.1, 30_000), "naive_hash_mod": cpu(0.2, 0.0, 5_000)}},
-            {"python_cpu": {"keyed_count": cpu(0.2, 0.2, 20_000), "naive_hash_mod": cpu(0.1, 0.1, 3_000)}},
-            {"python_cpu": {"keyed_count": cpu(0.4, 0.4, 40_000), "naive_hash_mod": cpu(0.2, 0.2, 4_000)}}]
+    rows = [
+        {"python_cpu": {"keyed_count": cpu(0.3, 0.1, 30_000), "naive_hash_mod": cpu(0.2, 0.0, 5_000)}},
+        {"python_cpu": {"keyed_count": cpu(0.2, 0.2, 20_000), "naive_hash_mod": cpu(0.1, 0.1, 3_000)}},
+        {"python_cpu": {"keyed_count": cpu(0.4, 0.4, 40_000), "naive_hash_mod": cpu(0.2, 0.2, 4_000)}},
+    ]
     summary = report._python_cpu({"summary": rows})
     assert summary["keyed_count"] == (pytest.approx(0.4), pytest.approx(0.5), 30_000)
     assert summary["naive_hash_mod"] == (pytest.approx(0.2), pytest.approx(0.5), 4_000)
@@ -377,16 +451,27 @@ def test_the_python_cpu_of_restarts_is_summarised_as_medians_over_pairs_and_abse
 
 
 def test_a_slow_steady_batch_is_reported_with_what_the_machine_and_the_jvm_took_while_it_ran():
-    steady = {"max_over_median": 1.62, "batches_with_full_entries": [3],
-              "slowest_batch": {"batch_id": 8, "seconds": 0.83, "cpu_steal_seconds": 0.41,
-                                "median_cpu_steal_seconds": 0.05, "jvm_gc_seconds": 0.3,
-                                "median_jvm_gc_seconds": 0.02, "io_stall_seconds": 0.2,
-                                "median_io_stall_seconds": 0.01}}
+    steady = {
+        "max_over_median": 1.62,
+        "batches_with_full_entries": [3],
+        "slowest_batch": {
+            "batch_id": 8,
+            "seconds": 0.83,
+            "cpu_steal_seconds": 0.41,
+            "median_cpu_steal_seconds": 0.05,
+            "jvm_gc_seconds": 0.3,
+            "median_jvm_gc_seconds": 0.02,
+            "io_stall_seconds": 0.2,
+            "median_io_stall_seconds": 0.01,
+        },
+    }
     line = report._spread_line(10_000_000, steady, 10)
     assert line.startswith("- With 10,000,000 keys of state, the slowest steady batch took 1.62x the median")
     assert "1 of 10 steady batches wrote key groups in full" in line
-    assert ("; while the slowest ran, the hypervisor took 0.41 s (median 0.05 s), tasks waited for I/O for "
-            "0.20 s (median 0.01 s) and the JVM collected garbage for 0.30 s (median 0.02 s))." in line)
+    assert (
+        "; while the slowest ran, the hypervisor took 0.41 s (median 0.05 s), tasks waited for I/O for "
+        "0.20 s (median 0.01 s) and the JVM collected garbage for 0.30 s (median 0.02 s))." in line
+    )
     steady["slowest_batch"]["cpu_steal_seconds"] = None  # a machine that does not count steal
     assert "; while the slowest ran, tasks waited for I/O for 0.20 s" in report._spread_line(10_000_000, steady, 10)
     del steady["slowest_batch"]  # results from before they were recorded

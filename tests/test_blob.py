@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spark_state.errors import ConfigError, CorruptBlobError
+from spark_state.keyspace import HASH_VERSION, KeyGroupRange
 from spark_state.store.blob import (
     DELETED_COLUMN,
     FORMAT_VERSION,
@@ -18,8 +20,6 @@ from spark_state.store.blob import (
     encode_blob,
     read_blob_file,
 )
-from spark_state.errors import ConfigError, CorruptBlobError
-from spark_state.keyspace import HASH_VERSION, KeyGroupRange
 
 # --------------------------------------------------------------------------- fixtures
 #
@@ -48,7 +48,10 @@ def _int_rows(key_group: int, n: int) -> dict:
 
 
 def _string_rows(key_group: int, n: int) -> dict:
-    return {"name": [f"k{key_group}-{i}-é" for i in range(n)], "score": [None if i % 3 == 0 else i / 4 for i in range(n)]}
+    return {
+        "name": [f"k{key_group}-{i}-é" for i in range(n)],
+        "score": [None if i % 3 == 0 else i / 4 for i in range(n)],
+    }
 
 
 def _composite_rows(key_group: int, n: int) -> dict:
@@ -440,8 +443,9 @@ def test_recorded_key_counts_travel_in_the_index_and_only_when_given(encoded):
     otherwise, so an index written without counts reads as before."""
     state_schema, entries, _, index = encoded
     _, counted = _encode(state_schema, entries, live={4: 7, 10: 0})
-    assert [e.live for e in counted.entries] == [7 if e.key_group == 4 else 0 if e.key_group == 10 else None
-                                                 for e in counted.entries]
+    assert [e.live for e in counted.entries] == [
+        7 if e.key_group == 4 else 0 if e.key_group == 10 else None for e in counted.entries
+    ]
     assert BlobIndex.from_json(counted.to_json()) == counted
     assert "live" not in index.to_json() and all(e.live is None for e in BlobIndex.from_json(index.to_json()).entries)
 

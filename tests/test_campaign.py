@@ -21,8 +21,17 @@ KINDS = ["savepoint"]
 
 @pytest.mark.spark
 def test_a_short_seeded_campaign_finds_every_batch_and_the_final_state_exact(tmp_path):
-    campaign = Campaign(tmp_path, seed=20261123, cycles=len(KINDS), cycle_timeout=300, cluster_cycles=False,
-                        max_parallelism=3, shapes=("timers",), kinds=KINDS, savepoints=True)
+    campaign = Campaign(
+        tmp_path,
+        seed=20261123,
+        cycles=len(KINDS),
+        cycle_timeout=300,
+        cluster_cycles=False,
+        max_parallelism=3,
+        shapes=("timers",),
+        kinds=KINDS,
+        savepoints=True,
+    )
     summary = campaign.run()
     assert summary["problems"] == []
     assert {k: summary[k] for k in PROBLEM_COUNTS} == dict.fromkeys(PROBLEM_COUNTS, 0)
@@ -54,8 +63,15 @@ def test_a_resumed_run_takes_the_appends_of_an_interrupted_cycle_into_its_record
 def test_a_memory_bound_reaches_every_query_and_the_command_that_reruns_the_run(tmp_path):
     import json
 
-    bounded = Campaign(tmp_path / "bounded", seed=5, cycles=1, cycle_timeout=60, cluster_cycles=False,
-                       shapes=("count",), memory_bound="1m")
+    bounded = Campaign(
+        tmp_path / "bounded",
+        seed=5,
+        cycles=1,
+        cycle_timeout=60,
+        cluster_cycles=False,
+        shapes=("count",),
+        memory_bound="1m",
+    )
     query = bounded.new_query()
     spec = json.loads(bounded.spec(query, tmp_path / "cycle", 2).read_text())
     assert spec["conf"]["spark.state.residentMemory"] == "1m"
@@ -126,7 +142,8 @@ def _spark_batch(query, campaign, batch_id: int) -> None:
         (query.checkpoint / directory).mkdir(parents=True, exist_ok=True)
     end = {str(s): o for s, o in campaign.events.end_offsets().items()}
     (query.checkpoint / "offsets" / str(batch_id)).write_text(
-        "v1\n" + json.dumps({"batchTimestampMs": 1}) + "\n" + json.dumps(end) + "\n")
+        "v1\n" + json.dumps({"batchTimestampMs": 1}) + "\n" + json.dumps(end) + "\n"
+    )
     (query.checkpoint / "commits" / str(batch_id)).write_text("v1\n{}\n")
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.store.chains import ChainTracker, compaction_due
 from spark_state.errors import ConfigError
+from spark_state.store.chains import ChainTracker, compaction_due
 
 
 def keys(n: int, first: int = 0) -> set[str]:
@@ -38,8 +38,13 @@ def test_a_merge_holds_every_key_changed_since_the_full_entry_until_they_are_hal
         (entry,) = chains.plan({0: {f"k{n}"}}, lambda g: 10, max_chain_length=2)
         written.append((entry.kind, None if entry.keys is None else sorted(entry.keys)))
         chains.record(f"b{n}")
-    assert written[:5] == [("full", None), ("delta", ["k1"]), ("merge", ["k1", "k2"]), ("merge", ["k1", "k2", "k3"]),
-                           ("merge", ["k1", "k2", "k3", "k4"])]
+    assert written[:5] == [
+        ("full", None),
+        ("delta", ["k1"]),
+        ("merge", ["k1", "k2"]),
+        ("merge", ["k1", "k2", "k3"]),
+        ("merge", ["k1", "k2", "k3", "k4"]),
+    ]
     assert written[5] == ("full", None)  # five keys changed since the full entry: half of the ten
     assert written[6:8] == [("delta", ["k6"]), ("merge", ["k6", "k7"])]
 
@@ -151,6 +156,8 @@ def test_chains_never_exceed_the_limit_and_are_compacted_only_when_due(key_group
                 assert len(previous) >= compaction_due(max_chain_length)  # compacted, never before it is due
             assert entry.kind != "delta" or len(previous) < max_chain_length
             if entry.kind == "merge":  # every key changed since the full entry, which it extends alone
-                assert entry.previous == previous[:1] and entry.keys == since[entry.key_group] | changed[entry.key_group]
+                assert (
+                    entry.previous == previous[:1] and entry.keys == since[entry.key_group] | changed[entry.key_group]
+                )
         chains.record(f"b{batch}")
         assert all(len(chain) <= max_chain_length for chain in chains.held().values() if chain)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from spark_state.store.manifestlog import open_manifest_log
 from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
+from spark_state.store.manifestlog import open_manifest_log
 from spark_state.store.restore import plan_instance_restore
 from tests.cluster import Driver, StandaloneCluster
 
@@ -77,8 +77,13 @@ class ClusterJob:
         """One application that runs the query once per ``runs`` entry (``parallelism``, ``append``: users to
         append first, optionally ``try_local_store``); its result, with every run's output recorded."""
         result = self.driver.run(
-            {"log": self.log, "component": COMPONENT, "store": self.store, "checkpoint": str(self.root / "chk"),
-             "runs": list(runs)},
+            {
+                "log": self.log,
+                "component": COMPONENT,
+                "store": self.store,
+                "checkpoint": str(self.root / "chk"),
+                "runs": list(runs),
+            },
             timeout=120.0 * len(runs),
         )
         for run, outcome in zip(runs, result["runs"], strict=True):
@@ -102,8 +107,10 @@ class ClusterJob:
     def restore_bytes(self, checkpoint_id: int, parallelism: int) -> dict[int, int]:
         """Per instance at ``parallelism``: the bytes its restore plan reads from checkpoint ``checkpoint_id``."""
         component = open_manifest_log(self.store).load(checkpoint_id).components[COMPONENT]
-        return {j: plan_instance_restore(component, j, parallelism, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES).bytes_to_read
-                for j in range(parallelism)}
+        return {
+            j: plan_instance_restore(component, j, parallelism, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES).bytes_to_read
+            for j in range(parallelism)
+        }
 
 
 def executors_of(cluster: StandaloneCluster, app_id: str, run: dict) -> set[str]:
@@ -125,7 +132,11 @@ def first_batch_reads(result: dict) -> dict[int, int]:
 def test_rescale_2_3_across_executors_on_s3_gives_exact_output(cluster, driver, tmp_path, s3_server, s3_bucket):
     job = ClusterJob(driver, tmp_path, s3_server, s3_bucket)
     result = job.run(
-        {"parallelism": 2, "append": job.events(600, keys=90, salt=0), "try_local_store": str(tmp_path / "local-state")},
+        {
+            "parallelism": 2,
+            "append": job.events(600, keys=90, salt=0),
+            "try_local_store": str(tmp_path / "local-state"),
+        },
         {"parallelism": 3, "append": job.events(600, keys=120, salt=2)},
     )
     job.check_exact()

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from spark_state.store.commitlog import CommitLog, decode_record, encode_record
 from spark_state.errors import BlobExistsError, BlobNotFoundError, CorruptBlobError
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.commitlog import CommitLog, decode_record, encode_record
 
 
 @pytest.fixture(params=["memory", "local"])

@@ -11,8 +11,8 @@ from spark_state.errors import (
     StateBehindQueryError,
     StateMissingError,
     StateOfAnotherQueryError,
-    StoreOwnedByAnotherQueryError,
     StateQueryMismatchError,
+    StoreOwnedByAnotherQueryError,
 )
 from spark_state.store.manifest import Manifest, QueryBinding
 
@@ -172,14 +172,14 @@ def test_query_start_is_refused_early_when_the_store_is_behind_or_empty():
 import pyarrow as pa  # noqa: E402
 
 from spark_state.driver.coordinator import Coordinator  # noqa: E402
-from spark_state.executor.report import InstanceReport  # noqa: E402
 from spark_state.errors import IncompatibleCheckpointError, KeyGroupOwnershipError  # noqa: E402
-from spark_state.keyspace import key_group_for, key_group_range  # noqa: E402
-from spark_state.store.manifest import ComponentSpec  # noqa: E402
-from spark_state.store.manifestlog import ManifestLog  # noqa: E402
+from spark_state.executor.report import InstanceReport  # noqa: E402
 from spark_state.executor.resident import ResidentState  # noqa: E402
+from spark_state.keyspace import key_group_for, key_group_range  # noqa: E402
 from spark_state.model.schema import KeyedSchema  # noqa: E402
 from spark_state.storage.memory import MemoryStorage  # noqa: E402
+from spark_state.store.manifest import ComponentSpec  # noqa: E402
+from spark_state.store.manifestlog import ManifestLog  # noqa: E402
 from tests.stores import Store  # noqa: E402
 
 SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
@@ -259,7 +259,12 @@ def test_a_query_whose_store_moved_past_its_plan_is_told_another_query_owns_it()
     late = two.begin(batch(0, 0, 10, query_id="q2"), spec)
     for batch_id in range(3):
         plan = one.begin(batch(batch_id, 10 * batch_id, 10 * batch_id + 10), spec)
-        one.commit(plan, batch(batch_id, 10 * batch_id, 10 * batch_id + 10), spec, _reports(store, plan.checkpoint_id, 1, ["a"]))
+        one.commit(
+            plan,
+            batch(batch_id, 10 * batch_id, 10 * batch_id + 10),
+            spec,
+            _reports(store, plan.checkpoint_id, 1, ["a"]),
+        )
     with pytest.raises(StoreOwnedByAnotherQueryError, match="checkpoint 2 was committed by query q1"):
         two.commit(late, batch(0, 0, 10, query_id="q2"), spec, _reports(store, 0, 1, ["b"]))
     assert store.committed_ids() == [0, 1, 2]

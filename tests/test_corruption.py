@@ -19,7 +19,6 @@ from datasources.errors import CorruptLogError, SegmentMissingError
 from datasources.log import ReplayableLog
 from datasources.logindex import LogMeta, SinkMark
 from spark_state.driver.coordinator import Coordinator, SparkBatch
-from spark_state.executor.report import InstanceReport
 from spark_state.errors import (
     CorruptBlobError,
     MissingFileError,
@@ -27,12 +26,13 @@ from spark_state.errors import (
     StateOfAnotherQueryError,
     StorageError,
 )
-from spark_state.store.manifest import ComponentSpec, QueryBinding
-from spark_state.store.manifestlog import ManifestLog, ManifestReader, manifest_path
+from spark_state.executor.report import InstanceReport
 from spark_state.executor.resident import restore_instance
 from spark_state.storage import LocalStorage
-from tests.test_manifestlog import COMPONENT, KEYS, M, SCHEMA, Job, restore_all
+from spark_state.store.manifest import ComponentSpec, QueryBinding
+from spark_state.store.manifestlog import ManifestLog, ManifestReader, manifest_path
 from tests.stores import Store
+from tests.test_manifestlog import COMPONENT, KEYS, SCHEMA, Job, M, restore_all
 
 DAMAGES = ("flip", "truncate", "delete")
 
@@ -42,7 +42,7 @@ def damage(storage: LocalStorage, path: str, how: str) -> None:
     storage.delete(path)
     if how == "flip":
         position = len(data) // 2
-        storage.create(path, data[:position] + bytes([data[position] ^ 0x40]) + data[position + 1:])
+        storage.create(path, data[:position] + bytes([data[position] ^ 0x40]) + data[position + 1 :])
     elif how == "truncate":
         storage.create(path, data[: len(data) // 2])
 
@@ -132,8 +132,9 @@ def test_a_damaged_log_commit_is_a_typed_error_naming_it(tmp_path, how):
 
 
 def _batch(query: str, batch_id: int, start: int, end: int) -> SparkBatch:
-    return SparkBatch(query, None, batch_id, f"/chk/{query}", {"src": {"offset": end}},
-                      {"src": {"offset": start} if start else None})
+    return SparkBatch(
+        query, None, batch_id, f"/chk/{query}", {"src": {"offset": end}}, {"src": {"offset": start} if start else None}
+    )
 
 
 def test_restore_from_an_older_checkpoint_past_a_damaged_newest_one(tmp_path):
@@ -155,14 +156,17 @@ def test_restore_from_an_older_checkpoint_past_a_damaged_newest_one(tmp_path):
     # the setting is spent once the restored query committed: its next batch follows its own checkpoint
     later = coordinator.begin(_batch("new", 1, 9, 12), spec, restore_from=3)
     assert (later.checkpoint_id, later.base.checkpoint_id, later.restored) == (6, 5, False)
-    assert ManifestReader(store.storage).latest().binding == QueryBinding("new", None, 0, "/chk/new",
-                                                                          {"src": {"offset": 3}})
+    assert ManifestReader(store.storage).latest().binding == QueryBinding(
+        "new", None, 0, "/chk/new", {"src": {"offset": 3}}
+    )
 
 
 def test_restore_from_a_checkpoint_that_is_gone_says_which_are_retained(tmp_path):
     store, _ = history(tmp_path)
     coordinator = Coordinator(ManifestLog(store.storage), store="s")
-    with pytest.raises(NoCheckpointError, match=r"restoreFrom=99: checkpoint 99 does not exist .*committed: \[1, 2, 3, 4\]"):
+    with pytest.raises(
+        NoCheckpointError, match=r"restoreFrom=99: checkpoint 99 does not exist .*committed: \[1, 2, 3, 4\]"
+    ):
         coordinator.begin(_batch("new", 0, 1, 9), ComponentSpec(COMPONENT, M, 2, SCHEMA), restore_from=99)
 
 
@@ -184,7 +188,7 @@ def test_random_damage_to_any_file_is_never_served(tmp_path):
             continue
         position = rng.randrange(len(data))
         store.storage.delete(path)
-        store.storage.create(path, data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1:])
+        store.storage.create(path, data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1 :])
         try:
             assert restore_all(Store(store.storage), 4, 2) == job.committed[4]
         except StorageError:

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_state.store.stops import stopped_run
 from spark_state.storage.local import LocalStorage
+from spark_state.store.stops import stopped_run
 from tests.files import publish
 from tests.kills import kill_when_created
 
@@ -66,8 +66,11 @@ def _kill_during_first_offsets_write(work: Path, function: str) -> list[str]:
     offsets = work / "chk" / "offsets"
     offsets.mkdir(parents=True)  # an empty offsets/ is a valid start; it lets inotify watch it from the start
     process = subprocess.Popen(
-        _command(work, 2, function=function), env=_env(), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        _command(work, 2, function=function),
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     assert kill_when_created(process, str(offsets), FIRST_OFFSETS_TEMP, timeout=240) is not None
     return sorted(os.listdir(offsets))
@@ -129,8 +132,9 @@ def test_killed_driver_restarts_to_exact_output_and_a_script_that_exits_at_once_
     # ``StreamingQuery`` and exits at once, as many scripts do (no ``StatefulQuery`` call records the stop, and
     # the session is not stopped): the run is recorded as stopped before the driver exits, and Spark logs no
     # error about a listener whose driver went away.
-    finished = subprocess.run(_command(tmp_path, 1) + ["--raw-exit"], env=_env(), capture_output=True, text=True,
-                              timeout=300)
+    finished = subprocess.run(
+        _command(tmp_path, 1) + ["--raw-exit"], env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     (run_id,) = re.findall(r"^run (\S+)$", finished.stdout, re.MULTILINE)
     assert stopped_run(LocalStorage(str(tmp_path / "state"))) == run_id

@@ -6,13 +6,13 @@ import pyarrow as pa
 import pytest
 
 from spark_state.errors import ConfigError, IncompatibleSchemaError
-from spark_state.model.evolution import default_of, plan_evolution, widens, with_default
-from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
-from spark_state.store.manifest import ComponentSpec, schema_fingerprint
 from spark_state.executor.resident import ResidentState, restore_instance
+from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
+from spark_state.model.evolution import default_of, plan_evolution, widens, with_default
 from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
-from spark_state.storage.memory import MemoryStorage
 from spark_state.model.timers import TIMERS
+from spark_state.storage.memory import MemoryStorage
+from spark_state.store.manifest import ComponentSpec, schema_fingerprint
 from tests.stores import Store
 
 M = 16
@@ -25,30 +25,50 @@ def schema(*fields: pa.Field, timers: bool = False, keys=(KEY,)) -> KeyedSchema:
 
 
 V1 = schema(pa.field("count", pa.int32()), pa.field("label", pa.string()))
-V2 = schema(pa.field("count", pa.int64()), pa.field("label", pa.large_string()),
-            with_default(pa.field("total", pa.int64()), 7))
+V2 = schema(
+    pa.field("count", pa.int64()), pa.field("label", pa.large_string()), with_default(pa.field("total", pa.int64()), 7)
+)
 V3 = schema(pa.field("count", pa.int64()), with_default(pa.field("total", pa.int64()), 7))
 
 
 # --------------------------------------------------------------------------- rules
 
 
-@pytest.mark.parametrize("old, new", [
-    (pa.int8(), pa.int64()), (pa.int32(), pa.int64()), (pa.uint16(), pa.int32()), (pa.uint32(), pa.uint64()),
-    (pa.float32(), pa.float64()), (pa.float16(), pa.float32()), (pa.string(), pa.large_string()),
-    (pa.binary(), pa.large_binary()), (pa.decimal128(5, 2), pa.decimal128(9, 2)),
-    (pa.list_(pa.int32()), pa.large_list(pa.int64())), (pa.int64(), pa.int64()),
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (pa.int8(), pa.int64()),
+        (pa.int32(), pa.int64()),
+        (pa.uint16(), pa.int32()),
+        (pa.uint32(), pa.uint64()),
+        (pa.float32(), pa.float64()),
+        (pa.float16(), pa.float32()),
+        (pa.string(), pa.large_string()),
+        (pa.binary(), pa.large_binary()),
+        (pa.decimal128(5, 2), pa.decimal128(9, 2)),
+        (pa.list_(pa.int32()), pa.large_list(pa.int64())),
+        (pa.int64(), pa.int64()),
+    ],
+)
 def test_widenings(old, new):
     assert widens(old, new)
 
 
-@pytest.mark.parametrize("old, new", [
-    (pa.int64(), pa.int32()), (pa.float64(), pa.float32()), (pa.large_string(), pa.string()),
-    (pa.int32(), pa.float64()), (pa.int64(), pa.string()), (pa.uint64(), pa.int64()), (pa.int32(), pa.uint64()),
-    (pa.decimal128(9, 2), pa.decimal128(9, 3)), (pa.large_list(pa.int64()), pa.list_(pa.int64())),
-    (pa.string(), pa.binary()),
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (pa.int64(), pa.int32()),
+        (pa.float64(), pa.float32()),
+        (pa.large_string(), pa.string()),
+        (pa.int32(), pa.float64()),
+        (pa.int64(), pa.string()),
+        (pa.uint64(), pa.int64()),
+        (pa.int32(), pa.uint64()),
+        (pa.decimal128(9, 2), pa.decimal128(9, 3)),
+        (pa.large_list(pa.int64()), pa.list_(pa.int64())),
+        (pa.string(), pa.binary()),
+    ],
+)
 def test_narrowing_or_other_kinds_do_not_widen(old, new):
     assert not widens(old, new)
 
@@ -63,26 +83,69 @@ def test_allowed_changes_are_described():
     assert plan_evolution("c", V2, V3).changes == ("value.label removed",)
     with_timers = plan_evolution("c", V3, schema(*V3.value.fields, timers=True))
     assert with_timers.changes == ("state variable 'timers' added (null for stored keys)",)
-    assert plan_evolution("c", schema(*V3.value.fields, timers=True), V3).changes == ("state variable 'timers' removed",)
+    assert plan_evolution("c", schema(*V3.value.fields, timers=True), V3).changes == (
+        "state variable 'timers' removed",
+    )
     nullable = plan_evolution("c", schema(pa.field("n", pa.int64(), nullable=False)), schema(pa.field("n", pa.int64())))
     assert nullable.changes == ()
 
 
-@pytest.mark.parametrize("new, column, old_type, new_type, why", [
-    (schema(pa.field("count", pa.int16()), pa.field("label", pa.string())), "value.count", "int32", "int16",
-     "only widening"),
-    (schema(pa.field("count", pa.string()), pa.field("label", pa.string())), "value.count", "int32", "string",
-     "changes the kind"),
-    (schema(pa.field("count", pa.int32()), pa.field("label", pa.string()), pa.field("n", pa.int64(), nullable=False)),
-     "value.n", None, "int64", "needs a declared default"),
-    (schema(pa.field("count", pa.int32(), nullable=False), pa.field("label", pa.string())), "value.count", "int32",
-     "int32", "now non-nullable"),
-    (schema(*V1.value.fields, keys=(pa.field("user", pa.large_string()),)), "user", "string", "large_string",
-     "key columns never change"),
-    (schema(*V1.value.fields, keys=(pa.field("id", pa.string()),)), "user", "string", None, "key columns never change"),
-    (schema(*V1.value.fields, keys=(KEY, pa.field("region", pa.string()))), "region", None, "string",
-     "key columns never change"),
-])
+@pytest.mark.parametrize(
+    "new, column, old_type, new_type, why",
+    [
+        (
+            schema(pa.field("count", pa.int16()), pa.field("label", pa.string())),
+            "value.count",
+            "int32",
+            "int16",
+            "only widening",
+        ),
+        (
+            schema(pa.field("count", pa.string()), pa.field("label", pa.string())),
+            "value.count",
+            "int32",
+            "string",
+            "changes the kind",
+        ),
+        (
+            schema(
+                pa.field("count", pa.int32()), pa.field("label", pa.string()), pa.field("n", pa.int64(), nullable=False)
+            ),
+            "value.n",
+            None,
+            "int64",
+            "needs a declared default",
+        ),
+        (
+            schema(pa.field("count", pa.int32(), nullable=False), pa.field("label", pa.string())),
+            "value.count",
+            "int32",
+            "int32",
+            "now non-nullable",
+        ),
+        (
+            schema(*V1.value.fields, keys=(pa.field("user", pa.large_string()),)),
+            "user",
+            "string",
+            "large_string",
+            "key columns never change",
+        ),
+        (
+            schema(*V1.value.fields, keys=(pa.field("id", pa.string()),)),
+            "user",
+            "string",
+            None,
+            "key columns never change",
+        ),
+        (
+            schema(*V1.value.fields, keys=(KEY, pa.field("region", pa.string()))),
+            "region",
+            None,
+            "string",
+            "key columns never change",
+        ),
+    ],
+)
 def test_refusals_name_the_column_the_types_and_what_to_do(new, column, old_type, new_type, why):
     with pytest.raises(IncompatibleSchemaError, match=why) as info:
         plan_evolution("clicks", V1, new)
@@ -125,16 +188,19 @@ class Job:
     def restart(self, schema_: KeyedSchema, parallelism: int) -> None:
         component = self.store.latest().components["c"]
         self.schema, self.p = schema_, parallelism
-        self.instances = [restore_instance(self.store.blobs, component, schema_, i, parallelism, M)[0]
-                          for i in range(parallelism)]
+        self.instances = [
+            restore_instance(self.store.blobs, component, schema_, i, parallelism, M)[0] for i in range(parallelism)
+        ]
 
     def put(self, user: str, value: tuple) -> None:
         g = key_group_for(user, M)
         self.instances[instance_for_key_group(g, self.p, M)].table.put(g, (user,), value)
 
     def checkpoint(self, checkpoint_id: int):
-        refs = [s.checkpoint(self.store.blobs, "c", checkpoint_id, i, max_chain_length=3)[0]
-                for i, s in enumerate(self.instances)]
+        refs = [
+            s.checkpoint(self.store.blobs, "c", checkpoint_id, i, max_chain_length=3)[0]
+            for i, s in enumerate(self.instances)
+        ]
         spec = ComponentSpec("c", M, self.p, self.schema)
         manifest = self.store.commit(checkpoint_id, {"c": (spec, [r for r in refs if r is not None])}, {})
         self.store.cleanup(manifest)
@@ -198,7 +264,9 @@ def test_a_narrowing_restart_is_refused_before_reading():
     job = Job(store, V2, 2)
     job.put("a", (1, "x", 2))
     job.checkpoint(1)
-    narrowed = schema(pa.field("count", pa.int32()), pa.field("label", pa.large_string()), pa.field("total", pa.int64()))
+    narrowed = schema(
+        pa.field("count", pa.int32()), pa.field("label", pa.large_string()), pa.field("total", pa.int64())
+    )
     with pytest.raises(IncompatibleSchemaError, match="'value.count' cannot change from int64 to int32") as info:
         restore_instance(store.blobs, store.latest().components["c"], narrowed, 0, 2, M)
     assert info.value.column == "value.count"

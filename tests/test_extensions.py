@@ -34,12 +34,18 @@ def _spread() -> AggregateDef:
             raise ConfigError(f"{name}({column!r}) needs an integer column, it is {kind}")
 
     return AggregateDef(
-    "spread", True, integers, lambda t: (pa.int64(), pa.int64()), ("min", "max"), ("min", "max"),
-    lambda _: pa.int64(), lambda s: None if s[0] is None else s[1] - s[0],
-    in_jvm=lambda t: t is not None and pa.types.is_integer(t),
-    doc="The largest minus the smallest value of ``column`` per key so far.",
-    finish_arrow=lambda columns: pa.compute.subtract(columns[1], columns[0]),
-    in_arrow=lambda t: t is not None and pa.types.is_integer(t),
+        "spread",
+        True,
+        integers,
+        lambda t: (pa.int64(), pa.int64()),
+        ("min", "max"),
+        ("min", "max"),
+        lambda _: pa.int64(),
+        lambda s: None if s[0] is None else s[1] - s[0],
+        in_jvm=lambda t: t is not None and pa.types.is_integer(t),
+        doc="The largest minus the smallest value of ``column`` per key so far.",
+        finish_arrow=lambda columns: pa.compute.subtract(columns[1], columns[0]),
+        in_arrow=lambda t: t is not None and pa.types.is_integer(t),
     )
 
 
@@ -61,8 +67,13 @@ def spread():
 
 def _rows(keys: list[str], values: list[int]) -> pa.Table:
     column = pa.array(keys)
-    return pa.table({KEY_GROUP_COLUMN: pa.array(key_groups_for_columns([column], 8).astype("int32")), "key": column,
-                     "v": pa.array(values, pa.int64())})
+    return pa.table(
+        {
+            KEY_GROUP_COLUMN: pa.array(key_groups_for_columns([column], 8).astype("int32")),
+            "key": column,
+            "v": pa.array(values, pa.int64()),
+        }
+    )
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -81,14 +92,24 @@ def test_a_registered_aggregate_is_refused_twice_and_one_with_an_unknown_partial
     with pytest.raises(ConfigError, match="exists already"):
         register_aggregate(SPREAD)
     with pytest.raises(ConfigError, match="each partial one of"):
-        AggregateDef("median", True, SPREAD.check, lambda t: (t,), ("median",), ("min",), lambda t: t, lambda s: s[0],
-                     lambda _: False)
+        AggregateDef(
+            "median",
+            True,
+            SPREAD.check,
+            lambda t: (t,),
+            ("median",),
+            ("min",),
+            lambda t: t,
+            lambda s: s[0],
+            lambda _: False,
+        )
 
 
 @pytest.mark.spark
 @pytest.mark.parametrize("in_jvm", [True, False])
-def test_a_new_aggregate_runs_in_a_query_with_its_method_and_its_partials_in_spark(spark, spread, tmp_path, in_jvm,
-                                                                                monkeypatch):
+def test_a_new_aggregate_runs_in_a_query_with_its_method_and_its_partials_in_spark(
+    spark, spread, tmp_path, in_jvm, monkeypatch
+):
     from spark_state import keyed
     from tests.files import publish
 
@@ -97,16 +118,27 @@ def test_a_new_aggregate_runs_in_a_query_with_its_method_and_its_partials_in_spa
     (tmp_path / "input").mkdir()
     batches = [[("a", 5), ("b", 7), ("a", 1)], [("a", 9), ("c", -2)], [("b", 10)]]
     for i, rows in enumerate(batches):
-        publish(pa.table({"user": [u for u, _ in rows], "amount": [a for _, a in rows]}),
-                tmp_path / "input" / f"part-{i:05d}.parquet", i)
+        publish(
+            pa.table({"user": [u for u, _ in rows], "amount": [a for _, a in rows]}),
+            tmp_path / "input" / f"part-{i:05d}.parquet",
+            i,
+        )
     spark.conf.set("spark.state.store", str(tmp_path / "state"))
     outputs: dict[int, dict] = {}
-    events = spark.readStream.schema("user string, amount long").option("maxFilesPerTrigger", 1).parquet(
-        str(tmp_path / "input"))
+    events = (
+        spark.readStream.schema("user string, amount long")
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(tmp_path / "input"))
+    )
     stream = keyed(events, "user", name="spreads").spread("amount")
-    query = stream.writeStream.foreachBatch(
-        lambda df, batch_id: outputs.__setitem__(batch_id, {r["user"]: r["spread_amount"] for r in df.collect()})
-    ).option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+    query = (
+        stream.writeStream.foreachBatch(
+            lambda df, batch_id: outputs.__setitem__(batch_id, {r["user"]: r["spread_amount"] for r in df.collect()})
+        )
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
     try:
         query.awaitTermination()
     finally:
@@ -157,7 +189,7 @@ class DictStorage(Storage):
     def list(self, path: str = "") -> list[str]:
         check_path(path, allow_root=True)
         prefix = path + "/" if path else ""
-        return sorted({p[len(prefix):].split("/", 1)[0] for p in self.blobs if p.startswith(prefix)})
+        return sorted({p[len(prefix) :].split("/", 1)[0] for p in self.blobs if p.startswith(prefix)})
 
     def delete(self, path: str) -> None:
         check_path(path)
@@ -166,15 +198,15 @@ class DictStorage(Storage):
 
 
 def _open_toy(uri: str) -> DictStorage:
-    name = uri[len("toy://"):]
+    name = uri[len("toy://") :]
     if not name or "/" in name:
         raise ConfigError(f"invalid toy URI {uri!r}: use toy://NAME")
     return DictStorage(name)
 
 
 def test_a_new_backend_is_one_registration_and_every_entry_point_opens_its_stores():
-    from spark_state.store.manifest import ComponentSpec
     from spark_state.ops.reader import read_state
+    from spark_state.store.manifest import ComponentSpec
     from tests.stores import Store
 
     register_backend(Backend(("toy",), _open_toy, "toy://NAME"))
@@ -188,7 +220,9 @@ def test_a_new_backend_is_one_registration_and_every_entry_point_opens_its_store
     blob, _ = state.checkpoint(store.blobs, "c", 1, 0)
     store.commit(1, {"c": (ComponentSpec("c", 8, 1, schema), [blob])}, {})
     assert sorted(read_state("toy://extension", "c").to_pylist(), key=lambda r: r["key"]) == [
-        {"key": "a", "value": 1}, {"key": "b", "value": 2}]  # through the reader
+        {"key": "a", "value": 1},
+        {"key": "b", "value": 2},
+    ]  # through the reader
     from spark_state.ops.cli import cli
 
     verified = CliRunner().invoke(cli, ["verify", "toy://extension", "--json"])
@@ -196,4 +230,3 @@ def test_a_new_backend_is_one_registration_and_every_entry_point_opens_its_store
     assert json.loads(verified.stdout)["ok"] is True
     with pytest.raises(ConfigError, match="toy://NAME"):
         open_storage("gs://bucket/key")  # the new scheme is among those an error lists
-

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_state.errors import ConfigError
-from spark_state.executor.columns import KEY_GROUP_COLUMN
 from spark_state.executor.aggregates import AGGREGATES, Aggregate
+from spark_state.executor.columns import KEY_GROUP_COLUMN
 from spark_state.executor.functions import BatchTime, PythonFunction
 from spark_state.executor.resident import ResidentState
-from spark_state.keyspace import KeyGroupRange, key_group_for
 from spark_state.executor.table import KeyGroupTable
+from spark_state.keyspace import KeyGroupRange, key_group_for
 from spark_state.model.schema import KeyedSchema
 from spark_state.model.timers import minima
 
@@ -33,16 +33,19 @@ def _rows(pairs: list[tuple[str, object]], kind: pa.DataType, *, two_keys: bool 
     keys = [k for k, _ in pairs]
     parts = [len(k) % 2 for k in keys]
     groups = [key_group_for((k, p) if two_keys else k, M) for k, p in zip(keys, parts)]
-    return pa.table({
-        "key": pa.array(keys, pa.string()),
-        **({"part": pa.array(parts, pa.int64())} if two_keys else {}),
-        "x": pa.array([v for _, v in pairs], kind),
-        KEY_GROUP_COLUMN: pa.array(groups, pa.int32()),
-    })
+    return pa.table(
+        {
+            "key": pa.array(keys, pa.string()),
+            **({"part": pa.array(parts, pa.int64())} if two_keys else {}),
+            "x": pa.array([v for _, v in pairs], kind),
+            KEY_GROUP_COLUMN: pa.array(groups, pa.int32()),
+        }
+    )
 
 
-def _run(aggregate: Aggregate, batches: list[list[tuple[str, object]]], kind: pa.DataType, *,
-         two_keys: bool = False) -> list[dict]:
+def _run(
+    aggregate: Aggregate, batches: list[list[tuple[str, object]]], kind: pa.DataType, *, two_keys: bool = False
+) -> list[dict]:
     key_fields = [KEY, PART] if two_keys else [KEY]
     table = KeyGroupTable(KeyedSchema.of_values(key_fields, aggregate.state_fields()), KeyGroupRange(0, M - 1))
     assert table.bare != two_keys  # one key column: the dicts hold bare keys; two: tuples
@@ -76,8 +79,11 @@ def _model(kind: str, batches: list[list[tuple[str, object]]]) -> list[dict]:
 
 
 batches = st.lists(
-    st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "é", ""]), st.integers(-100, 100) | st.none()), max_size=12),
-    min_size=1, max_size=5,
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c", "d", "é", ""]), st.integers(-100, 100) | st.none()), max_size=12
+    ),
+    min_size=1,
+    max_size=5,
 )
 
 
@@ -100,7 +106,10 @@ def test_every_builtin_equals_the_running_aggregate_over_all_rows(batches, kind,
 
 def test_min_and_max_keep_strings_and_the_input_type():
     batches = [[("a", "pear"), ("a", "apple")], [("a", "zebra"), ("b", None)]]
-    assert _run(Aggregate("min", "x", "lo", pa.string()), batches, pa.string()) == [{"a": "apple"}, {"a": "apple", "b": None}]
+    assert _run(Aggregate("min", "x", "lo", pa.string()), batches, pa.string()) == [
+        {"a": "apple"},
+        {"a": "apple", "b": None},
+    ]
     assert _run(Aggregate("max", "x", "hi", pa.string()), batches, pa.string())[1] == {"a": "zebra", "b": None}
 
 
@@ -110,13 +119,16 @@ def test_mean_state_is_a_sum_and_a_count():
     assert aggregate.output_type() == pa.float64()
 
 
-@pytest.mark.parametrize("kind, column, input_type, match", [
-    ("sum", "x", pa.string(), "needs a numeric column"),
-    ("mean", "x", pa.bool_(), "needs a numeric column"),
-    ("min", "x", pa.list_(pa.int64()), "numeric, string, date or timestamp"),
-    ("median", "x", pa.int64(), "unknown aggregate 'median'"),
-    ("sum", None, None, "needs a column"),
-])
+@pytest.mark.parametrize(
+    "kind, column, input_type, match",
+    [
+        ("sum", "x", pa.string(), "needs a numeric column"),
+        ("mean", "x", pa.bool_(), "needs a numeric column"),
+        ("min", "x", pa.list_(pa.int64()), "numeric, string, date or timestamp"),
+        ("median", "x", pa.int64(), "unknown aggregate 'median'"),
+        ("sum", None, None, "needs a column"),
+    ],
+)
 def test_bad_aggregates_are_refused_naming_the_column(kind, column, input_type, match):
     with pytest.raises(ConfigError, match=match):
         Aggregate(kind, column, "out", input_type)
@@ -153,7 +165,7 @@ def test_a_user_function_sees_each_keys_rows_and_state_once_per_batch():
 def test_a_value_that_expired_stays_expired_through_its_keys_timers():
     """Two timers of a key fire after its value's time to live ran out: both see no value, and it is gone after."""
     from spark_state.executor.functions import TimeToLive
-    from spark_state.model.schema import StateVariable, VALUE
+    from spark_state.model.schema import VALUE, StateVariable
     from spark_state.model.timers import TIMERS
 
     schema = KeyedSchema((KEY,), (StateVariable(VALUE, (pa.field("n", pa.int64()),)), TIMERS))
@@ -186,7 +198,8 @@ def _entries(entries) -> list[tuple[int, str, list]]:
 @settings(max_examples=60, deadline=None)
 @given(batches=batches, kind=st.sampled_from(sorted(AGGREGATES)), put_between=st.booleans(), two_keys=st.booleans())
 def test_a_checkpoint_writes_the_aggregates_rows_as_they_were_put_the_same_entries_as_read_from_the_dicts(
-        batches, kind, put_between, two_keys):
+    batches, kind, put_between, two_keys
+):
     aggregate = Aggregate(kind, None if kind == "count" else "x", "out", None if kind == "count" else pa.int64())
     key_fields = [KEY, PART] if two_keys else [KEY]
     schema = KeyedSchema.of_values(key_fields, aggregate.state_fields())
@@ -204,32 +217,43 @@ def test_a_checkpoint_writes_the_aggregates_rows_as_they_were_put_the_same_entri
         assert _entries(fast.snapshot(max_chain_length=3)) == _entries(slow.snapshot(max_chain_length=3))
 
 
-times = st.lists(st.integers(-2**62, 2**62), unique=True).map(sorted)
+times = st.lists(st.integers(-(2**62), 2**62), unique=True).map(sorted)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(times, times, st.integers(-2**62, 2**62) | st.none())))
+@given(st.lists(st.tuples(times, times, st.integers(-(2**62), 2**62) | st.none())))
 def test_minima_is_the_earliest_time_of_each_kind_over_the_keys(timers):
     def earliest(times):
         return min(times) if times else None
 
-    expected = (earliest([t for event, _, _ in timers for t in event]),
-                earliest([t for _, processing, _ in timers for t in processing]),
-                earliest([e for _, _, e in timers if e is not None]))
+    expected = (
+        earliest([t for event, _, _ in timers for t in event]),
+        earliest([t for _, processing, _ in timers for t in processing]),
+        earliest([e for _, _, e in timers if e is not None]),
+    )
     assert minima(timers) == minima(iter(timers)) == minima({i: t for i, t in enumerate(timers)}.values()) == expected
 
 
 wide_batches = st.lists(  # key groups of several keys, a few changed per batch: delta entries, then compactions
     st.lists(st.tuples(st.integers(0, 47).map("k{}".format), st.integers(-100, 100) | st.none()), max_size=10),
-    min_size=1, max_size=10,
+    min_size=1,
+    max_size=10,
 )
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches=wide_batches, kind=st.sampled_from(sorted(AGGREGATES)), input_type=st.sampled_from(["int", "str"]),
-       restart=st.integers(0, 5), parallelism=st.integers(1, 3), search=st.booleans(), touch=st.booleans())
+@given(
+    batches=wide_batches,
+    kind=st.sampled_from(sorted(AGGREGATES)),
+    input_type=st.sampled_from(["int", "str"]),
+    restart=st.integers(0, 5),
+    parallelism=st.integers(1, 3),
+    search=st.booleans(),
+    touch=st.booleans(),
+)
 def test_the_arrow_merge_writes_and_outputs_what_the_python_merge_does(
-        batches, kind, input_type, restart, parallelism, search, touch):
+    batches, kind, input_type, restart, parallelism, search, touch
+):
     """A native state (``KeyGroupTable.native``: Arrow kernels, key groups kept as Arrow chains) against a plain
     one, batch by batch: the same outputs, the same checkpoint entries, the same state after a restart at a
     new parallelism (restored chains, searched or hashed). ``touch`` reads one key per batch through ``get``,
@@ -238,9 +262,9 @@ def test_the_arrow_merge_writes_and_outputs_what_the_python_merge_does(
     from unittest import mock
 
     from spark_state.executor import table as keyed_table
-    from spark_state.store.manifest import ComponentSpec
     from spark_state.executor.resident import restore_instance
     from spark_state.storage.memory import MemoryStorage
+    from spark_state.store.manifest import ComponentSpec
     from tests.stores import Store
 
     kind_type = pa.int64() if input_type == "int" else pa.string()
@@ -260,15 +284,20 @@ def test_the_arrow_merge_writes_and_outputs_what_the_python_merge_does(
             if checkpoint_id == restart + 1:
                 for side, store in enumerate(stores):
                     component = store.latest().components.get("c") if store.latest() else None
-                    states[side] = [restore_instance(store.blobs, component, schema, i, parallelism, M,
-                                                     native=side == 0)[0] for i in range(parallelism)]
+                    states[side] = [
+                        restore_instance(store.blobs, component, schema, i, parallelism, M, native=side == 0)[0]
+                        for i in range(parallelism)
+                    ]
             outputs, written = [], []
             for side, store in enumerate(stores):
                 rows = _rows(pairs, kind_type)
                 result, refs = {}, []
                 for i, state in enumerate(states[side]):
-                    mine = rows.filter(pa.array([g in state.key_group_range
-                                                 for g in rows.column(KEY_GROUP_COLUMN).to_pylist()], pa.bool_()))
+                    mine = rows.filter(
+                        pa.array(
+                            [g in state.key_group_range for g in rows.column(KEY_GROUP_COLUMN).to_pylist()], pa.bool_()
+                        )
+                    )
                     if mine.num_rows:
                         out = aggregate.apply(state.table, mine, ("key",))
                         result.update(zip(out.column("key").to_pylist(), out.column("out").to_pylist()))
@@ -293,8 +322,9 @@ def test_a_sum_leaving_the_64_bit_range_fails_the_batch_with_a_typed_error_and_k
     from spark_state.errors import AggregateOverflowError
 
     aggregate = Aggregate("sum", "x", "total", pa.int64())
-    state = ResidentState(KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M - 1),
-                          native=native)
+    state = ResidentState(
+        KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M - 1), native=native
+    )
     assert state.table.native == native
     aggregate.apply(state.table, _rows([("a", 2**63 - 10), ("b", 1)], pa.int64()), ("key",))
     with pytest.raises(AggregateOverflowError, match=r"sum\('x'\) overflows .* cast the column to double"):
@@ -306,8 +336,9 @@ def test_the_arrow_merge_refuses_rows_of_a_key_group_the_instance_does_not_own()
     from spark_state.errors import KeyGroupOwnershipError
 
     aggregate = Aggregate("count", None, "n")
-    state = ResidentState(KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M // 2 - 1),
-                          native=True)
+    state = ResidentState(
+        KeyedSchema.of_values([KEY], aggregate.state_fields()), KeyGroupRange(0, M // 2 - 1), native=True
+    )
     rows = _rows([(k, 1) for k in "abcdefgh"], pa.int64())
     assert max(rows.column(KEY_GROUP_COLUMN).to_pylist()) >= M // 2  # some rows belong to another instance
     with pytest.raises(KeyGroupOwnershipError, match="not owned by this instance"):
@@ -315,12 +346,15 @@ def test_the_arrow_merge_refuses_rows_of_a_key_group_the_instance_does_not_own()
     assert list(state.table.items()) == [] and state.table.take_changes() == {}
 
 
-@pytest.mark.parametrize("key_fields, native", [
-    ([KEY], True),
-    ([pa.field("key", pa.int32())], True),
-    ([pa.field("key", pa.float64())], False),  # no sorted entries to search: the per-key path, folding as usual
-    ([KEY, PART], False),
-])
+@pytest.mark.parametrize(
+    "key_fields, native",
+    [
+        ([KEY], True),
+        ([pa.field("key", pa.int32())], True),
+        ([pa.field("key", pa.float64())], False),  # no sorted entries to search: the per-key path, folding as usual
+        ([KEY, PART], False),
+    ],
+)
 def test_a_table_is_native_only_under_one_sorted_key_column(key_fields, native):
     schema = KeyedSchema.of_values(key_fields, Aggregate("count", None, "n").state_fields())
     table = KeyGroupTable(schema, KeyGroupRange(0, M - 1), native=True)

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from spark_state.hosts import trust as host_trust
-
 from spark_state.hosts import naming, process, serving, trust, wire, worker
+from spark_state.hosts import trust as host_trust
 from spark_state.hosts.trust import HostAuthenticationError, UnsafeHostDirectoryError
 
 ATTACKER = "ssattacker"
@@ -75,8 +74,10 @@ def _attacker_python() -> str:
 def attacker():
     """The second local user's name, created for this module and removed after it."""
     if os.geteuid() != 0:
-        pytest.skip("a second local user can be created only as root (useradd); run the tests as root to check "
-                    "that another user cannot reach the hosts")
+        pytest.skip(
+            "a second local user can be created only as root (useradd); run the tests as root to check "
+            "that another user cannot reach the hosts"
+        )
     if shutil.which("useradd") is None:
         pytest.skip("useradd is not installed: no second local user can be made")
     created = False
@@ -93,8 +94,16 @@ def attacker():
 
 
 def _as_attacker(attacker: str, script: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
-    return subprocess.run([_attacker_python(), "-c", textwrap.dedent(script)], user=attacker, group=attacker,
-                          extra_groups=[], capture_output=True, text=True, timeout=timeout, cwd="/")
+    return subprocess.run(
+        [_attacker_python(), "-c", textwrap.dedent(script)],
+        user=attacker,
+        group=attacker,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
 
 
 @contextlib.contextmanager
@@ -128,8 +137,12 @@ def test_the_hosts_directory_is_made_private_whatever_the_umask_and_so_are_their
             info = os.lstat(level)
             assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700, oct(info.st_mode)
         modes = {path.name: stat.S_IMODE(os.lstat(path).st_mode) for path in directory.iterdir()}
-        assert modes == {address.name: 0o600, address.with_suffix(".lock").name: 0o600,
-                         address.with_suffix(".log").name: 0o600, host_trust.KEY_FILE: 0o600}, modes
+        assert modes == {
+            address.name: 0o600,
+            address.with_suffix(".lock").name: 0o600,
+            address.with_suffix(".log").name: 0o600,
+            host_trust.KEY_FILE: 0o600,
+        }, modes
 
 
 @pytest.mark.parametrize("why", ["open to all", "a link", "a file"])
@@ -193,7 +206,9 @@ def test_a_temporary_directory_too_long_for_a_socket_path_is_a_typed_error(base,
 def test_another_user_cannot_connect_to_a_running_host(base, tmp_path, attacker):
     marker = base / "ran-in-the-host"
     with _forked_host(tmp_path / "state") as (address, host):
-        attack = _as_attacker(attacker, f"""
+        attack = _as_attacker(
+            attacker,
+            f"""
             import socket, struct, sys
             task = {pickle.dumps(_SideEffect(marker))!r}
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -203,7 +218,8 @@ def test_another_user_cannot_connect_to_a_running_host(base, tmp_path, attacker)
                 print("refused", type(error).__name__); sys.exit(0)
             s.sendall(struct.pack("!cQ", b"T", len(task)) + task)
             print("connected")
-        """)
+        """,
+        )
         assert attack.returncode == 0, attack.stderr
         assert attack.stdout.split() == ["refused", "PermissionError"], attack.stdout
         time.sleep(0.2)
@@ -216,7 +232,11 @@ def test_another_user_s_directory_and_socket_planted_before_the_query_starts_are
     where the worker would look for its host; the worker refuses the directory and sends nothing there."""
     address = base / f"spark-state-{os.getuid()}" / str(os.getpid()) / naming.host_name("/store", "c", 0)
     got = base / "what-the-attacker-got"
-    attack = subprocess.Popen([_attacker_python(), "-c", textwrap.dedent(f"""
+    attack = subprocess.Popen(
+        [
+            _attacker_python(),
+            "-c",
+            textwrap.dedent(f"""
         import os, socket, pathlib
         os.umask(0)
         os.makedirs({str(address.parent)!r}, mode=0o777)
@@ -230,7 +250,15 @@ def test_another_user_s_directory_and_socket_planted_before_the_query_starts_are
             pathlib.Path({str(got)!r}).write_bytes(c.recv(1 << 16) or b"(connected)")
         except socket.timeout:
             pass
-    """)], user=attacker, group=attacker, extra_groups=[], stdout=subprocess.PIPE, text=True, cwd="/")
+    """),
+        ],
+        user=attacker,
+        group=attacker,
+        extra_groups=[],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
     try:
         assert attack.stdout.readline().strip() == "ready"
         with pytest.raises(UnsafeHostDirectoryError, match=f"owned by uid {pwd.getpwnam(attacker).pw_uid}"):
@@ -248,8 +276,9 @@ def _threaded_host(directory: Path):
     """The real serving loop (the real ``_serve_task``, which unpickles its task) at ``directory/q-0.sock`` in a
     thread; yields its address. Ends once the test's connections are done and it idles out."""
     address = directory / "q-0.sock"
-    server = threading.Thread(target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 1.0},
-                              daemon=True)
+    server = threading.Thread(
+        target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 1.0}, daemon=True
+    )
     server.start()
     deadline = time.monotonic() + 5
     while not address.exists() and time.monotonic() < deadline:
@@ -262,7 +291,8 @@ def _threaded_host(directory: Path):
 
 @pytest.mark.parametrize("attempt", ["no handshake", "a wrong key", "a replayed proof"])
 def test_a_peer_without_the_executor_s_key_is_refused_before_anything_it_sends_is_unpickled(
-        monkeypatch, capfd, attempt):
+    monkeypatch, capfd, attempt
+):
     monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.05)
     directory = Path(tempfile.mkdtemp(prefix="ss-sec-", dir="/tmp"))
     marker = directory / "ran-in-the-host"
@@ -328,7 +358,8 @@ def test_a_worker_sends_nothing_to_and_unpickles_nothing_from_a_process_that_is_
 
 
 def test_an_adopting_worker_names_a_socket_never_a_path_elsewhere(monkeypatch, capfd):
-    from tests.test_hosts import _run_task, _threaded_host as _adoptable_host
+    from tests.test_hosts import _run_task
+    from tests.test_hosts import _threaded_host as _adoptable_host
 
     outside = Path(tempfile.mkdtemp(prefix="ss-sec-outside-", dir="/tmp"))
     try:

@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 from datasources.errors import CorruptLogError
 from datasources.log import ReplayableLog, decode_segment, encode_segment
 from datasources.logindex import Commit, LogIndex, LogMeta, SegmentRef, SinkMark
-from spark_state.store.blob import BlobEntry, decode_entry, encode_blob, read_blob_file
-from spark_state.store.commitlog import decode_record, encode_record
 from spark_state.errors import ConfigError, CorruptBlobError, InvalidPathError, SparkStateError
 from spark_state.keyspace import KeyGroupRange
-from spark_state.store.manifest import ItemsRef, Manifest, check_component_name
-from spark_state.store.manifestlog import CHECKPOINTS_DIR, ManifestReader, manifest_path
 from spark_state.storage import LocalStorage, MemoryStorage
 from spark_state.storage.base import check_path
+from spark_state.store.blob import BlobEntry, decode_entry, encode_blob, read_blob_file
+from spark_state.store.commitlog import decode_record, encode_record
+from spark_state.store.manifest import ItemsRef, Manifest, check_component_name
+from spark_state.store.manifestlog import ManifestReader, manifest_path
 from tests.stores import Store
-from tests.test_manifestlog import COMPONENT, KEYS, M, SCHEMA, Job, restore_all
+from tests.test_manifestlog import COMPONENT, KEYS, SCHEMA, Job, M, restore_all
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 HOSTILE_NUMBERS = st.sampled_from([-1, 0, 1, 2**31, 2**40, 2**63, -(2**63), 10**30])
@@ -48,7 +48,7 @@ def mutate(body, data: st.DataObject):
         return {**body, key: mutate(body[key], data)}
     if isinstance(body, list) and body and data.draw(st.booleans()):
         index = data.draw(st.integers(0, len(body) - 1))
-        return body[:index] + [mutate(body[index], data)] + body[index + 1:]
+        return body[:index] + [mutate(body[index], data)] + body[index + 1 :]
     return data.draw(JSON_VALUES)
 
 
@@ -97,8 +97,17 @@ def test_mutated_manifest_records_give_typed_errors_or_a_state_never_served_wron
         pass  # restore_all's own checks of what it got (a forged manifest may point at other entries)
 
 
-@pytest.mark.parametrize("field, value", [("schema", []), ("schema", None), ("schema", 7), ("key_columns", []),
-                                          ("key_columns", [1]), ("key_columns", "key")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("schema", []),
+        ("schema", None),
+        ("schema", 7),
+        ("key_columns", []),
+        ("key_columns", [1]),
+        ("key_columns", "key"),
+    ],
+)
 def test_a_record_whose_schema_or_key_columns_are_not_text_is_refused_typed(history, field, value):
     """Found by the fuzz test above: a schema that was a list or null reached the decoder as a TypeError."""
     store, _ = history
@@ -143,11 +152,12 @@ class _maybe_corrupt:
 
 def _entry_bytes(rows: int) -> tuple[bytes, pa.Schema]:
     schema = SCHEMA.blob_schema
-    batch = pa.RecordBatch.from_pylist([{"key": f"k{i}", **{c: None for c in schema.names[1:]},
-                                         "_deleted": False} for i in range(rows)], schema=schema)
+    batch = pa.RecordBatch.from_pylist(
+        [{"key": f"k{i}", **{c: None for c in schema.names[1:]}, "_deleted": False} for i in range(rows)], schema=schema
+    )
     data, index = encode_blob(schema, [(0, "full", batch)], key_group_range=KeyGroupRange(0, 0), metadata={})
     entry = index.entries[0]
-    return data[entry.offset: entry.offset + entry.length], schema
+    return data[entry.offset : entry.offset + entry.length], schema
 
 
 def test_an_entry_claiming_2_40_rows_is_refused_before_it_is_decoded():
@@ -157,7 +167,7 @@ def test_an_entry_claiming_2_40_rows_is_refused_before_it_is_decoded():
     # the Arrow header itself claiming 2**40 rows (its buffers hold 777), with a checksum that matches
     position = data.find(struct.pack("<q", 777))
     assert position > 0
-    forged = data[:position] + struct.pack("<q", 2**40) + data[position + 8:]
+    forged = data[:position] + struct.pack("<q", 2**40) + data[position + 8 :]
     with pytest.raises(CorruptBlobError, match="does not decode|rows"):
         decode_entry(forged, schema, BlobEntry(0, "full", 0, len(forged), 777, zlib.crc32(forged)))
 
@@ -178,8 +188,10 @@ def test_a_manifest_claiming_a_huge_key_space_or_entry_is_refused_before_any_res
 
 
 @FUZZ
-@given(st.recursive(st.integers() | st.text(max_size=4), lambda s: st.lists(s, max_size=3), max_leaves=10)
-       | st.builds(lambda n: "[" * n + "]" * n, st.integers(1000, 50_000)))
+@given(
+    st.recursive(st.integers() | st.text(max_size=4), lambda s: st.lists(s, max_size=3), max_leaves=10)
+    | st.builds(lambda n: "[" * n + "]" * n, st.integers(1000, 50_000))
+)
 def test_instance_items_of_hostile_content_are_typed_errors_or_a_list(value):
     storage = MemoryStorage()
     data = value.encode() if isinstance(value, str) else json.dumps(value).encode()
@@ -236,8 +248,9 @@ def test_log_records_claiming_huge_numbers_are_refused_before_anything_is_alloca
     with pytest.raises(CorruptLogError):
         Commit.from_json({"format": 1, "commit": 0, "segments": [segment], "trims": {}, "sink": None}, "c")
     with pytest.raises(CorruptLogError):
-        LogIndex.from_json({"format": 1, "commit": 0, "earliest": [0], "end": [2**40], "segments": [segment],
-                            "sinks": {}}, "s")
+        LogIndex.from_json(
+            {"format": 1, "commit": 0, "earliest": [0], "end": [2**40], "segments": [segment], "sinks": {}}, "s"
+        )
     data = encode_segment([pa.record_batch([pa.array(["a"])], schema=LOG_SCHEMA)], LOG_SCHEMA)
     with pytest.raises(CorruptLogError, match="claims"):
         decode_segment(data, SegmentRef(0, 0, 2**40, "data/x", len(data), zlib.crc32(data)), LOG_SCHEMA)

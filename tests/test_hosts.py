@@ -19,22 +19,28 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from spark_state.hosts import adoption, policy, process, serving, tasks, wire, worker
-from spark_state.hosts.trust import host_key, peer_credentials, prove_to_host
-from spark_state.hosts.policy import FULL_COLLECTION_TASKS, collect_garbage
-from spark_state.store.manifest import ComponentSpec
 from spark_state.executor.task import forget_stores
+from spark_state.hosts import adoption, policy, process, serving, tasks, wire, worker
+from spark_state.hosts.policy import FULL_COLLECTION_TASKS, collect_garbage
+from spark_state.hosts.trust import host_key, peer_credentials, prove_to_host
 from spark_state.model.schema import KeyedSchema
-from spark_state.store.stops import record_stop, stopped_run
 from spark_state.storage.local import LocalStorage
+from spark_state.store.manifest import ComponentSpec
+from spark_state.store.stops import record_stop, stopped_run
 from tests.stores import Store
 
 SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 
 
 def _task(store: Path, checkpoint_id: int, base: int | None, parallelism: int, run_id: str | None = "run-1"):
-    return SimpleNamespace(store_uri=str(store), component="c", checkpoint_id=checkpoint_id,
-                           base_checkpoint_id=base, parallelism=parallelism, run_id=run_id)
+    return SimpleNamespace(
+        store_uri=str(store),
+        component="c",
+        checkpoint_id=checkpoint_id,
+        base_checkpoint_id=base,
+        parallelism=parallelism,
+        run_id=run_id,
+    )
 
 
 def _commit(store: Path, checkpoint_id: int, parallelism: int) -> None:
@@ -129,8 +135,9 @@ def test_an_idle_host_asks_whether_it_is_obsolete_and_leaves_when_it_is(monkeypa
     monkeypatch.setattr(policy, "OBSOLETE_CHECK_SECONDS", 0.0)
     monkeypatch.setattr(tasks, "serve_task", serve_task)
     monkeypatch.setattr(policy, "obsolete", obsolete)
-    server = threading.Thread(target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 30},
-                              daemon=True)
+    server = threading.Thread(
+        target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 30}, daemon=True
+    )
     server.start()
     try:
         with _connected(address) as client:  # a task
@@ -164,8 +171,9 @@ def test_a_host_whose_tasks_came_far_apart_waits_longer_before_idling_out(monkey
 
     monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
     monkeypatch.setattr(tasks, "serve_task", serve_task)
-    server = threading.Thread(target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 0.8},
-                              daemon=True)
+    server = threading.Thread(
+        target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 0.8}, daemon=True
+    )
     server.start()
     try:
         for gap in (0.0, 0.5):  # two tasks 0.5 s apart: the host waits 1.5 s for a third
@@ -187,8 +195,10 @@ def test_a_host_leaving_removes_its_own_socket_but_never_that_of_a_host_started_
     monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
     try:
         addresses = [directory / "q-0.sock", directory / "q-1.sock"]
-        servers = [threading.Thread(target=serving.serve, args=(a, os.getpid()), kwargs={"idle_seconds": 0.5},
-                                    daemon=True) for a in addresses]
+        servers = [
+            threading.Thread(target=serving.serve, args=(a, os.getpid()), kwargs={"idle_seconds": 0.5}, daemon=True)
+            for a in addresses
+        ]
         for server in servers:
             server.start()
         deadline = time.monotonic() + 5
@@ -260,7 +270,7 @@ def test_a_worker_waiting_long_for_its_host_logs_the_host_s_stacks_and_keeps_wai
     reports = logged.split("spark-state: the worker of instance 7")[1:]
     assert len(reports) == 3, logged  # at 0.4, 0.8 and 1.6 s
     assert f"from its host (pid {host}, {address})" in reports[0]
-    assert all('in serve_task' in report for report in reports), logged  # the host's stacks, from its log
+    assert all("in serve_task" in report for report in reports), logged  # the host's stacks, from its log
 
 
 _FIRST_TASK = """
@@ -440,7 +450,8 @@ def _send_rows(worker: socket.socket, batches: int, rows: int) -> None:
 
 
 def test_a_host_starts_its_instance_when_the_task_comes_and_reads_the_rows_as_the_instance_takes_them(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """The restore (the first thing ``run_instance`` does) overlaps the wait for rows Spark is still preparing."""
     started = threading.Event()
 
@@ -457,7 +468,8 @@ def test_a_host_starts_its_instance_when_the_task_comes_and_reads_the_rows_as_th
 
 
 def test_a_host_whose_instance_fails_before_taking_its_rows_reads_them_all_then_answers_with_the_error(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """The worker sends every row before it reads an answer: a host that answered and closed first would leave
     it a broken pipe instead of the typed error."""
     import pickle
@@ -573,8 +585,13 @@ def test_a_task_for_a_host_being_adopted_is_served_and_the_adoption_refused(monk
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as worker:  # a task of its instance after all
                 worker.connect(str(host.address))  # queued: the host proves itself once it takes the connection
                 answers = []
-                task = threading.Thread(target=lambda: (prove_to_host(worker, host_key(host.directory)),
-                                                        worker.sendall(b"T"), answers.append(worker.recv(1))))
+                task = threading.Thread(
+                    target=lambda: (
+                        prove_to_host(worker, host_key(host.directory)),
+                        worker.sendall(b"T"),
+                        answers.append(worker.recv(1)),
+                    )
+                )
                 task.start()
                 wire.send(adopter, wire.GO)
                 assert wire.receive(adopter)[0] == wire.REFUSED
@@ -627,7 +644,8 @@ def test_a_host_that_held_a_large_state_leaves_rather_than_stay_as_a_spare(monke
 
 
 def test_a_host_runs_each_task_under_its_worker_s_task_context_not_the_one_it_was_forked_or_adopted_in(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """A host is a fork of the worker that ran some earlier task (of another instance, once adopted): a user
     function asking ``TaskContext.get()`` must see the task it runs in."""
     import pickle
@@ -638,12 +656,25 @@ def test_a_host_runs_each_task_under_its_worker_s_task_context_not_the_one_it_wa
 
     def run_instance(task, instance, batches):
         context = TaskContext.get()
-        seen.append((context.partitionId(), context.stageId(), context.attemptNumber(),
-                     context.getLocalProperty("spark.job.description")))
+        seen.append(
+            (
+                context.partitionId(),
+                context.stageId(),
+                context.attemptNumber(),
+                context.getLocalProperty("spark.job.description"),
+            )
+        )
         yield pa.RecordBatch.from_pydict({"rows": [sum(batch.num_rows for batch in batches)]})
 
-    TaskContext._setTaskContext(TaskContext(partitionId=5, stageId=7, attemptNumber=1, taskAttemptId=70,
-                                            localProperties={"spark.job.description": "batch 3"}))
+    TaskContext._setTaskContext(
+        TaskContext(
+            partitionId=5,
+            stageId=7,
+            attemptNumber=1,
+            taskAttemptId=70,
+            localProperties={"spark.job.description": "batch 3"},
+        )
+    )
     try:
         _, instance, context = pickle.loads(tasks.pickled_task(_task(tmp_path, 1, None, 8), 5))  # as a worker
         TaskContext._setTaskContext(TaskContext(partitionId=2, stageId=1, attemptNumber=0))  # what it forked in

@@ -8,12 +8,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from spark_state.errors import CorruptBlobError, KeyGroupOwnershipError
-from spark_state.model.instance_items import redistribute_items
-from spark_state.keyspace import key_group_range
-from spark_state.store.manifest import ComponentSpec
 from spark_state.executor.resident import ResidentState
+from spark_state.keyspace import key_group_range
+from spark_state.model.instance_items import redistribute_items
 from spark_state.model.schema import KeyedSchema
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.manifest import ComponentSpec
 from tests.stores import Store
 
 M = 4

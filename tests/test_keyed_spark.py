@@ -19,12 +19,12 @@ import pyarrow as pa
 import pytest
 
 from spark_state import keyed
-from spark_state.store.manifestlog import open_manifest_log
 from spark_state.errors import ConfigError, StateBehindQueryError
 from spark_state.spark.microbatch import MicroBatch
 from spark_state.spark.stop_watch import watched_runs
-from spark_state.store.stops import stopped_run
 from spark_state.storage.local import LocalStorage
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.store.stops import stopped_run
 from tests.diagnostics import stalled
 from tests.files import publish
 
@@ -63,11 +63,7 @@ class Job:
         return result
 
     def stream(self):
-        return (
-            self.spark.readStream.schema(SCHEMA)
-            .option("maxFilesPerTrigger", 1)
-            .parquet(str(self.input))
-        )
+        return self.spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(self.input))
 
     def sink(self, out, batch_id: int) -> None:
         self.outputs[batch_id] = {r["user"]: r["count"] for r in out.collect()}
@@ -76,9 +72,11 @@ class Job:
         """Process everything available at ``parallelism``; returns the StatefulQuery (stopped)."""
         self.spark.conf.set("spark.state.parallelism", str(parallelism))
         self.spark.conf.set("spark.state.store", str(self.root / "state"))
-        stream = stream_fn(keyed(self.stream(), "user", name=self.name)) if stream_fn else keyed(
-            self.stream(), "user", name=self.name
-        ).count()
+        stream = (
+            stream_fn(keyed(self.stream(), "user", name=self.name))
+            if stream_fn
+            else keyed(self.stream(), "user", name=self.name).count()
+        )
         query = (
             stream.writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", str(checkpoint or self.root / "chk"))
@@ -140,7 +138,7 @@ def test_rescale_3_5_1_8_with_faults_gives_exact_output(spark, tmp_path, monkeyp
     # Resume at 1; the Python worker dies once.
     job.add_batch(200, keys=150, salt=4)
     marker.touch()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - Spark reports the worker that exited in several ways
         job.run(1, _counting_fn(marker, "exit"))
     job.run(1, _counting_fn(marker, "exit"))
     assert job.outputs == job.expected()
@@ -351,7 +349,8 @@ def test_a_built_in_shuffles_each_batch_once_and_only_the_columns_it_needs(spark
 
 
 def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_function_may_read_a_broadcast(
-        spark, tmp_path, monkeypatch, caplog):
+    spark, tmp_path, monkeypatch, caplog
+):
     """The first batch takes the analysed plan of the stream itself, made while the query started, and each
     later batch the plan of the one before (``_PlanTemplate``), over its own rows and function: the plan Spark's
     analysis gives, node for node. A context whose includes changed makes the next plan PySpark's (and that one
@@ -453,15 +452,16 @@ def test_later_batches_take_the_plan_of_the_first_with_their_own_rows_and_a_func
 
 
 def _state_counts(store_path: Path, component: str, parallelism: int) -> dict[str, int]:
-    from spark_state.store.blobstore import BlobStore
     from spark_state.executor.resident import restore_instance
+    from spark_state.store.blobstore import BlobStore
 
     manifests = open_manifest_log(str(store_path))
     comp = manifests.latest().components[component]
     result = {}
     for i in range(parallelism):
-        state, _ = restore_instance(BlobStore(manifests.storage), comp, comp.keyed_schema, i, parallelism,
-                                    comp.max_parallelism)
+        state, _ = restore_instance(
+            BlobStore(manifests.storage), comp, comp.keyed_schema, i, parallelism, comp.max_parallelism
+        )
         result.update({key[0]: value[0] for _, key, value in state.table.items()})
     return result
 
@@ -515,9 +515,9 @@ def test_new_query_resumes_from_state_checkpoint_and_its_source_offsets(spark, t
     log, store = str(tmp_path / "events"), str(tmp_path / "state")
 
     def append(users):
-        spark.createDataFrame([(u,) for u in users], "user string").write.format("replayable").mode(
-            "append"
-        ).option("numSplits", 2).option("keyColumn", "user").save(log)
+        spark.createDataFrame([(u,) for u in users], "user string").write.format("replayable").mode("append").option(
+            "numSplits", 2
+        ).option("keyColumn", "user").save(log)
 
     latest: dict[str, int] = {}
 
@@ -568,8 +568,12 @@ def test_state_store_on_hdfs_rescales_with_exact_output(spark, tmp_path):
             spark.conf.set("spark.state.parallelism", str(parallelism))
             spark.conf.set("spark.state.store", store)
             query = (
-                keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink)
-                .option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+                keyed(job.stream(), "user", name="clicks")
+                .count()
+                .writeStream.foreachBatch(job.sink)
+                .option("checkpointLocation", str(tmp_path / "chk"))
+                .trigger(availableNow=True)
+                .start()
             )
             query.awaitTermination()
             return query
@@ -651,9 +655,14 @@ def test_replayable_sink_appends_each_batch_once_across_a_replay(spark, tmp_path
         spark.conf.set("spark.state.parallelism", str(parallelism))
         spark.conf.set("spark.state.store", str(tmp_path / "state"))
         query = (
-            keyed(job.stream(), "user", name="clicks").count()
-            .writeStream.format("replayable").option("path", sink_log).option("keyColumn", "user")
-            .option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+            keyed(job.stream(), "user", name="clicks")
+            .count()
+            .writeStream.format("replayable")
+            .option("path", sink_log)
+            .option("keyColumn", "user")
+            .option("checkpointLocation", str(tmp_path / "chk"))
+            .trigger(availableNow=True)
+            .start()
         )
         query.awaitTermination()
 
@@ -682,9 +691,13 @@ def test_a_misspelled_setting_or_a_non_integer_parallelism_is_refused_by_name(sp
         ).start()
     spark.conf.unset("spark.state.paralelism")
     spark.conf.set("spark.state.store", str(tmp_path / "state"))
-    query = keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink).option(
-        "checkpointLocation", str(tmp_path / "chk")
-    ).start()
+    query = (
+        keyed(job.stream(), "user", name="clicks")
+        .count()
+        .writeStream.foreachBatch(job.sink)
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .start()
+    )
     try:
         for bad in (2.5, "abc", True, 0):
             with pytest.raises(ConfigError, match="parallelism"):
@@ -712,8 +725,11 @@ def test_mean_min_and_max_per_key(spark, tmp_path):
         spark.conf.set("spark.state.parallelism", "3")
         spark.conf.set("spark.state.store", str(tmp_path / f"state-{method}"))
         query = (
-            getattr(keyed(job.stream(), "user", name=method), method)("amount").writeStream.foreachBatch(sink)
-            .option("checkpointLocation", str(tmp_path / f"chk-{method}")).trigger(availableNow=True).start()
+            getattr(keyed(job.stream(), "user", name=method), method)("amount")
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(tmp_path / f"chk-{method}"))
+            .trigger(availableNow=True)
+            .start()
         )
         query.awaitTermination()
         assert outputs == {user: expected(values) for user, values in seen.items()}, method
@@ -737,17 +753,31 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
     utc = dt.timezone.utc
     batches = []
     for index in range(2):
-        rows = [(f"k{i % 4}", None if i % 5 == 0 else i * (index + 1),
-                 math.nan if i % 7 == 3 else None if i % 6 == 0 else i / 4 - index,
-                 None if i % 3 == 0 else f"s{(i * 13 + index) % 9}",
-                 None if i % 4 == 1 else dt.datetime(2026, 1, 1 + i % 20, tzinfo=utc)) for i in range(40)]
+        rows = [
+            (
+                f"k{i % 4}",
+                None if i % 5 == 0 else i * (index + 1),
+                math.nan if i % 7 == 3 else None if i % 6 == 0 else i / 4 - index,
+                None if i % 3 == 0 else f"s{(i * 13 + index) % 9}",
+                None if i % 4 == 1 else dt.datetime(2026, 1, 1 + i % 20, tzinfo=utc),
+            )
+            for i in range(40)
+        ]
         batches.append(rows)
         path = directory / f"part-{index:05d}.parquet"
-        publish(pa.table({
-            "k": [r[0] for r in rows], "n": pa.array([r[1] for r in rows], pa.int64()),
-            "x": pa.array([r[2] for r in rows], pa.float64()), "s": [r[3] for r in rows],
-            "t": pa.array([r[4] for r in rows], pa.timestamp("us", tz="UTC")),
-        }), path, index)
+        publish(
+            pa.table(
+                {
+                    "k": [r[0] for r in rows],
+                    "n": pa.array([r[1] for r in rows], pa.int64()),
+                    "x": pa.array([r[2] for r in rows], pa.float64()),
+                    "s": [r[3] for r in rows],
+                    "t": pa.array([r[4] for r in rows], pa.timestamp("us", tz="UTC")),
+                }
+            ),
+            path,
+            index,
+        )
 
     def model(method, column):
         position = {"n": 1, "x": 2, "s": 3, "t": 4}[column]
@@ -767,8 +797,17 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
             return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12)
         return a == b
 
-    cases = [("count", None, True), ("sum", "n", True), ("sum", "x", True), ("mean", "n", True),
-             ("min", "s", True), ("max", "t", True), ("min", "n", True), ("max", "x", False), ("min", "x", False)]
+    cases = [
+        ("count", None, True),
+        ("sum", "n", True),
+        ("sum", "x", True),
+        ("mean", "n", True),
+        ("min", "s", True),
+        ("max", "t", True),
+        ("min", "n", True),
+        ("max", "x", False),
+        ("min", "x", False),
+    ]
     for method, column, in_jvm in cases:
         output = f"{method}_{column}" if column else "count"
         outputs: dict = {}
@@ -778,16 +817,26 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
 
         spark.conf.set("spark.state.parallelism", "2")
         spark.conf.set("spark.state.store", str(tmp_path / f"state-{output}"))
-        stream = keyed(spark.readStream.schema("k string, n long, x double, s string, t timestamp")
-                       .option("maxFilesPerTrigger", 1).parquet(str(directory)), "k", name="typed")
+        stream = keyed(
+            spark.readStream.schema("k string, n long, x double, s string, t timestamp")
+            .option("maxFilesPerTrigger", 1)
+            .parquet(str(directory)),
+            "k",
+            name="typed",
+        )
         stream = stream.count() if column is None else getattr(stream, method)(column)
-        query = (stream.writeStream.foreachBatch(sink).option("checkpointLocation", str(tmp_path / f"chk-{output}"))
-                 .trigger(availableNow=True).start())
+        query = (
+            stream.writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(tmp_path / f"chk-{output}"))
+            .trigger(availableNow=True)
+            .start()
+        )
         query.awaitTermination()
         expected = {k: 40 * 2 // 4 for k in ("k0", "k1", "k2", "k3")} if column is None else model(method, column)
         if column == "t":
-            outputs = {k: v.replace(tzinfo=utc) if v is not None and v.tzinfo is None else v
-                       for k, v in outputs.items()}
+            outputs = {
+                k: v.replace(tzinfo=utc) if v is not None and v.tzinfo is None else v for k, v in outputs.items()
+            }
         assert set(outputs) == set(expected), output
         assert all(same(outputs[k], expected[k]) for k in expected), (output, outputs, expected)
         instances = [i for b in query.batches for i in b["instances"]]
@@ -813,8 +862,9 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
     assert len({i["pid"] for i in later}) == 4  # one host per instance
     first = query.batches[0]["instances"]  # new hosts: their first task touches memory, faulting it in
-    assert all(i["cpu"]["user_seconds"] + i["cpu"]["system_seconds"] > 0 and i["cpu"]["page_faults"] > 0
-               for i in first), first
+    assert all(
+        i["cpu"]["user_seconds"] + i["cpu"]["system_seconds"] > 0 and i["cpu"]["page_faults"] > 0 for i in first
+    ), first
     assert stopped_run(LocalStorage(str(job.root / "state"))) == query.run_id  # stopped: its hosts leave when idle
 
 
@@ -828,8 +878,14 @@ def test_a_run_that_ends_outside_stateful_query_is_recorded_as_stopped_by_the_dr
     spark.conf.set("spark.state.store", str(tmp_path / "state"))
 
     def start(**trigger):
-        return (keyed(job.stream(), "user", name=job.name).count().writeStream.foreachBatch(job.sink)
-                .option("checkpointLocation", str(tmp_path / "chk")).trigger(**trigger).start())
+        return (
+            keyed(job.stream(), "user", name=job.name)
+            .count()
+            .writeStream.foreachBatch(job.sink)
+            .option("checkpointLocation", str(tmp_path / "chk"))
+            .trigger(**trigger)
+            .start()
+        )
 
     def recorded(run_id: str) -> bool:
         deadline = time.monotonic() + 30  # the watch looks every second
@@ -878,8 +934,12 @@ def test_a_memory_bound_below_the_state_holds_and_output_stays_exact_through_a_r
     assert all(m["limit_bytes"] <= 1 << 20 and m["resident_bytes"] <= m["limit_bytes"] for m in memory), memory
     assert sum(m["evicted_key_groups"] for m in memory) > 0
     assert max(m["high_water_bytes"] for m in memory) > max(m["limit_bytes"] for m in memory)
-    reloaded = [i["restore"]["loaded"]["bytes_read"] for b in first.batches[1:] for i in b["instances"]
-                if "loaded" in i["restore"]]
+    reloaded = [
+        i["restore"]["loaded"]["bytes_read"]
+        for b in first.batches[1:]
+        for i in b["instances"]
+        if "loaded" in i["restore"]
+    ]
     assert sum(r > 0 for r in reloaded) >= 4  # evicted key groups came back from the store
     assert all(i["restore"]["bytes_read"] == 0 for i in second.batches[0]["instances"])  # a lazy rescale
     # built-ins load evicted key groups chunk by chunk, releasing chains over the bound

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
+
 import mmh3
 import numpy as np
 import pyarrow as pa
@@ -127,7 +128,17 @@ def test_default_max_parallelism_imbalance():
     # At its first parallelism a new store's instances own >= 32 key groups each: <= 3.2% extra load.
     assert max(extra_load(p, default_max_parallelism(p)) for p in range(1, 1025)) == Fraction(1, 32)
     assert [default_max_parallelism(p) for p in (1, 2, 32, 33, 64, 65, 200, 1024, 1025, 32768)] == [
-        1024, 1024, 1024, 2048, 2048, 4096, 8192, 32768, 32768, 32768]
+        1024,
+        1024,
+        1024,
+        2048,
+        2048,
+        4096,
+        8192,
+        32768,
+        32768,
+        32768,
+    ]
     assert extra_load(200, DEFAULT_MAX_PARALLELISM) == Fraction(1, 5)  # a store started small, scaled to 200
     with pytest.raises(InvalidParallelismError, match="parallelism=0 is out of range"):
         default_max_parallelism(0)
@@ -189,7 +200,10 @@ def test_key_group_range_validation(start, end, match):
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: key_group_range(0, 0, 10), r"parallelism=0 is out of range: need 1 <= parallelism <= max_parallelism \(=10\)"),
+        (
+            lambda: key_group_range(0, 0, 10),
+            r"parallelism=0 is out of range: need 1 <= parallelism <= max_parallelism \(=10\)",
+        ),
         (lambda: key_group_range(0, 11, 10), r"parallelism=11 is out of range.*larger max_parallelism"),
         (lambda: key_group_range(0, 2, 0), r"max_parallelism=0 is out of range: need 1 <= max_parallelism <= 32768"),
         (lambda: key_group_range(0, 2, 32769), r"max_parallelism=32769 is out of range"),
@@ -394,13 +408,18 @@ def test_vectorized_null_slots_ignore_their_bytes():
     assert array.to_pylist() == ["ab", None, None, "fg"]
     assert key_hashes_for_columns([array]).tolist() == [key_hash("ab"), 42, 42, key_hash("fg")]
     assert key_hashes_for_columns([pa.array([7, 8, 9, 10]), array]).tolist() == [
-        key_hash((7, "ab")), key_hash(8), key_hash(9), key_hash((10, "fg"))
+        key_hash((7, "ab")),
+        key_hash(8),
+        key_hash(9),
+        key_hash((10, "fg")),
     ]
 
 
 def test_vectorized_numpy_and_null_columns():
     assert key_hashes_for_columns([np.array([1, INT64_MIN, INT64_MAX])]).tolist() == [
-        key_hash(1), key_hash(INT64_MIN), key_hash(INT64_MAX)
+        key_hash(1),
+        key_hash(INT64_MIN),
+        key_hash(INT64_MAX),
     ]
     assert key_hashes_for_columns([np.array([-3, 5], dtype=np.int8)]).tolist() == [key_hash(-3), key_hash(5)]
     assert key_hashes_for_columns([np.array([True, False])]).tolist() == [key_hash(1), key_hash(0)]

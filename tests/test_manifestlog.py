@@ -17,18 +17,7 @@ import zlib
 import pyarrow as pa
 import pytest
 
-from spark_state.store.blob import BlobIndex
-from spark_state.store.blobstore import BLOBS_DIR, ITEMS_DIR
 from spark_state.driver.coordinator import Coordinator
-from spark_state.store.manifestlog import (
-    CHECKPOINTS_DIR,
-    FILE_SWEEPS_PER_GRACE,
-    CheckpointExistsError,
-    ManifestLog,
-    latest_source_offsets,
-    manifest_path,
-    retained_source_offsets,
-)
 from spark_state.errors import (
     CheckpointError,
     ConfigError,
@@ -39,16 +28,27 @@ from spark_state.errors import (
     NoCheckpointError,
     StorageError,
 )
-from spark_state.keyspace import KeyGroupRange, instance_for_key_group, key_group_for, key_group_range
-from spark_state.executor.table import KeyGroupTable
-from spark_state.store.commitlog import decode_record, encode_record
-from spark_state.store.manifest import ComponentSpec, Manifest
 from spark_state.executor.resident import ResidentState, restore_instance
+from spark_state.executor.table import KeyGroupTable
+from spark_state.keyspace import KeyGroupRange, instance_for_key_group, key_group_for, key_group_range
 from spark_state.model.schema import KeyedSchema
 from spark_state.storage import open_storage
 from spark_state.storage.base import ForwardingStorage, Storage, join
 from spark_state.storage.local import LocalStorage
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.blob import BlobIndex
+from spark_state.store.blobstore import BLOBS_DIR, ITEMS_DIR
+from spark_state.store.commitlog import decode_record, encode_record
+from spark_state.store.manifest import ComponentSpec, Manifest
+from spark_state.store.manifestlog import (
+    CHECKPOINTS_DIR,
+    FILE_SWEEPS_PER_GRACE,
+    CheckpointExistsError,
+    ManifestLog,
+    latest_source_offsets,
+    manifest_path,
+    retained_source_offsets,
+)
 from tests.stores import Store
 
 M = 8  # max parallelism
@@ -119,7 +119,9 @@ class Job:
         """Steps 1-5; ``refs`` are blobs already written for ``checkpoint_id`` (then step 1 is skipped)."""
         refs = self.write_blobs(checkpoint_id) if refs is None else refs
         manifest = self.store.commit(
-            checkpoint_id, {COMPONENT: (ComponentSpec(COMPONENT, M, self.p, SCHEMA), refs)}, {"src": {"offset": checkpoint_id}}
+            checkpoint_id,
+            {COMPONENT: (ComponentSpec(COMPONENT, M, self.p, SCHEMA), refs)},
+            {"src": {"offset": checkpoint_id}},
         )
         self.committed[checkpoint_id] = dict(self.live)
         self.written[checkpoint_id] = {e.key_group: e.kind for ref in refs for e in ref.index.entries}
@@ -460,6 +462,7 @@ def _garbage_history(storage: Storage) -> tuple[Job, Store]:
 @pytest.mark.parametrize("backend", ["memory", "local"])
 def test_cleanup_crashing_at_every_delete_leaves_a_restorable_store(backend, tmp_path):
     if backend == "memory":
+
         def fresh_storage(k: int) -> Storage:
             storage = MemoryStorage()
             _garbage_history(storage)
@@ -548,7 +551,11 @@ def test_cleanup_deletes_only_unreferenced_files_older_than_the_grace_period(sto
     kept = store.blobs.write_items(COMPONENT, 1, 0, ["kept"])
     manifest = store.commit(1, {COMPONENT: (spec, [])}, {}, items={COMPONENT: {0: kept}})
     now = 1_800_000_000_000
-    old, young, unnamed = _orphan(storage, 1, now - 61_000), _orphan(storage, 1, now - 59_000), _orphan(storage, 0, None)
+    old, young, unnamed = (
+        _orphan(storage, 1, now - 61_000),
+        _orphan(storage, 1, now - 59_000),
+        _orphan(storage, 0, None),
+    )
     deleted = store.manifests.cleanup(manifest, grace_seconds=60, now_ms=now)
     assert sorted(deleted) == sorted([old, unnamed])  # a name without a time counts as old
     assert storage.exists(young) and store.blobs.read_items(kept) == ["kept"]
@@ -557,7 +564,8 @@ def test_cleanup_deletes_only_unreferenced_files_older_than_the_grace_period(sto
 
 
 def test_a_running_query_deletes_records_every_batch_and_lists_its_files_sixty_times_per_grace_period(
-        storage, monkeypatch):
+    storage, monkeypatch
+):
     """``Coordinator.cleanup`` deletes the records retention drops at every batch, but lists the blob and items
     directories (for files past the grace period) at most ``FILE_SWEEPS_PER_GRACE`` times per grace period: on an
     object store each listing is a request per retained checkpoint directory. With a grace of 0, every batch."""
@@ -625,8 +633,10 @@ def test_restore_refuses_a_changed_max_parallelism():
     "schema, what",
     [
         (KeyedSchema.of_values([pa.field("value", pa.string())], [pa.field("key", pa.int64())]), "key columns"),
-        (KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())]),
-         "'value.value' cannot change from int64 to int32: only widening"),
+        (
+            KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())]),
+            "'value.value' cannot change from int64 to int32: only widening",
+        ),
         (KeyedSchema.of_values([pa.field("key", pa.string()), pa.field("value", pa.int64())], []), "key columns"),
     ],
 )
@@ -789,10 +799,14 @@ def test_chains_never_exceed_max_chain_length(max_chain_length):
     expected = {
         1: (["full"] * 12, [1] * 12),
         2: (["full", "delta", "merge", "merge", "merge", "merge"] * 2, [1, 2, 2, 2, 2, 2] * 2),
-        3: (["full", "delta", "delta", "merge", "delta", "merge", "delta", "full", "delta", "delta", "merge", "delta"],
-            [1, 2, 3, 2, 3, 2, 3, 1, 2, 3, 2, 3]),
-        5: (["full", "delta", "delta", "delta", "delta", "merge", "delta", "delta", "delta", "full", "delta", "delta"],
-            [1, 2, 3, 4, 5, 2, 3, 4, 5, 1, 2, 3]),
+        3: (
+            ["full", "delta", "delta", "merge", "delta", "merge", "delta", "full", "delta", "delta", "merge", "delta"],
+            [1, 2, 3, 2, 3, 2, 3, 1, 2, 3, 2, 3],
+        ),
+        5: (
+            ["full", "delta", "delta", "delta", "delta", "merge", "delta", "delta", "delta", "full", "delta", "delta"],
+            [1, 2, 3, 4, 5, 2, 3, 4, 5, 1, 2, 3],
+        ),
     }
     assert (kinds, lengths) == expected[max_chain_length]
     assert restore_all(store, 12, 1) == job.live
@@ -903,7 +917,9 @@ def _many_key_groups(store: Store, max_parallelism: int, parallelism: int, check
     states = [ResidentState(SCHEMA, key_group_range(i, parallelism, max_parallelism)) for i in range(parallelism)]
 
     def commit(checkpoint_id: int):
-        refs = [r for r in (s.checkpoint(store.blobs, COMPONENT, checkpoint_id, i)[0] for i, s in enumerate(states)) if r]
+        refs = [
+            r for r in (s.checkpoint(store.blobs, COMPONENT, checkpoint_id, i)[0] for i, s in enumerate(states)) if r
+        ]
         spec = ComponentSpec(COMPONENT, max_parallelism, parallelism, SCHEMA)
         return store.commit(checkpoint_id, {COMPONENT: (spec, refs)}, {"src": checkpoint_id}), refs
 
@@ -942,7 +958,9 @@ def test_a_delta_record_whose_base_record_is_missing_or_damaged_is_never_read():
     _many_key_groups(Store(storage, retained=5), 256, 2, 3, changed=4)
     data = storage.read(manifest_path(1))
     storage.delete(manifest_path(1))
-    with pytest.raises(CorruptBlobError, match="delta on checkpoint 1, whose record .*00000000000000000001.json is missing"):
+    with pytest.raises(
+        CorruptBlobError, match="delta on checkpoint 1, whose record .*00000000000000000001.json is missing"
+    ):
         Store(storage).load(2)
     storage.create(manifest_path(1), data[:-3] + b"}}}")
     with pytest.raises(CorruptBlobError, match="00000000000000000001.json"):

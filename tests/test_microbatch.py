@@ -6,14 +6,19 @@ import json
 
 import pyarrow as pa
 
-from spark_state.spark.microbatch import _strip_reports, reports_of, task_output_schema
 from spark_state.executor.report import InstanceReport
 from spark_state.executor.task import META_COLUMN
+from spark_state.spark.microbatch import _strip_reports, reports_of, task_output_schema
 
 
 def test_task_output_columns_are_nullable_even_when_the_input_declares_them_not_null():
-    output = pa.schema([pa.field("key", pa.string()), pa.field("split", pa.int32(), nullable=False),
-                        pa.field("offset", pa.int64(), nullable=False)])
+    output = pa.schema(
+        [
+            pa.field("key", pa.string()),
+            pa.field("split", pa.int32(), nullable=False),
+            pa.field("offset", pa.int64(), nullable=False),
+        ]
+    )
     schema = task_output_schema(output)
     assert schema.names == ["key", "split", "offset"]
     assert all(f.nullable for f in schema)
@@ -23,9 +28,9 @@ def test_a_memory_bound_on_a_component_with_timers_is_reported_once_not_ignored_
     from types import SimpleNamespace
 
     from spark_state.driver.conf import StateConf
-    from spark_state.spark.microbatch import MicroBatch
     from spark_state.model.schema import KeyedSchema
     from spark_state.model.timers import TIMERS
+    from spark_state.spark.microbatch import MicroBatch
 
     value = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
     timed = KeyedSchema(value.keys, (value.value, TIMERS))
@@ -38,8 +43,12 @@ def test_a_memory_bound_on_a_component_with_timers_is_reported_once_not_ignored_
             for _ in range(3):
                 batch._warn_if_unbounded(bounded)
         assert [r.getMessage() for r in caplog.records if "residentMemory" in r.getMessage()] == (
-            ["spark.state.residentMemory does not bound component 'sessions': it has timers or a time to live, and "
-             "its state stays in memory whole; its batch reports say bounded=false"] * expected)
+            [
+                "spark.state.residentMemory does not bound component 'sessions': it has timers or a time to live, and "
+                "its state stays in memory whole; its batch reports say bounded=false"
+            ]
+            * expected
+        )
 
 
 def _meta(instance: int, blob_rows: int) -> str:
@@ -74,5 +83,4 @@ def test_a_tasks_report_batch_goes_to_the_accumulator_and_its_output_keeps_the_d
     emitted = list(_strip_reports([rows, report], sent, "now", task_output_schema(output)))
     assert [b.to_pydict() for b in emitted] == [{"key": ["a", "b"], "count": [1, 2]}]
     assert emitted[0].schema == task_output_schema(output)
-    assert [(attempt, InstanceReport.from_json(json.loads(m)).instance) for attempt, m in sent.added] == [
-        ("now", 1)]
+    assert [(attempt, InstanceReport.from_json(json.loads(m)).instance) for attempt, m in sent.added] == [("now", 1)]

@@ -6,12 +6,12 @@ import pytest
 
 from datasources.errors import StateReaderOptionError
 from datasources.state_reader import ReaderOptions
-from spark_state.store.manifestlog import ManifestReader, manifest_path
 from spark_state.ops.inspect import describe, list_checkpoints, plan_rescale, verify_store
-from spark_state.store.savepoints import Savepoints, create_savepoint, savepoint_path
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.manifestlog import ManifestReader, manifest_path
+from spark_state.store.savepoints import Savepoints, create_savepoint, savepoint_path
 from tests.stores import Store
-from tests.test_manifestlog import COMPONENT, KEYS, M, Job
+from tests.test_manifestlog import COMPONENT, KEYS, Job, M
 
 
 def _store(retained: int = 2) -> tuple[Store, Job]:
@@ -30,10 +30,16 @@ def test_checkpoints_are_the_restorable_ones_newest_first():
     store, _ = _store()
     listed = list_checkpoints(ManifestReader(store.storage))
     assert [(c["checkpoint_id"], c["retained"], c["savepoints"]) for c in listed] == [
-        (5, True, []), (4, True, []), (2, False, ["two"])]
+        (5, True, []),
+        (4, True, []),
+        (2, False, ["two"]),
+    ]
     assert listed[0]["components"][COMPONENT] == {
-        "parallelism": 2, "max_parallelism": M, "key_groups_with_state": M,
-        "bytes": listed[0]["bytes_referenced"]}
+        "parallelism": 2,
+        "max_parallelism": M,
+        "key_groups_with_state": M,
+        "bytes": listed[0]["bytes_referenced"],
+    }
     assert listed[0]["sources"] == {"src": {"offset": 5}}
 
 
@@ -66,24 +72,39 @@ def test_verify_reports_a_damaged_record_and_a_savepoint_without_its_checkpoint(
     assert "bad" in Savepoints(store.storage).list().damaged
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"store": "/s"}, "needs option"),
-    ({"store": "/s", "component": "c", "componet": "x"}, "unknown option"),
-    ({"store": "/s", "component": "c", "partitions": "0"}, "partitions='0'"),
-    ({"store": "/s", "component": "c", "readChangeFeed": "true"}, "needs option\\('changeStartCheckpoint'"),
-    ({"store": "/s", "component": "c", "changeStartCheckpoint": "3"}, "need option\\('readChangeFeed'"),
-    ({"store": "/s", "component": "c", "timers": "yes"}, "timers='yes' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"store": "/s"}, "needs option"),
+        ({"store": "/s", "component": "c", "componet": "x"}, "unknown option"),
+        ({"store": "/s", "component": "c", "partitions": "0"}, "partitions='0'"),
+        ({"store": "/s", "component": "c", "readChangeFeed": "true"}, "needs option\\('changeStartCheckpoint'"),
+        ({"store": "/s", "component": "c", "changeStartCheckpoint": "3"}, "need option\\('readChangeFeed'"),
+        ({"store": "/s", "component": "c", "timers": "yes"}, "timers='yes' must be true or false"),
+    ],
+)
 def test_state_reader_options_are_checked(options, message):
     with pytest.raises(StateReaderOptionError, match=message):
         ReaderOptions.parse(options)
 
 
 def test_state_reader_options_parse_case_insensitively():
-    parsed = ReaderOptions.parse({"STORE": "/s", "Component": "c", "readchangefeed": "TRUE",
-                                  "changeStartCheckpoint": "before", "partitions": "3"})
+    parsed = ReaderOptions.parse(
+        {
+            "STORE": "/s",
+            "Component": "c",
+            "readchangefeed": "TRUE",
+            "changeStartCheckpoint": "before",
+            "partitions": "3",
+        }
+    )
     assert (parsed.store, parsed.component, parsed.change_feed, parsed.change_start, parsed.partitions) == (
-        "/s", "c", True, "before", 3)
+        "/s",
+        "c",
+        True,
+        "before",
+        3,
+    )
 
 
 def test_verify_names_a_chain_whose_entries_are_out_of_order():
@@ -102,8 +123,12 @@ def test_verify_names_a_chain_whose_entries_are_out_of_order():
     component = store.manifests.load(5).components[COMPONENT]
     full, merge, delta = component.chains[0]
     assert [component.blobs[p].index.entry_for(0).kind for p in (full, merge, delta)] == ["full", "merge", "delta"]
-    for chain, wrong in [((full, merge, delta), None), ((merge,), "starts with a merge entry"),
-                         ((full, delta, merge), "may only follow the full"), ((full, merge, full), "may only start it")]:
+    for chain, wrong in [
+        ((full, merge, delta), None),
+        ((merge,), "starts with a merge entry"),
+        ((full, delta, merge), "may only follow the full"),
+        ((full, merge, full), "may only start it"),
+    ]:
         problems = []
         _check_chains(replace(component, chains={0: chain}), 5, lambda *args: problems.append(args))
         assert [wrong in p[2] for p in problems] == ([] if wrong is None else [True]), (chain, problems)

@@ -21,8 +21,8 @@ import pytest
 
 from spark_state import keyed
 from spark_state.errors import IncompatibleSchemaError, SavepointMismatchError
-from spark_state.store.manifestlog import open_manifest_log
 from spark_state.ops.reader import read_changes, read_state
+from spark_state.store.manifestlog import open_manifest_log
 from tests.test_keyed_spark import Job
 
 pytestmark = pytest.mark.spark
@@ -51,8 +51,12 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture(autouse=True)
 def _clean_conf(spark):
     yield
-    for key in ("spark.state.parallelism", "spark.state.store", "spark.state.maxParallelism",
-                "spark.state.checkpointsRetained"):
+    for key in (
+        "spark.state.parallelism",
+        "spark.state.store",
+        "spark.state.maxParallelism",
+        "spark.state.checkpointsRetained",
+    ):
         spark.conf.unset(key)
 
 
@@ -74,8 +78,13 @@ def rescaled(spark, tmp_path_factory):
 
 def test_the_state_reader_returns_exactly_the_operators_state_after_a_rescale(spark, rescaled):
     job, store, totals = rescaled
-    df = (spark.read.format("spark-state").option("store", str(store)).option("component", job.name)
-          .option("partitions", 3).load())
+    df = (
+        spark.read.format("spark-state")
+        .option("store", str(store))
+        .option("component", job.name)
+        .option("partitions", 3)
+        .load()
+    )
     assert df.columns == ["user", "count"] and df.rdd.getNumPartitions() == 3
     rows = df.collect()
     assert len(rows) == len(totals) and {r["user"]: r["count"] for r in rows} == totals
@@ -88,8 +97,15 @@ def test_the_state_reader_returns_exactly_the_operators_state_after_a_rescale(sp
 
 def test_the_change_feed_from_a_to_b_applied_to_a_gives_b(spark, rescaled):
     job, store, totals = rescaled
-    feed = (spark.read.format("spark-state").option("store", str(store)).option("component", job.name)
-            .option("readChangeFeed", "true").option("changeStartCheckpoint", 0).option("partitions", 4).load())
+    feed = (
+        spark.read.format("spark-state")
+        .option("store", str(store))
+        .option("component", job.name)
+        .option("readChangeFeed", "true")
+        .option("changeStartCheckpoint", 0)
+        .option("partitions", 4)
+        .load()
+    )
     assert feed.columns == ["change_type", "checkpoint_id", "user", "count"]
     state = dict(zip(*read_state(str(store), job.name, 0).to_pydict().values()))
     for row in sorted(feed.collect(), key=lambda r: r["checkpoint_id"]):
@@ -159,7 +175,8 @@ def test_cli_verify_catches_damage(rescaled, tmp_path, damage):
     assert result.returncode == 1
     problems = json.loads(result.stdout)["problems"]
     assert [(p["what"], p["path"]) for p in problems] == [
-        ({"flipped byte": "crc", "truncated": "size", "missing": "missing"}[damage], str(blob.relative_to(copy)))]
+        ({"flipped byte": "crc", "truncated": "size", "missing": "missing"}[damage], str(blob.relative_to(copy)))
+    ]
     text = cli("verify", str(copy), ok=False)
     assert text.returncode == 1 and "PROBLEM" in text.stdout and "1 problem(s)" in text.stdout
 
@@ -214,8 +231,14 @@ def test_cli_on_a_store_on_hdfs(spark, tmp_path):
         def run(parallelism: int) -> None:
             spark.conf.set("spark.state.parallelism", str(parallelism))
             spark.conf.set("spark.state.store", store)
-            query = (keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink)
-                     .option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start())
+            query = (
+                keyed(job.stream(), "user", name="clicks")
+                .count()
+                .writeStream.foreachBatch(job.sink)
+                .option("checkpointLocation", str(tmp_path / "chk"))
+                .trigger(availableNow=True)
+                .start()
+            )
             query.awaitTermination()
 
         job.add_batch(300, keys=50, salt=0)
@@ -249,8 +272,11 @@ def _append(log: str, users: list[str]) -> None:
 
     schema = pa.schema([pa.field("user", pa.string())])
     storage = LocalStorage(log)
-    replayable = (ReplayableLog.open(storage) if storage.exists("_log.json")
-                  else ReplayableLog.create(storage, LogMeta("events", 2, schema)))
+    replayable = (
+        ReplayableLog.open(storage)
+        if storage.exists("_log.json")
+        else ReplayableLog.create(storage, LogMeta("events", 2, schema))
+    )
     writer = replayable.segment_writer(order=0, max_records=1_000_000)
     for split in (0, 1):
         writer.add(split, pa.record_batch([pa.array(users[split::2], pa.string())], schema=schema))
@@ -268,8 +294,14 @@ def test_a_query_started_from_a_savepoint_continues_with_exact_output(spark, tmp
         spark.conf.set("spark.state.parallelism", str(parallelism))
         spark.conf.set("spark.state.store", store)
         spark.conf.set("spark.state.checkpointsRetained", "2")
-        events = (spark.readStream.format("replayable").option("path", log).option("startingOffsets", "checkpoint")
-                  .option("stateStore", store).option("maxRecordsPerBatch", 150).load())
+        events = (
+            spark.readStream.format("replayable")
+            .option("path", log)
+            .option("startingOffsets", "checkpoint")
+            .option("stateStore", store)
+            .option("maxRecordsPerBatch", 150)
+            .load()
+        )
         writer = keyed(events, key, name="clicks").count().writeStream.foreachBatch(sink)
         if savepoint is not None:
             writer = writer.fromSavepoint(savepoint)
@@ -312,8 +344,10 @@ def test_schema_evolution_across_three_restarts_with_rescales(spark, tmp_path):
 
     def run(parallelism: int, state_schema: str, fn, defaults=None):
         def stream(k):
-            return k.apply(fn, state_schema=state_schema, output_schema="user string, count long",
-                           state_defaults=defaults)
+            return k.apply(
+                fn, state_schema=state_schema, output_schema="user string, count long", state_defaults=defaults
+            )
+
         return job.run(parallelism, stream)
 
     def step(batch: int, keys: int, counting: bool):
@@ -334,8 +368,10 @@ def test_schema_evolution_across_three_restarts_with_rescales(spark, tmp_path):
         return [{"user": key[0], "count": total + int(rows["amount"].sum())}]
 
     def state_now():
-        return {r["user"]: tuple(v for k, v in r.items() if k != "user")
-                for r in read_state(str(tmp_path / "state"), "totals").to_pylist()}
+        return {
+            r["user"]: tuple(v for k, v in r.items() if k != "user")
+            for r in read_state(str(tmp_path / "state"), "totals").to_pylist()
+        }
 
     step(0, 40, False)
     run(2, "total int", total_only)

@@ -10,10 +10,10 @@ import pytest
 from spark_state.errors import ConfigError, NoCheckpointError, SavepointNotFoundError
 from spark_state.keyspace import KeyGroupRange
 from spark_state.ops.reader import read_changes, read_state, split_key_groups
-from spark_state.store.savepoints import create_savepoint
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.savepoints import create_savepoint
 from tests.stores import Store
-from tests.test_manifestlog import COMPONENT, KEYS, M, Job
+from tests.test_manifestlog import COMPONENT, KEYS, Job, M
 
 
 def as_dict(table: pa.Table) -> dict[str, int]:
@@ -59,7 +59,9 @@ def test_read_state_is_the_committed_state_of_every_restorable_checkpoint(seed):
 def test_read_state_of_one_key_reads_its_key_group_only():
     store, job = history(0)
     present = next(iter(job.committed[12]))
-    assert read_state(store.storage, COMPONENT, key=present).to_pylist() == [{"key": present, "value": job.committed[12][present]}]
+    assert read_state(store.storage, COMPONENT, key=present).to_pylist() == [
+        {"key": present, "value": job.committed[12][present]}
+    ]
     assert read_state(store.storage, COMPONENT, key=("never-seen",)).num_rows == 0
     with pytest.raises(ConfigError, match="has 1 column"):
         read_state(store.storage, COMPONENT, key=("a", "b"))
@@ -133,7 +135,8 @@ def test_key_group_ranges_for_parallel_reads_cover_the_state_once():
 
 def test_state_in_an_older_schema_reads_in_the_current_one_and_timers_on_request():
     from spark_state.model.timers import TIMERS  # noqa: F401 - the timers variable of V_TIMERS
-    from tests.test_evolution import V1, V2, Job as EvolvingJob, schema
+    from tests.test_evolution import V1, V2, schema
+    from tests.test_evolution import Job as EvolvingJob
 
     store = Store(MemoryStorage())
     job = EvolvingJob(store, V1, 2)
@@ -150,7 +153,8 @@ def test_state_in_an_older_schema_reads_in_the_current_one_and_timers_on_request
     assert state.column_names == ["user", "count", "label", "total"]
     assert state.schema.field("count").type == pa.int64() and state.schema.field("label").type == pa.large_string()
     assert sorted(state.to_pylist(), key=lambda r: int(r["user"][1:])) == [
-        {"user": f"u{i}", "count": i, "label": f"l{i}", "total": 7} for i in range(30)]
+        {"user": f"u{i}", "count": i, "label": f"l{i}", "total": 7} for i in range(30)
+    ]
     timed = read_state(store.storage, "c", timers=True)
     assert timed.column_names[-3:] == ["timers_event", "timers_processing", "timers_expires"]
     assert [r["timers_event"] for r in timed.to_pylist() if r["timers_event"]] == [[5]]

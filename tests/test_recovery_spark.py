@@ -31,7 +31,8 @@ def test_a_damaged_newest_checkpoint_is_refused_and_a_query_restored_from_an_old
     log, store = str(tmp_path / "events"), str(tmp_path / "state")
     users = [f"u{i % 11}" for i in range(600)]
     spark.createDataFrame([(u,) for u in users], "user string").write.format("replayable").mode("append").option(
-        "numSplits", 2).option("keyColumn", "user").save(log)
+        "numSplits", 2
+    ).option("keyColumn", "user").save(log)
     outputs: dict[str, dict[int, dict[str, int]]] = {}
 
     def run(name: str, starting: str, restore_from: int | None = None):
@@ -39,12 +40,23 @@ def test_a_damaged_newest_checkpoint_is_refused_and_a_query_restored_from_an_old
         spark.conf.set("spark.state.store", store)
         if restore_from is not None:
             spark.conf.set("spark.state.restoreFrom", str(restore_from))
-        events = (spark.readStream.format("replayable").option("path", log).option("maxRecordsPerBatch", 200)
-                  .option("startingOffsets", starting).option("stateStore", store).load())
+        events = (
+            spark.readStream.format("replayable")
+            .option("path", log)
+            .option("maxRecordsPerBatch", 200)
+            .option("startingOffsets", starting)
+            .option("stateStore", store)
+            .load()
+        )
         query = (
-            keyed(events, "user", name="clicks").count().writeStream
-            .foreachBatch(lambda out, b: outputs.setdefault(name, {}).update({b: {r[0]: r[1] for r in out.collect()}}))
-            .option("checkpointLocation", str(tmp_path / name)).trigger(availableNow=True).start()
+            keyed(events, "user", name="clicks")
+            .count()
+            .writeStream.foreachBatch(
+                lambda out, b: outputs.setdefault(name, {}).update({b: {r[0]: r[1] for r in out.collect()}})
+            )
+            .option("checkpointLocation", str(tmp_path / name))
+            .trigger(availableNow=True)
+            .start()
         )
         query.awaitTermination()
 

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spark_state.ops.cli import cli
 from spark_state.driver.conf import StateConf
 from spark_state.errors import ConfigError, SparkStateError
+from spark_state.ops.cli import cli
 from spark_state.redaction import MASK, redact
 
 KEY, SECRET = "AKIAEXAMPLEKEY4242", "wJalrXUtnFEMIexamplesecret"
@@ -26,11 +26,14 @@ def _typed(where: str) -> list[str]:
     """The ways a user might type ``KEY`` and ``SECRET`` into a URI that goes ``where``."""
     return {
         "endpoint": [f"http://{KEY}:{SECRET}@127.0.0.1:1", f"https://{KEY}:{SECRET}@s3.example.com"],
-        "store": [f"s3://bucket/state?endpoint=http://{KEY}:{SECRET}@127.0.0.1:1",
-                  f"s3://{KEY}:{SECRET}@bucket/state",
-                  f"s3://bucket/state?endpoint=http%3A%2F%2F{KEY}%3A{SECRET}%40127.0.0.1%3A1",
-                  f"s3://bucket/state?aws_secret_access_key={SECRET}&access_key={KEY}",
-                  f"webhdfs://{KEY}:{SECRET}@127.0.0.1:1/state", f"file://{KEY}:{SECRET}@localhost/state"],
+        "store": [
+            f"s3://bucket/state?endpoint=http://{KEY}:{SECRET}@127.0.0.1:1",
+            f"s3://{KEY}:{SECRET}@bucket/state",
+            f"s3://bucket/state?endpoint=http%3A%2F%2F{KEY}%3A{SECRET}%40127.0.0.1%3A1",
+            f"s3://bucket/state?aws_secret_access_key={SECRET}&access_key={KEY}",
+            f"webhdfs://{KEY}:{SECRET}@127.0.0.1:1/state",
+            f"file://{KEY}:{SECRET}@localhost/state",
+        ],
     }[where]
 
 
@@ -46,14 +49,22 @@ def _our_logs(caplog):
         yield
 
 
-@pytest.mark.parametrize("text, expected", [
-    (f"s3://b/p?endpoint=http://{KEY}:{SECRET}@host:8333&path_style=true",
-     f"s3://b/p?endpoint=http://{MASK}@host:8333&path_style=true"),
-    (f"'http://{KEY}@host'", f"'http://{MASK}@host'"),
-    (f"x?api_key={SECRET}&keyColumn=user&token={SECRET}", f"x?api_key={MASK}&keyColumn=user&token={MASK}"),
-    (f"http%3A%2F%2F{KEY}%3A{SECRET}%40host", f"http%3A%2F%2F{MASK}%40host"),
-    ("spark.state.maxParallelism=32768 for user@example.com", "spark.state.maxParallelism=32768 for user@example.com"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            f"s3://b/p?endpoint=http://{KEY}:{SECRET}@host:8333&path_style=true",
+            f"s3://b/p?endpoint=http://{MASK}@host:8333&path_style=true",
+        ),
+        (f"'http://{KEY}@host'", f"'http://{MASK}@host'"),
+        (f"x?api_key={SECRET}&keyColumn=user&token={SECRET}", f"x?api_key={MASK}&keyColumn=user&token={MASK}"),
+        (f"http%3A%2F%2F{KEY}%3A{SECRET}%40host", f"http%3A%2F%2F{MASK}%40host"),
+        (
+            "spark.state.maxParallelism=32768 for user@example.com",
+            "spark.state.maxParallelism=32768 for user@example.com",
+        ),
+    ],
+)
 def test_redact_masks_user_information_and_secret_parameters_and_nothing_else(text, expected):
     assert redact(text) == expected
 
@@ -74,8 +85,11 @@ def test_every_error_of_ours_is_redacted_however_it_was_made():
 @pytest.mark.parametrize("endpoint", _typed("endpoint"))
 def test_the_endpoint_setting_is_refused_without_echoing_the_secret(endpoint):
     with pytest.raises(ConfigError) as error:
-        StateConf.from_mapping({"spark.state.store": "s3://bucket/state", "spark.state.s3.endpoint": endpoint},
-                               default_store="/unused", default_parallelism=2)
+        StateConf.from_mapping(
+            {"spark.state.store": "s3://bucket/state", "spark.state.s3.endpoint": endpoint},
+            default_store="/unused",
+            default_parallelism=2,
+        )
     assert _clean(str(error.value)) and "127.0.0.1" in str(error.value) or "s3.example.com" in str(error.value)
 
 
@@ -90,9 +104,18 @@ def test_a_store_uri_in_the_settings_is_refused_without_echoing_the_secret(store
 
 
 @pytest.mark.parametrize("store", _typed("store"))
-@pytest.mark.parametrize("command", [["verify", "{}"], ["checkpoints", "{}"], ["describe", "{}"],
-                                     ["cleanup", "{}", "--dry-run"], ["savepoint", "list", "{}"],
-                                     ["drain", "{}", "0f1e2d3c-0000-4000-8000-000000000001"], ["savepoint", "{}"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["verify", "{}"],
+        ["checkpoints", "{}"],
+        ["describe", "{}"],
+        ["cleanup", "{}", "--dry-run"],
+        ["savepoint", "list", "{}"],
+        ["drain", "{}", "0f1e2d3c-0000-4000-8000-000000000001"],
+        ["savepoint", "{}"],
+    ],
+)
 def test_a_store_uri_on_the_command_line_is_refused_without_echoing_the_secret(store, command, caplog):
     with _our_logs(caplog):
         result = CliRunner().invoke(cli, [store if word == "{}" else word for word in command])
@@ -106,8 +129,10 @@ def test_secrets_typed_into_a_query_s_settings_and_a_log_path_reach_no_error_or_
     from spark_state import keyed
 
     datasources.register(spark)
-    for setting, value in [("spark.state.store", _typed("store")[0]),
-                           ("spark.state.s3.endpoint", _typed("endpoint")[0])]:
+    for setting, value in [
+        ("spark.state.store", _typed("store")[0]),
+        ("spark.state.s3.endpoint", _typed("endpoint")[0]),
+    ]:
         spark.conf.set(setting, value)
         if setting == "spark.state.s3.endpoint":
             spark.conf.set("spark.state.store", "s3://bucket/state")
@@ -115,7 +140,8 @@ def test_secrets_typed_into_a_query_s_settings_and_a_log_path_reach_no_error_or_
             events = spark.readStream.format("rate").load()
             with _our_logs(caplog), pytest.raises(SparkStateError) as error:
                 keyed(events, "value", name="c").count().writeStream.format("console").option(
-                    "checkpointLocation", str(tmp_path / setting)).start()
+                    "checkpointLocation", str(tmp_path / setting)
+                ).start()
             assert _clean(str(error.value)) and _clean(caplog.text)
         finally:
             spark.conf.unset(setting)
@@ -123,7 +149,8 @@ def test_secrets_typed_into_a_query_s_settings_and_a_log_path_reach_no_error_or_
     for path in _typed("store")[:2]:
         with _our_logs(caplog), pytest.raises(Exception) as error:
             spark.readStream.format("replayable").option("path", path).load().writeStream.format("console").option(
-                "checkpointLocation", str(tmp_path / "log")).start().processAllAvailable()
+                "checkpointLocation", str(tmp_path / "log")
+            ).start().processAllAvailable()
         assert _clean(str(error.value)) and _clean(caplog.text), str(error.value)[:2000]
     captured = capfd.readouterr()
     assert _clean(captured.out) and _clean(captured.err)

@@ -17,8 +17,8 @@ import pytest
 from spark_state import keyed
 from spark_state.driver.conf import S3_KEYS
 from spark_state.errors import BucketNotFoundError, StorageAccessError
-from spark_state.store.manifestlog import open_manifest_log
 from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
+from spark_state.store.manifestlog import open_manifest_log
 from spark_state.store.restore import plan_instance_restore
 from tests.s3_server import WRONG_SECRET_PROFILE
 
@@ -54,9 +54,14 @@ class LogJob:
     def append(self, n: int, keys: int, salt: int) -> None:
         """``n`` rows over the users ``u0`` .. ``u<keys - 1>``."""
         users = [f"u{(i * 7 + salt) % keys}" for i in range(n)]
-        (self.spark.createDataFrame([(u,) for u in users], "user string")
-         .write.format("replayable").mode("append").option("numSplits", 2).option("keyColumn", "user")
-         .save(self.log))
+        (
+            self.spark.createDataFrame([(u,) for u in users], "user string")
+            .write.format("replayable")
+            .mode("append")
+            .option("numSplits", 2)
+            .option("keyColumn", "user")
+            .save(self.log)
+        )
         self.rows += users
 
     def sink(self, out, batch_id: int) -> None:
@@ -69,9 +74,19 @@ class LogJob:
         self.spark.conf.set("spark.state.store", self.store)
         for key, value in {**self.settings, **settings}.items():
             self.spark.conf.set(key, value)
-        events = self.spark.readStream.format("replayable").option("maxRecordsPerBatch", self.max_records_per_batch).load(self.log)
-        return (keyed(events, "user", name=COMPONENT).count().writeStream.foreachBatch(self.sink)
-                .option("checkpointLocation", self.checkpoint).trigger(availableNow=True).start())
+        events = (
+            self.spark.readStream.format("replayable")
+            .option("maxRecordsPerBatch", self.max_records_per_batch)
+            .load(self.log)
+        )
+        return (
+            keyed(events, "user", name=COMPONENT)
+            .count()
+            .writeStream.foreachBatch(self.sink)
+            .option("checkpointLocation", self.checkpoint)
+            .trigger(availableNow=True)
+            .start()
+        )
 
     def run(self, parallelism: int, **settings: str):
         query = self.start(parallelism, **settings)
@@ -96,8 +111,10 @@ class LogJob:
         """Each new instance's restore plan, and the sizes of the instance items every one of them reads."""
         component = open_manifest_log(self.store_uri()).latest().components[COMPONENT]
         items = [ref.size for ref in component.instance_items.values()]
-        return {j: plan_instance_restore(component, j, parallelism, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES)
-                for j in range(parallelism)}, items
+        return {
+            j: plan_instance_restore(component, j, parallelism, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES)
+            for j in range(parallelism)
+        }, items
 
 
 @pytest.fixture
@@ -212,8 +229,14 @@ def test_checkpoint_location_on_webhdfs_with_the_default_store_beside_it(spark, 
 
         def run(parallelism):
             spark.conf.set("spark.state.parallelism", str(parallelism))
-            query = (keyed(job.stream(), "user", name="clicks").count().writeStream.foreachBatch(job.sink)
-                     .option("checkpointLocation", location).trigger(availableNow=True).start())
+            query = (
+                keyed(job.stream(), "user", name="clicks")
+                .count()
+                .writeStream.foreachBatch(job.sink)
+                .option("checkpointLocation", location)
+                .trigger(availableNow=True)
+                .start()
+            )
             try:
                 query.awaitTermination()
             finally:
@@ -227,7 +250,10 @@ def test_checkpoint_location_on_webhdfs_with_the_default_store_beside_it(spark, 
         rescaled = run(3)
         assert job.outputs == job.expected()
         assert sum(i["restore"]["bytes_read"] for i in rescaled.batches[0]["instances"]) > 0
-        written = {(r.op, r.path.split("/chk/clicks/")[-1].split("/")[0]) for r in server.requests
-                   if r.op in ("CREATE", "RENAME") and "/chk/clicks/" in r.path}
+        written = {
+            (r.op, r.path.split("/chk/clicks/")[-1].split("/")[0])
+            for r in server.requests
+            if r.op in ("CREATE", "RENAME") and "/chk/clicks/" in r.path
+        }
         assert {("RENAME", "offsets"), ("RENAME", "commits"), ("CREATE", "state")} <= written
         assert open_manifest_log(f"{location}/state").latest().components["clicks"].parallelism == 3

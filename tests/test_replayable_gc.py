@@ -26,8 +26,10 @@ HOUR_MS = 3_600_000
 
 
 def rows(start: int, n: int) -> pa.RecordBatch:
-    return pa.record_batch([pa.array([f"k{i}" for i in range(start, start + n)]),
-                            pa.array(range(start, start + n), pa.int64())], schema=SCHEMA)
+    return pa.record_batch(
+        [pa.array([f"k{i}" for i in range(start, start + n)]), pa.array(range(start, start + n), pa.int64())],
+        schema=SCHEMA,
+    )
 
 
 def new_log(storage=None) -> ReplayableLog:
@@ -65,8 +67,13 @@ def test_writer_directory_names_carry_their_time_and_old_names_none():
     assert name.startswith(f"task-{NOW_MS}-3f2a-7-0-") and directory_time_ms(name) == NOW_MS
     assert directory_time_ms(writer_directory("writer")) is not None
     assert writer_directory("writer", now_ms=NOW_MS) != writer_directory("writer", now_ms=NOW_MS)
-    for legacy in ("job-" + uuid.uuid4().hex, "0-1-9a8b7c6d", uuid.uuid4().hex,
-                   f"stream-{'1' * 32}-0-0", "stream-0123456789abcdef-0-0"):
+    for legacy in (
+        "job-" + uuid.uuid4().hex,
+        "0-1-9a8b7c6d",
+        uuid.uuid4().hex,
+        f"stream-{'1' * 32}-0-0",
+        "stream-0123456789abcdef-0-0",
+    ):
         assert directory_time_ms(legacy) is None, legacy
 
 
@@ -136,8 +143,10 @@ def test_grace_must_not_be_negative():
 def test_orphan_grace_option_is_parsed_and_validated_for_batch_writes():
     assert parse_write_options({"path": "/x"}, WRITE).orphan_grace_seconds == 3600 == DEFAULT_ORPHAN_GRACE_SECONDS
     assert parse_write_options({"path": "/x", "orphanGraceSeconds": " 0 "}, WRITE).orphan_grace_seconds == 0
-    for bad, match in (("-5", "orphanGraceSeconds=-5 must be >= 0"),
-                       ("1h", "orphanGraceSeconds='1h' is not an integer")):
+    for bad, match in (
+        ("-5", "orphanGraceSeconds=-5 must be >= 0"),
+        ("1h", "orphanGraceSeconds='1h' is not an integer"),
+    ):
         with pytest.raises(ReplayableOptionError, match=match):
             parse_write_options({"path": "/x", "orphanGraceSeconds": bad}, WRITE)
     with pytest.raises(UnknownOptionError, match="orphangraceseconds"):

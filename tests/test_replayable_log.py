@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import spark_state.driver.conf as spark_state_conf
 from datasources.errors import (
     CorruptLogError,
-    UnsupportedKeyColumnError,
     CorruptSegmentError,
     IncompatibleLogError,
     InvalidOffsetsError,
@@ -26,13 +26,14 @@ from datasources.errors import (
     ReplayableOptionError,
     SegmentMissingError,
     UnknownOptionError,
+    UnsupportedKeyColumnError,
 )
 from datasources.generator import GeneratorSpec, generate, ranks
 from datasources.log import INDEX_SNAPSHOT_INTERVAL, ReplayableLog, decode_segment, encode_segment
 from datasources.logindex import (
+    MAX_SPLITS,
     Commit,
     LogIndex,
-    MAX_SPLITS,
     LogMeta,
     SegmentRef,
     SinkMark,
@@ -43,7 +44,6 @@ from datasources.logindex import (
     plan_reads,
     position_schema,
 )
-from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.options import (
     ANY_READ,
     READ,
@@ -56,19 +56,21 @@ from datasources.options import (
     parse_read_options,
     parse_write_options,
 )
+from datasources.routing import is_key_type, route_batch, splits_of_keys
 from datasources.sources import LogSource, retention_floors
-import spark_state.driver.conf as spark_state_conf
-from spark_state.store.commitlog import decode_record, encode_record
 from spark_state.errors import ConfigError, CorruptBlobError, StorageError
 from spark_state.storage.base import CountingStorage, Storage
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.commitlog import decode_record, encode_record
 
 SCHEMA = pa.schema([pa.field("key", pa.string()), pa.field("value", pa.int64())])
 
 
 def batch(start: int, n: int) -> pa.RecordBatch:
-    return pa.record_batch([pa.array([f"k{i}" for i in range(start, start + n)]),
-                            pa.array(range(start, start + n), pa.int64())], schema=SCHEMA)
+    return pa.record_batch(
+        [pa.array([f"k{i}" for i in range(start, start + n)]), pa.array(range(start, start + n), pa.int64())],
+        schema=SCHEMA,
+    )
 
 
 def new_log(num_splits: int = 2, storage: Storage | None = None) -> ReplayableLog:
@@ -150,8 +152,11 @@ def test_segment_writer_cuts_segments_at_max_records_and_keeps_order():
 
 def test_plan_append_orders_segments_of_a_split_by_task_then_sequence():
     index = LogIndex.empty(1)
-    staged = [StagedSegment(0, "b", 2, 1, 1, (1, 0)), StagedSegment(0, "a", 3, 1, 1, (0, 5)),
-              StagedSegment(0, "c", 0, 1, 1, (0, 9))]
+    staged = [
+        StagedSegment(0, "b", 2, 1, 1, (1, 0)),
+        StagedSegment(0, "a", 3, 1, 1, (0, 5)),
+        StagedSegment(0, "c", 0, 1, 1, (0, 9)),
+    ]
     commit = plan_append(index, staged)
     assert [(s.path, s.start, s.end) for s in commit.segments] == [("a", 0, 3), ("b", 3, 5)]
 
@@ -166,7 +171,7 @@ def test_concurrent_appends_race_for_commit_ids_and_never_overlap():
             log = ReplayableLog.open(storage)  # each thread its own (soon stale) index
             for j in range(10):
                 append(log, (w + j) % 2, 1000 * w + j, 3)
-        except Exception as exc:  # pragma: no cover - reported below
+        except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
@@ -321,26 +326,38 @@ def legacy_log(storage: Storage) -> list[int]:
     """
     meta = LogMeta("old", 2, SCHEMA)
     schema_b64 = base64.b64encode(SCHEMA.serialize().to_pybytes()).decode("ascii")
-    storage.create("_log.json", json.dumps({"format": 1, "name": "old", "numSplits": 2, "schema": schema_b64,
-                                            "schemaText": SCHEMA.to_string()}, indent=1).encode())
+    storage.create(
+        "_log.json",
+        json.dumps(
+            {"format": 1, "name": "old", "numSplits": 2, "schema": schema_b64, "schemaText": SCHEMA.to_string()},
+            indent=1,
+        ).encode(),
+    )
     writer = ReplayableLog(storage, meta).segment_writer(order=0)
     writer.add(1, batch(0, 3))
     writer.add(0, batch(3, 2))
     first, second = sorted(writer.finish(), key=lambda seg: -seg.split)
 
     def ref(seg, split: int, n: int) -> str:
-        return (f'{{"split": {split}, "start": 0, "end": {n}, "path": "{seg.path}", "size": {seg.size}, '
-                f'"crc32": {seg.crc32}}}')
+        return (
+            f'{{"split": {split}, "start": 0, "end": {n}, "path": "{seg.path}", "size": {seg.size}, '
+            f'"crc32": {seg.crc32}}}'
+        )
 
-    storage.create("_commits/00000000000000000000.json",
-                   f'{{"format": 1, "commit": 0, "segments": [{ref(first, 1, 3)}], "trims": {{}}, '
-                   f'"sink": null}}'.encode())
-    storage.create("_commits/00000000000000000001.json",
-                   f'{{"format": 1, "commit": 1, "segments": [{ref(second, 0, 2)}], "trims": {{}}, '
-                   f'"sink": {{"id": "q", "batch": 4}}}}'.encode())
-    storage.create("_index/00000000000000000000.json",
-                   f'{{"format": 1, "commit": 0, "earliest": [0, 0], "end": [0, 3], '
-                   f'"segments": [{ref(first, 1, 3)}], "sinks": {{}}}}'.encode())
+    storage.create(
+        "_commits/00000000000000000000.json",
+        f'{{"format": 1, "commit": 0, "segments": [{ref(first, 1, 3)}], "trims": {{}}, "sink": null}}'.encode(),
+    )
+    storage.create(
+        "_commits/00000000000000000001.json",
+        f'{{"format": 1, "commit": 1, "segments": [{ref(second, 0, 2)}], "trims": {{}}, '
+        f'"sink": {{"id": "q", "batch": 4}}}}'.encode(),
+    )
+    storage.create(
+        "_index/00000000000000000000.json",
+        f'{{"format": 1, "commit": 0, "earliest": [0, 0], "end": [0, 3], '
+        f'"segments": [{ref(first, 1, 3)}], "sinks": {{}}}}'.encode(),
+    )
     return [3, 4, 0, 1, 2]
 
 
@@ -365,7 +382,7 @@ def test_a_log_written_before_framing_opens_reads_and_takes_new_commits():
 def damaged_copies(data: bytes):
     """Every single-byte flip of ``data``, then every strict prefix."""
     for i in range(len(data)):
-        yield data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+        yield data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :]
     for n in range(len(data)):
         yield data[:n]
 
@@ -377,8 +394,11 @@ def test_every_flipped_byte_or_truncation_of_a_log_file_raises_naming_it(target)
     commits = INDEX_SNAPSHOT_INTERVAL if target == "snapshot" else 2
     for i in range(commits):
         append(log, i % 2, 10 * i, 3)
-    path = {"_log.json": "_log.json", "commit": log.commits.path(1),
-            "snapshot": log.snapshots.path(INDEX_SNAPSHOT_INTERVAL - 1)}[target]
+    path = {
+        "_log.json": "_log.json",
+        "commit": log.commits.path(1),
+        "snapshot": log.snapshots.path(INDEX_SNAPSHOT_INTERVAL - 1),
+    }[target]
     expected = rows(log)
     original = storage.read(path)
     for damaged in damaged_copies(original):
@@ -400,19 +420,22 @@ def framed_log(num_splits: int = 2) -> tuple[MemoryStorage, ReplayableLog]:
 GOOD_SEGMENT = {"split": 1, "start": 0, "end": 2, "path": "data/x/1-000000.arrow", "size": 10, "crc32": 0}
 
 
-@pytest.mark.parametrize("body", [
-    [1, 2],
-    {"commit": 1, "segments": [], "trims": {}, "sink": None},
-    {"format": 1, "commit": 1, "trims": {}, "sink": None},
-    {"format": 1, "commit": 1, "segments": ["data/x.arrow"], "trims": {}, "sink": None},
-    {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "size": "big"}], "trims": {}, "sink": None},
-    {"format": 1, "commit": 1, "segments": [], "trims": {"7": 0}, "sink": None},
-    {"format": 1, "commit": 1, "segments": [], "trims": {"-1": 0}, "sink": None},
-    {"format": 1, "commit": 1, "segments": [], "trims": {"0": 99}, "sink": None},
-    {"format": 1, "commit": 1, "segments": [], "trims": [], "sink": None},
-    {"format": 1, "commit": 1, "segments": [], "trims": {}, "sink": ["q", 1]},
-    {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "split": -1}], "trims": {}, "sink": None},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        [1, 2],
+        {"commit": 1, "segments": [], "trims": {}, "sink": None},
+        {"format": 1, "commit": 1, "trims": {}, "sink": None},
+        {"format": 1, "commit": 1, "segments": ["data/x.arrow"], "trims": {}, "sink": None},
+        {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "size": "big"}], "trims": {}, "sink": None},
+        {"format": 1, "commit": 1, "segments": [], "trims": {"7": 0}, "sink": None},
+        {"format": 1, "commit": 1, "segments": [], "trims": {"-1": 0}, "sink": None},
+        {"format": 1, "commit": 1, "segments": [], "trims": {"0": 99}, "sink": None},
+        {"format": 1, "commit": 1, "segments": [], "trims": [], "sink": None},
+        {"format": 1, "commit": 1, "segments": [], "trims": {}, "sink": ["q", 1]},
+        {"format": 1, "commit": 1, "segments": [{**GOOD_SEGMENT, "split": -1}], "trims": {}, "sink": None},
+    ],
+)
 def test_a_malformed_commit_raises_a_typed_error_naming_it(body):
     storage, log = framed_log()
     storage.create(log.commits.path(1), encode_record(body))
@@ -420,14 +443,17 @@ def test_a_malformed_commit_raises_a_typed_error_naming_it(body):
         ReplayableLog.open(storage).index()
 
 
-@pytest.mark.parametrize("change", [
-    {"segments": [{**GOOD_SEGMENT, "split": -1}]},
-    {"segments": [{**GOOD_SEGMENT, "split": 2}]},
-    {"earliest": [0]},
-    {"end": [3, "x"]},
-    {"sinks": [["q", 1]]},
-    {"segments": None},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"segments": [{**GOOD_SEGMENT, "split": -1}]},
+        {"segments": [{**GOOD_SEGMENT, "split": 2}]},
+        {"earliest": [0]},
+        {"end": [3, "x"]},
+        {"sinks": [["q", 1]]},
+        {"segments": None},
+    ],
+)
 def test_a_malformed_snapshot_raises_a_typed_error_naming_it(change):
     storage, log = framed_log()
     body = {**log.index().to_json(), **change}
@@ -436,8 +462,16 @@ def test_a_malformed_snapshot_raises_a_typed_error_naming_it(change):
         ReplayableLog.open(storage).index()
 
 
-@pytest.mark.parametrize("change", [{"schema": None}, {"schema": "not base64!"}, {"numSplits": "many"},
-                                    {"numSplits": 0}, {"name": None, "schema": "AAAA"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"schema": None},
+        {"schema": "not base64!"},
+        {"numSplits": "many"},
+        {"numSplits": 0},
+        {"name": None, "schema": "AAAA"},
+    ],
+)
 def test_a_malformed_log_meta_raises_a_typed_error_naming_it(change):
     storage, log = framed_log()
     storage.create("_log.json", encode_record({**log.meta.to_json(), **change}), overwrite=True)
@@ -488,8 +522,11 @@ def test_datasources_raises_only_its_own_typed_errors():
     import datasources.errors as errors
     from spark_state.errors import SparkStateError
 
-    typed = {name for name, value in vars(errors).items()
-             if inspect.isclass(value) and issubclass(value, SparkStateError) and value.__module__ == errors.__name__}
+    typed = {
+        name
+        for name, value in vars(errors).items()
+        if inspect.isclass(value) and issubclass(value, SparkStateError) and value.__module__ == errors.__name__
+    }
     untyped = []
     for path in sorted(Path(datasources.__file__).parent.glob("*.py")):
         module = importlib.import_module(f"datasources.{path.stem}")
@@ -595,8 +632,9 @@ def reference_split(key, num_splits: int) -> int:
 TEXT_KEYS = st.one_of(st.text(max_size=100), st.text(alphabet="\x00aé日😀", max_size=100))
 KEY_COLUMNS = st.one_of(
     st.tuples(st.sampled_from([pa.string(), pa.large_string()]), st.lists(st.none() | TEXT_KEYS, max_size=40)),
-    st.tuples(st.sampled_from([pa.binary(), pa.large_binary()]),
-              st.lists(st.none() | st.binary(max_size=100), max_size=40)),
+    st.tuples(
+        st.sampled_from([pa.binary(), pa.large_binary()]), st.lists(st.none() | st.binary(max_size=100), max_size=40)
+    ),
     st.tuples(st.just(pa.int64()), st.lists(st.none() | st.integers(-(2**63), 2**63 - 1), max_size=40)),
     st.tuples(st.just(pa.int32()), st.lists(st.none() | st.integers(-(2**31), 2**31 - 1), max_size=40)),
     st.tuples(st.just(pa.uint8()), st.lists(st.none() | st.integers(0, 255), max_size=40)),
@@ -687,13 +725,16 @@ def test_unknown_option_is_named_and_spark_options_are_accepted():
     assert parse_read_options({"PATH": "/x", "MAXRECORDSPERBATCH": "5"}, ANY_READ).max_records_per_batch == 5
 
 
-@pytest.mark.parametrize("text, match", [
-    ("earliets", "neither one of"),
-    ('{"0": "a"}', "offset 'a' of split 0"),
-    ('{"x": 1}', "split 'x'"),
-    ('{"0": -3}', ">= -2"),
-    ("[1, 2]", "neither one of"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("earliets", "neither one of"),
+        ('{"0": "a"}', "offset 'a' of split 0"),
+        ('{"x": 1}', "split 'x'"),
+        ('{"0": -3}', ">= -2"),
+        ("[1, 2]", "neither one of"),
+    ],
+)
 def test_malformed_starting_offsets_are_rejected(text, match):
     with pytest.raises(InvalidOffsetsError, match=match) as info:
         parse_read_options({"path": "/x", "startingOffsets": text}, STREAM_READ)
@@ -744,7 +785,9 @@ def memory_log():
 def fake_checkpoints(monkeypatch):
     calls = {"latest": None, "retained": []}
     monkeypatch.setattr("spark_state.store.manifestlog.latest_source_offsets", lambda uri, source_id: calls["latest"])
-    monkeypatch.setattr("spark_state.store.manifestlog.retained_source_offsets", lambda uri, source_id: calls["retained"])
+    monkeypatch.setattr(
+        "spark_state.store.manifestlog.retained_source_offsets", lambda uri, source_id: calls["retained"]
+    )
     return calls
 
 
@@ -820,10 +863,13 @@ def test_a_commit_that_does_not_continue_its_split_is_rejected():
         apply_commit(index, Commit(2, ()), "commit 2")
 
 
-operations = st.lists(st.one_of(
-    st.tuples(st.just("append"), st.integers(0, 2), st.integers(1, 9)),
-    st.tuples(st.just("trim"), st.integers(0, 2), st.integers(0, 40)),
-), max_size=25)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 2), st.integers(1, 9)),
+        st.tuples(st.just("trim"), st.integers(0, 2), st.integers(0, 40)),
+    ),
+    max_size=25,
+)
 
 
 @settings(max_examples=60, deadline=None)

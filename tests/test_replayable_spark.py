@@ -19,9 +19,17 @@ pytestmark = pytest.mark.spark
 
 def write_source_log(spark, path: Path, rows: int, splits: int = 3, segment_rows: int = 400) -> None:
     df = spark.range(0, rows, numPartitions=2).selectExpr(
-        "concat('user-', cast(id % 97 as string)) AS key", "id AS value")
-    (df.write.format("replayable").mode("append").option("path", str(path))
-     .option("keyColumn", "key").option("numSplits", str(splits)).option("maxRecordsPerSegment", str(segment_rows)).save())
+        "concat('user-', cast(id % 97 as string)) AS key", "id AS value"
+    )
+    (
+        df.write.format("replayable")
+        .mode("append")
+        .option("path", str(path))
+        .option("keyColumn", "key")
+        .option("numSplits", str(splits))
+        .option("maxRecordsPerSegment", str(segment_rows))
+        .save()
+    )
 
 
 def batch_sizes(query) -> list[int]:
@@ -40,10 +48,19 @@ def test_stream_honours_max_records_per_batch_under_available_now_and_trims(spar
     """Also proves auto-registration: the session never registers the format."""
     path = tmp_path / "log"
     write_source_log(spark, path, 900, segment_rows=50)
-    query = (spark.readStream.format("replayable").option("path", str(path))
-             .option("maxRecordsPerBatch", 400).option("maxRecordsPerPartition", 150).option("retention", 0).load()
-             .writeStream.format("memory").queryName("replayable_admission").trigger(availableNow=True)
-             .option("checkpointLocation", str(tmp_path / "ck")).start())
+    query = (
+        spark.readStream.format("replayable")
+        .option("path", str(path))
+        .option("maxRecordsPerBatch", 400)
+        .option("maxRecordsPerPartition", 150)
+        .option("retention", 0)
+        .load()
+        .writeStream.format("memory")
+        .queryName("replayable_admission")
+        .trigger(availableNow=True)
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .start()
+    )
     query.awaitTermination()
     sizes = batch_sizes(query)
     assert sizes == [400, 400, 100]
@@ -93,13 +110,24 @@ def test_register_gives_both_sources_the_environment_of_the_session_s_python_fun
 
 
 def test_generator_stream_is_bounded_and_admission_controlled(spark, tmp_path):
-    query = (spark.readStream.format("replayable").option("generator", "keyed").option("numSplits", 2)
-             .option("rowsPerSplit", 1500).option("maxRecordsPerBatch", 2000).load()
-             .writeStream.format("memory").queryName("replayable_generated").trigger(availableNow=True)
-             .option("checkpointLocation", str(tmp_path / "ck")).start())
+    query = (
+        spark.readStream.format("replayable")
+        .option("generator", "keyed")
+        .option("numSplits", 2)
+        .option("rowsPerSplit", 1500)
+        .option("maxRecordsPerBatch", 2000)
+        .load()
+        .writeStream.format("memory")
+        .queryName("replayable_generated")
+        .trigger(availableNow=True)
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .start()
+    )
     query.awaitTermination()
     assert batch_sizes(query) == [2000, 1000]
-    got = spark.sql("SELECT split, count(*) AS n, max(offset) AS top FROM replayable_generated GROUP BY split ORDER BY split")
+    got = spark.sql(
+        "SELECT split, count(*) AS n, max(offset) AS top FROM replayable_generated GROUP BY split ORDER BY split"
+    )
     assert [tuple(r) for r in got.collect()] == [(0, 1500, 1499), (1, 1500, 1499)]
 
 
@@ -118,13 +146,24 @@ def crash_once_in_batch(marker: str):
 
 
 def start_pipeline(spark, source: Path, sink: Path, checkpoint: Path, marker: Path):
-    stream = (spark.readStream.format("replayable").option("path", str(source))
-              .option("maxRecordsPerBatch", 600).option("maxRecordsPerPartition", 300).load()
-              .selectExpr("key", "value", "split AS src_split", "offset AS src_offset"))
+    stream = (
+        spark.readStream.format("replayable")
+        .option("path", str(source))
+        .option("maxRecordsPerBatch", 600)
+        .option("maxRecordsPerPartition", 300)
+        .load()
+        .selectExpr("key", "value", "split AS src_split", "offset AS src_offset")
+    )
     stream = stream.mapInArrow(crash_once_in_batch(str(marker)), stream.schema)
-    return (stream.writeStream.format("replayable").option("path", str(sink)).option("keyColumn", "src_split")
-            .option("numSplits", 2).option("checkpointLocation", str(checkpoint))
-            .trigger(availableNow=True).start())
+    return (
+        stream.writeStream.format("replayable")
+        .option("path", str(sink))
+        .option("keyColumn", "src_split")
+        .option("numSplits", 2)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
 
 
 def test_end_to_end_exactly_once_after_a_crash_and_a_replayed_batch(spark, tmp_path):
@@ -166,18 +205,29 @@ def test_end_to_end_exactly_once_after_a_crash_and_a_replayed_batch(spark, tmp_p
 
 
 def test_two_reads_of_the_same_offsets_are_identical(spark, small_log):
-    options = {"startingOffsets": '{"0": 5, "1": 0, "2": -2}', "endingOffsets": '{"0": 200, "1": -1, "2": 150}',
-               "maxRecordsPerPartition": "70"}
+    options = {
+        "startingOffsets": '{"0": 5, "1": 0, "2": -2}',
+        "endingOffsets": '{"0": 200, "1": -1, "2": 150}',
+        "maxRecordsPerPartition": "70",
+    }
     first = spark.read.format("replayable").options(**options).load(str(small_log)).collect()
     second = spark.read.format("replayable").options(**options).load(str(small_log)).collect()
     assert first == second
     assert [(r.split, r.offset) for r in first if r.split == 0] == [(0, o) for o in range(5, 200)]
     log = ReplayableLog.open(LocalStorage(small_log))
-    direct = pa.Table.from_batches(list(log.read_range({0: 5, 1: 0, 2: 0}, {0: 200, 1: log.index().end_offsets()[1], 2: 150})))
+    direct = pa.Table.from_batches(
+        list(log.read_range({0: 5, 1: 0, 2: 0}, {0: 200, 1: log.index().end_offsets()[1], 2: 150}))
+    )
     assert [tuple(r) for r in first] == [tuple(r.values()) for r in direct.to_pylist()]
 
-    gen = {"generator": "keyed", "numSplits": "2", "skew": "1.0", "seed": "11",
-           "startingOffsets": '{"0": 100, "1": 0}', "endingOffsets": '{"0": 900, "1": 50}'}
+    gen = {
+        "generator": "keyed",
+        "numSplits": "2",
+        "skew": "1.0",
+        "seed": "11",
+        "startingOffsets": '{"0": 100, "1": 0}',
+        "endingOffsets": '{"0": 900, "1": 50}',
+    }
     g1 = spark.read.format("replayable").options(**gen).load().collect()
     g2 = spark.read.format("replayable").options(**gen).load().collect()
     assert g1 == g2 and len(g1) == 850
@@ -186,8 +236,13 @@ def test_two_reads_of_the_same_offsets_are_identical(spark, small_log):
 def test_batch_write_with_sink_id_appends_each_batch_id_once(spark, tmp_path):
     df = spark.range(0, 50, numPartitions=2).selectExpr("concat('user-', cast(id as string)) AS key", "id AS value")
     for batch_id in (0, 0, 1):  # batch 0 re-run, as a foreachBatch retry would
-        (df.write.format("replayable").mode("append").option("sinkId", "job-a").option("batchId", batch_id)
-         .save(str(tmp_path / "log")))
+        (
+            df.write.format("replayable")
+            .mode("append")
+            .option("sinkId", "job-a")
+            .option("batchId", batch_id)
+            .save(str(tmp_path / "log"))
+        )
     index = ReplayableLog.open(LocalStorage(tmp_path / "log")).index()
     assert sum(index.end_offsets().values()) == 100
     assert index.sinks == {"sink:job-a": 1}
@@ -216,8 +271,13 @@ def test_failed_batch_write_leaves_nothing_behind(spark, tmp_path):
 
     df = spark.range(0, 50_000, numPartitions=1).selectExpr("concat('user-', cast(id as string)) AS key", "id AS value")
     with pytest.raises(Exception, match="task failure"):
-        (df.mapInArrow(fail_after_30000_rows, df.schema).write.format("replayable").mode("append")
-         .option("maxRecordsPerSegment", 4000).save(str(path)))
+        (
+            df.mapInArrow(fail_after_30000_rows, df.schema)
+            .write.format("replayable")
+            .mode("append")
+            .option("maxRecordsPerSegment", 4000)
+            .save(str(path))
+        )
     assert ReplayableLog.open(LocalStorage(path)).index() == before  # nothing of the failed job is referenced
 
     log.collect_garbage(0)
@@ -226,13 +286,19 @@ def test_failed_batch_write_leaves_nothing_behind(spark, tmp_path):
     assert sorted(os.listdir(path / "data")) == sorted({p.split("/")[1] for p in committed})
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"path": "{log}", "maxRecordPerBatch": "5"}, "UnknownOptionError.*maxrecordperbatch"),
-    ({"path": "{log}", "startingOffsets": "{{bad"}, "InvalidOffsetsError.*startingOffsets"),
-    ({}, "option path is missing"),
-    ({"path": "{missing}"}, "LogNotFoundError.*no replayable log"),
-    ({"path": "{log}", "endingOffsets": '{{"0": 99999, "1": -1, "2": -1}}'}, "OffsetOutOfRangeError.*endingOffsets"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"path": "{log}", "maxRecordPerBatch": "5"}, "UnknownOptionError.*maxrecordperbatch"),
+        ({"path": "{log}", "startingOffsets": "{{bad"}, "InvalidOffsetsError.*startingOffsets"),
+        ({}, "option path is missing"),
+        ({"path": "{missing}"}, "LogNotFoundError.*no replayable log"),
+        (
+            {"path": "{log}", "endingOffsets": '{{"0": 99999, "1": -1, "2": -1}}'},
+            "OffsetOutOfRangeError.*endingOffsets",
+        ),
+    ],
+)
 def test_bad_input_raises_a_named_error(spark, small_log, tmp_path, options, match):
     options = {k: v.format(log=small_log, missing=tmp_path / "nothing") for k, v in options.items()}
     with pytest.raises(Exception, match=f"(?s){match}"):

@@ -14,22 +14,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.executor import order as key_ordering, search
-from spark_state.executor import table as keyed_table
-from spark_state.store.blobstore import BlobStore
 from spark_state.errors import CorruptBlobError, KeyGroupNotLoadedError, KeyGroupOwnershipError
-from spark_state.executor.columns import KEY_GROUP_COLUMN
-from spark_state.executor.aggregates import Aggregate, PARTIAL_PREFIX
+from spark_state.executor import order as key_ordering
+from spark_state.executor import search
+from spark_state.executor import table as keyed_table
+from spark_state.executor.aggregates import PARTIAL_PREFIX, Aggregate
 from spark_state.executor.chain import FetchedChain
+from spark_state.executor.columns import KEY_GROUP_COLUMN
 from spark_state.executor.order import key_order
+from spark_state.executor.resident import EXACT_TIMERS_EVERY, ResidentState, keep, resident_instances, take
 from spark_state.executor.table import SET_ENTRY_BYTES, KeyGroupTable
 from spark_state.keyspace import key_group_for, key_group_range
-from spark_state.store.manifest import ComponentSpec
-from spark_state.executor.resident import EXACT_TIMERS_EVERY, ResidentState, keep, resident_instances, take
-from spark_state.store.restore import plan_instance_restore
 from spark_state.model.schema import DELETED_COLUMN, KeyedSchema, StateVariable
-from spark_state.storage.memory import MemoryStorage
 from spark_state.model.timers import TIMERS, minima
+from spark_state.storage.memory import MemoryStorage
+from spark_state.store.blobstore import BlobStore
+from spark_state.store.manifest import ComponentSpec
+from spark_state.store.restore import plan_instance_restore
 from tests.stores import Store
 
 M = 4
@@ -251,20 +252,35 @@ def test_a_restored_unsorted_key_group_is_hashed_for_lookups_once_then_folded(st
 
 def _entry(keys: list[str], values: list[int | None], deleted: list[bool]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
-        [pa.array(keys), pa.array([None if v is None else {"value": v} for v in values],
-                                  SCHEMA.blob_schema.field(1).type), pa.array(deleted)], schema=SCHEMA.blob_schema)
+        [
+            pa.array(keys),
+            pa.array([None if v is None else {"value": v} for v in values], SCHEMA.blob_schema.field(1).type),
+            pa.array(deleted),
+        ],
+        schema=SCHEMA.blob_schema,
+    )
 
 
 def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
     """Chains of one full entry, of several with an overwrite and a tombstone, one folded before: the rows of
     the fold of all at once (one kernel call for the unfolded ones) are the union of each chain's fold."""
+
     def chains():
         return [
             FetchedChain(0, [("full", _entry(["a", "b"], [1, 2], [False, False]))], SCHEMA),
-            FetchedChain(1, [("full", _entry(["c", "d", "e"], [3, 4, 5], [False, False, False])),
-                             ("delta", _entry(["d", "c"], [40, None], [False, True]))], SCHEMA),
-            FetchedChain(2, [("full", _entry(["f"], [6], [False])),
-                             ("delta", _entry(["g", "f"], [7, 60], [False, False]))], SCHEMA),
+            FetchedChain(
+                1,
+                [
+                    ("full", _entry(["c", "d", "e"], [3, 4, 5], [False, False, False])),
+                    ("delta", _entry(["d", "c"], [40, None], [False, True])),
+                ],
+                SCHEMA,
+            ),
+            FetchedChain(
+                2,
+                [("full", _entry(["f"], [6], [False])), ("delta", _entry(["g", "f"], [7, 60], [False, False]))],
+                SCHEMA,
+            ),
         ]
 
     def rows(table: pa.Table) -> list[tuple]:
@@ -272,8 +288,14 @@ def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
 
     each = chains()
     expected = rows(pa.concat_tables([chain.folded() for chain in each]))
-    assert expected == [("a", {"value": 1}), ("b", {"value": 2}), ("d", {"value": 40}), ("e", {"value": 5}),
-                        ("f", {"value": 60}), ("g", {"value": 7})]
+    assert expected == [
+        ("a", {"value": 1}),
+        ("b", {"value": 2}),
+        ("d", {"value": 40}),
+        ("e", {"value": 5}),
+        ("f", {"value": 60}),
+        ("g", {"value": 7}),
+    ]
     together = chains()
     together[2].folded()  # folded before: its fold is used as it is
     assert rows(FetchedChain.live_rows(together, SCHEMA.key_columns)) == expected
@@ -286,8 +308,8 @@ def test_live_rows_of_many_chains_are_what_each_chain_folds_to():
 def test_a_restored_chain_takes_the_key_count_its_last_entry_recorded_instead_of_folding(store):
     """A built-in aggregate's entries record how many keys their chains hold; a restore at a new parallelism
     counts its chains from those records (no fold), and the counts are the chains' true counts."""
+    from spark_state.executor.aggregates import PARTIAL_PREFIX, Aggregate
     from spark_state.executor.columns import KEY_GROUP_COLUMN
-    from spark_state.executor.aggregates import Aggregate, PARTIAL_PREFIX
 
     agg = Aggregate("count", None, "count")
     schema = KeyedSchema.of_values([pa.field("key", pa.string())], agg.state_fields())
@@ -295,8 +317,13 @@ def test_a_restored_chain_takes_the_key_count_its_last_entry_recorded_instead_of
 
     def batch(keys):
         keys = sorted(keys, key=lambda k: key_group_for(k, many))
-        return pa.table({KEY_GROUP_COLUMN: pa.array([key_group_for(k, many) for k in keys], pa.int32()),
-                         "key": pa.array(keys), PARTIAL_PREFIX + "0": pa.array([1] * len(keys), pa.int64())})
+        return pa.table(
+            {
+                KEY_GROUP_COLUMN: pa.array([key_group_for(k, many) for k in keys], pa.int32()),
+                "key": pa.array(keys),
+                PARTIAL_PREFIX + "0": pa.array([1] * len(keys), pa.int64()),
+            }
+        )
 
     writer = ResidentState(schema, key_group_range(0, 1, many), native=True)
     component = None
@@ -314,7 +341,8 @@ def test_a_restored_chain_takes_the_key_count_its_last_entry_recorded_instead_of
         assert any(len(chain.batches) > 1 for chain in chains.values())
         assert all(chain._live is not None and chain._folded is None for chain in chains.values())
         assert [chain._live for chain in chains.values()] == [
-            FetchedChain(0, chain.batches, schema).live_keys() for chain in chains.values()]
+            FetchedChain(0, chain.batches, schema).live_keys() for chain in chains.values()
+        ]
         total += len(restored)
     assert total == 260
 
@@ -329,8 +357,14 @@ def test_a_key_count_no_chain_of_its_entries_could_hold_is_ignored():
 def test_a_chain_counts_the_keys_its_fold_holds_without_folding_a_lone_entry():
     """One entry: its rows less its tombstones (no fold); several: the fold's rows (overwrites count once)."""
     lone = FetchedChain(0, [("full", _entry(["a", "b", "c"], [1, None, 3], [False, True, False]))], SCHEMA)
-    chain = FetchedChain(1, [("full", _entry(["c", "d", "e"], [3, 4, 5], [False, False, False])),
-                             ("delta", _entry(["d", "c", "f"], [40, None, 6], [False, True, False]))], SCHEMA)
+    chain = FetchedChain(
+        1,
+        [
+            ("full", _entry(["c", "d", "e"], [3, 4, 5], [False, False, False])),
+            ("delta", _entry(["d", "c", "f"], [40, None, 6], [False, True, False])),
+        ],
+        SCHEMA,
+    )
     assert lone.live_keys() == 2 and lone._folded is None
     assert chain.live_keys() == 3
     assert [FetchedChain(g, c.batches, SCHEMA).folded().num_rows for g, c in ((0, lone), (1, chain))] == [2, 3]
@@ -351,18 +385,29 @@ def _int_put_many(state: ResidentState, items: dict[int, int]) -> None:
     pairs = sorted(items.items(), key=lambda kv: key_group_for(kv[0], M))
     keys, values = [k for k, _ in pairs], [(v,) for _, v in pairs]
     state.table.get_many([key_group_for(k, M) for k in keys], keys)
-    state.table.put_many([key_group_for(k, M) for k in keys], keys, values,
-                         key_columns=[pa.array(keys, pa.int64())], value_columns=[pa.array([v for (v,) in values])])
+    state.table.put_many(
+        [key_group_for(k, M) for k in keys],
+        keys,
+        values,
+        key_columns=[pa.array(keys, pa.int64())],
+        value_columns=[pa.array([v for (v,) in values])],
+    )
 
 
 def _stored_entries(store: Store, component) -> list[tuple[int, str, list[int]]]:
-    return [(g, kind, batch.column("key").to_pylist())
-            for g, chain in store.blobs.fetch(component, plan_instance_restore(component, 0, 1), INT_SCHEMA)[0].items()
-            for kind, batch in chain]
+    return [
+        (g, kind, batch.column("key").to_pylist())
+        for g, chain in store.blobs.fetch(component, plan_instance_restore(component, 0, 1), INT_SCHEMA)[0].items()
+        for kind, batch in chain
+    ]
 
 
-_INTEGER_TYPES = [(pa.int8(), -2**7, 2**7 - 1), (pa.int32(), -2**31, 2**31 - 1), (pa.int64(), -2**63, 2**63 - 1),
-                  (pa.uint64(), 0, 2**64 - 1)]
+_INTEGER_TYPES = [
+    (pa.int8(), -(2**7), 2**7 - 1),
+    (pa.int32(), -(2**31), 2**31 - 1),
+    (pa.int64(), -(2**63), 2**63 - 1),
+    (pa.uint64(), 0, 2**64 - 1),
+]
 
 
 @settings(max_examples=300, deadline=None)
@@ -381,8 +426,10 @@ def test_key_order_sorts_each_run_by_key_in_place(data):
     keys = data.draw(st.lists(values, min_size=sum(sizes), max_size=sum(sizes)))
     lexsort_rows = data.draw(st.sampled_from([0, 4, key_ordering.LEXSORT_ROWS]))
     short_run_rows = data.draw(st.sampled_from([0, 2, key_ordering.SHORT_RUN_ROWS]))
-    with (mock.patch.object(key_ordering, "LEXSORT_ROWS", lexsort_rows),
-          mock.patch.object(key_ordering, "SHORT_RUN_ROWS", short_run_rows)):
+    with (
+        mock.patch.object(key_ordering, "LEXSORT_ROWS", lexsort_rows),
+        mock.patch.object(key_ordering, "SHORT_RUN_ROWS", short_run_rows),
+    ):
         order = key_order(pa.array(keys, kind), sizes)
     runs = np.repeat(np.arange(len(sizes)), sizes)
     by = (lambda k: k.encode()) if kind == pa.string() else (lambda k: k)
@@ -401,8 +448,9 @@ def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_i
     kind, low, high = data.draw(st.sampled_from(_INTEGER_TYPES + [(pa.string(), 0, 0)]))
     wide = st.integers(low, high) | st.sampled_from([low, high])  # the extremes of the type, and any value
     narrow = st.integers(max(low, -4), min(high, 4))  # a few values: asked keys hit the entries' keys often
-    values = (st.text("abc\x00\u00e9", max_size=3) if kind == pa.string()
-              else narrow if data.draw(st.booleans()) else wide)
+    values = (
+        st.text("abc\x00\u00e9", max_size=3) if kind == pa.string() else narrow if data.draw(st.booleans()) else wide
+    )
     groups = data.draw(st.lists(st.integers(0, 5), unique=True, min_size=1, max_size=4))
     owned = data.draw(st.booleans())
 
@@ -421,8 +469,10 @@ def test_a_search_of_sorted_entries_finds_each_key_in_the_newest_entry_holding_i
             for k in keys:
                 model.setdefault((g, k), f"{g}/{level}/{k}")
         entries[g] = levels
-    asked = [(group_of(k) if owned else g, k)
-             for g, k in data.draw(st.lists(st.tuples(st.sampled_from(groups), values), max_size=12))]
+    asked = [
+        (group_of(k) if owned else g, k)
+        for g, k in data.draw(st.lists(st.tuples(st.sampled_from(groups), values), max_size=12))
+    ]
     owner = np.array([g for g, _ in asked], np.int64)
     wider = {pa.string(): pa.large_string(), pa.int8(): pa.int16(), pa.int32(): pa.int64()}.get(kind)
     asked_type = wider if wider is not None and data.draw(st.booleans()) else kind  # then every level searched
@@ -446,8 +496,10 @@ def test_entries_keys_checked_sorted_all_at_once_are_those_each_entry_has_in_str
     make it unsorted, across two entries they do not; a null key makes it unsorted; empty entries are sorted."""
     kind = data.draw(st.sampled_from([pa.int64(), pa.string()]))
     values = st.integers(-3, 3) if kind == pa.int64() else st.text("ab", max_size=2)
-    batches = [pa.record_batch([pa.array(data.draw(st.lists(values | st.none(), max_size=5)), kind)], ["k"])
-               for _ in range(data.draw(st.integers(0, 5)))]
+    batches = [
+        pa.record_batch([pa.array(data.draw(st.lists(values | st.none(), max_size=5)), kind)], ["k"])
+        for _ in range(data.draw(st.integers(0, 5)))
+    ]
     checked = key_ordering.keys_ascending(batches, "k")
     assert checked == [_ascending_alone(b, "k") for b in batches]
 
@@ -458,14 +510,19 @@ def test_chains_checked_searchable_all_at_once_are_those_each_chain_finds_search
     """``FetchedChain.searchable_all`` and ``searchable`` per chain, on two copies of the same chains, against each
     entry checked alone: a chain is searchable when every entry's keys are strictly ascending without nulls, its
     entries newest first; a released chain never is, and a chain already checked keeps its answer."""
+
     def entry(kind: str):
         keys = data.draw(st.lists(st.text("abc", max_size=2) | st.none(), max_size=4))
-        return kind, pa.record_batch([pa.array(keys, pa.string()), pa.array([False] * len(keys), pa.bool_())],
-                                     ["key", DELETED_COLUMN])
+        return kind, pa.record_batch(
+            [pa.array(keys, pa.string()), pa.array([False] * len(keys), pa.bool_())], ["key", DELETED_COLUMN]
+        )
 
-    plans = [([entry("full")] + [entry("delta") for _ in range(deltas)], released, checked)
-             for deltas, released, checked in data.draw(
-                 st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), max_size=6))]
+    plans = [
+        ([entry("full")] + [entry("delta") for _ in range(deltas)], released, checked)
+        for deltas, released, checked in data.draw(
+            st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), max_size=6)
+        )
+    ]
 
     def chains() -> list[FetchedChain]:
         made = []
@@ -479,8 +536,10 @@ def test_chains_checked_searchable_all_at_once_are_those_each_chain_finds_search
 
     together = FetchedChain.searchable_all(chains())
     each = [chain.searchable() for chain in chains()]
-    expected = [not released and not checked and all(_ascending_alone(batch, "key") for _, batch in entries)
-                for entries, released, checked in plans]
+    expected = [
+        not released and not checked and all(_ascending_alone(batch, "key") for _, batch in entries)
+        for entries, released, checked in plans
+    ]
     assert [found is not None for found in together] == expected
     assert [found is not None for found in each] == expected
     for found, alone, (entries, _, _) in zip(together, each, plans):
@@ -493,13 +552,17 @@ def test_chains_checked_searchable_all_at_once_are_those_each_chain_finds_search
 def test_chains_whose_entries_differ_in_key_type_are_checked_entry_by_entry():
     """One pass compares keys of one type; chains fetched with string and large-string keys are checked per
     entry instead, with the same answers."""
-    def entry(keys, kind):
-        return "full", pa.record_batch([pa.array(keys, kind), pa.array([False] * len(keys), pa.bool_())],
-                                       ["key", DELETED_COLUMN])
 
-    chains = [FetchedChain(0, [entry(["a", "b"], pa.string())], SCHEMA),
-              FetchedChain(1, [entry(["b", "a"], pa.large_string())], SCHEMA),
-              FetchedChain(2, [entry(["c", "d"], pa.large_string())], SCHEMA)]
+    def entry(keys, kind):
+        return "full", pa.record_batch(
+            [pa.array(keys, kind), pa.array([False] * len(keys), pa.bool_())], ["key", DELETED_COLUMN]
+        )
+
+    chains = [
+        FetchedChain(0, [entry(["a", "b"], pa.string())], SCHEMA),
+        FetchedChain(1, [entry(["b", "a"], pa.large_string())], SCHEMA),
+        FetchedChain(2, [entry(["c", "d"], pa.large_string())], SCHEMA),
+    ]
     assert [found is not None for found in FetchedChain.searchable_all(chains)] == [True, False, True]
 
 
@@ -509,8 +572,9 @@ def test_a_probe_finds_each_asked_key_whether_it_filters_the_chains_rows_first_o
     (``PROBE_FILTER_RATIO``); either way each asked key gets its value, or null when absent."""
     live_keys = [f"k{n}" for n in range(40)]
     values = pa.array([{"value": n} for n in range(40)], SCHEMA.blob_schema.field(1).type)
-    live = pa.Table.from_batches([pa.record_batch([pa.array(live_keys[i:i + 5]), values.slice(i, 5)], ["key", "v"])
-                                  for i in range(0, 40, 5)])  # one chunk per key group, as chains' rows come
+    live = pa.Table.from_batches(
+        [pa.record_batch([pa.array(live_keys[i : i + 5]), values.slice(i, 5)], ["key", "v"]) for i in range(0, 40, 5)]
+    )  # one chunk per key group, as chains' rows come
     asked = [f"k{n}" for n in random.Random(asked_count).sample(range(60), asked_count)]
     assert (live.num_rows > search.PROBE_FILTER_RATIO * len(asked)) == (asked_count < 10)  # both routes
     found = search.probe(live, pa.array(asked)).to_pylist()
@@ -538,8 +602,17 @@ def test_full_entries_of_native_key_groups_are_their_folds_whether_a_batch_rewro
         ordered = sorted(keys, key=lambda k: key_group_for(k, M))
         groups = [key_group_for(k, M) for k in ordered]
         adds = data.draw(st.lists(st.integers(1, 3), min_size=len(ordered), max_size=len(ordered)))
-        agg.apply(state.table, pa.table({KEY_GROUP_COLUMN: pa.array(groups, pa.int32()), "key": ordered,
-                                         PARTIAL_PREFIX + "0": pa.array(adds, pa.int64())}), ("key",))
+        agg.apply(
+            state.table,
+            pa.table(
+                {
+                    KEY_GROUP_COLUMN: pa.array(groups, pa.int32()),
+                    "key": ordered,
+                    PARTIAL_PREFIX + "0": pa.array(adds, pa.int64()),
+                }
+            ),
+            ("key",),
+        )
         for k, n in zip(ordered, adds):
             model[k] = model.get(k, 0) + n
         held = sorted({g for g in range(M) if g in state.table._unloaded}, reverse=True)  # any order asked
@@ -552,8 +625,7 @@ def test_full_entries_of_native_key_groups_are_their_folds_whether_a_batch_rewro
         assert {key[0]: value[0] for _, key, value in restored.table.items()} == model
 
 
-def test_a_checkpoint_checks_the_key_order_of_what_it_writes_so_later_searches_check_no_full_entry_again(
-        monkeypatch):
+def test_a_checkpoint_checks_the_key_order_of_what_it_writes_so_later_searches_check_no_full_entry_again(monkeypatch):
     """``settle`` checks every written entry's key order in one pass: the search after a first batch of many
     keys, and after a compaction, checks none of the full entries' keys (it checked them all before), and
     finds what a dict model holds."""
@@ -563,8 +635,11 @@ def test_a_checkpoint_checks_the_key_order_of_what_it_writes_so_later_searches_c
     state = ResidentState(schema, key_group_range(0, 1, M), native=True)
     checked: list[int] = []
     real = key_ordering.keys_ascending
-    monkeypatch.setattr(key_ordering, "keys_ascending", lambda batches, key: (
-        checked.append(sum(batch.num_rows for batch in batches)), real(batches, key))[1])
+    monkeypatch.setattr(
+        key_ordering,
+        "keys_ascending",
+        lambda batches, key: (checked.append(sum(batch.num_rows for batch in batches)), real(batches, key))[1],
+    )
     universe = [f"k{n:04d}" for n in range(2_000)]
     model: dict[str, int] = {}
     rng = random.Random(3)
@@ -576,8 +651,17 @@ def test_a_checkpoint_checks_the_key_order_of_what_it_writes_so_later_searches_c
         found = state.table.look_up(np.asarray(groups), pa.array(ordered))
         assert [None if v is None else v["count"] for v in found.to_pylist()] == [model.get(k) for k in ordered]
         assert sum(checked) == 0, checkpoint_id  # no key checked: every entry's order known since it was written
-        agg.apply(state.table, pa.table({KEY_GROUP_COLUMN: pa.array(groups, pa.int32()), "key": ordered,
-                                         PARTIAL_PREFIX + "0": pa.array([1] * len(ordered), pa.int64())}), ("key",))
+        agg.apply(
+            state.table,
+            pa.table(
+                {
+                    KEY_GROUP_COLUMN: pa.array(groups, pa.int32()),
+                    "key": ordered,
+                    PARTIAL_PREFIX + "0": pa.array([1] * len(ordered), pa.int64()),
+                }
+            ),
+            ("key",),
+        )
         for k in ordered:
             model[k] = model.get(k, 0) + 1
         state.checkpoint(store.blobs, "c", checkpoint_id, 0, max_chain_length=3)
@@ -589,7 +673,7 @@ def test_integer_keys_are_written_in_ascending_order_in_every_entry(store):
     """Full entries from the dicts, deltas from a put_many's columns or from the dicts, compacted full entries."""
     rng = random.Random(5)
     state = ResidentState(INT_SCHEMA, key_group_range(0, 1, M))
-    keys = rng.sample(range(-10**12, 10**12), 300)
+    keys = rng.sample(range(-(10**12), 10**12), 300)
     for k in keys:
         state.table.put(key_group_for(k, M), (k,), (k % 7,))
     component = _int_commit(store, 1, state, max_chain_length=3)
@@ -630,8 +714,11 @@ def test_a_restored_integer_keyed_key_group_is_searched_then_folded_a_share_per_
     assert all(restored.table._unloaded[g].searchable() is not None for g in range(M))
     monkeypatch.setattr(keyed_table, "SEARCH_RATIO", 0)  # searched however few rows the chains hold
     searched = []
-    monkeypatch.setattr(KeyGroupTable, "_search", lambda self, wanted, entries: (
-        searched.append(len(wanted)), real_search(self, wanted, entries)))
+    monkeypatch.setattr(
+        KeyGroupTable,
+        "_search",
+        lambda self, wanted, entries: (searched.append(len(wanted)), real_search(self, wanted, entries)),
+    )
     for batch in range(4):
         asked = [10, 12, 14, 1001 + batch, 3 + 2 * batch]  # a tombstone, a delta, the full entry, new keys
         found = restored.table.get_many([key_group_for(k, M) for k in asked], asked)
@@ -675,8 +762,17 @@ BOUNDED_M = 16
 BOUNDED_SPEC = ComponentSpec("c", BOUNDED_M, 1, SCHEMA)
 
 
-def _bounded_batch(state: ResidentState, store: Store, component, checkpoint_id: int, keys: list[str],
-                   model: dict[str, int], *, commit: bool = True, release: bool = False):
+def _bounded_batch(
+    state: ResidentState,
+    store: Store,
+    component,
+    checkpoint_id: int,
+    keys: list[str],
+    model: dict[str, int],
+    *,
+    commit: bool = True,
+    release: bool = False,
+):
     """One task as the operator runs it: catch up, load what the rows touch, count, checkpoint, commit, bound.
 
     With ``release``, the loaded chains are dropped after the count (a batch
@@ -728,11 +824,15 @@ def test_a_bounded_state_evicts_least_recently_used_key_groups_and_reads_them_ba
     for checkpoint_id in range(2, 60):
         low = rng.randrange(0, 900)
         dense = rng.random() < 0.15  # every key of a range: key groups mostly changed, written in full
-        keys = sorted({f"k{n}" for n in range(low, low + 300)} if dense
-                      else {f"k{rng.randrange(low, low + 120)}" for _ in range(40)})
+        keys = sorted(
+            {f"k{n}" for n in range(low, low + 300)}
+            if dense
+            else {f"k{rng.randrange(low, low + 120)}" for _ in range(40)}
+        )
         failed, release = rng.random() < 0.2, rng.random() < 0.4
-        component = _bounded_batch(state, store, component, checkpoint_id, keys, model, commit=not failed,
-                                   release=release)
+        component = _bounded_batch(
+            state, store, component, checkpoint_id, keys, model, commit=not failed, release=release
+        )
         assert not state.table.released()  # evicted by the checkpoint
         memory = state.bound_memory(limit)
         evicted += memory["evicted_key_groups"]
@@ -805,7 +905,9 @@ def test_the_keys_changed_since_a_full_entry_count_in_the_memory_estimate(store)
     assert sum(tracked.values()) == 5
     plain = state.table.nbytes()
     counted = state.table.nbytes(tracked)
-    assert all(counted[g] - plain[g] == tracked[g] * SET_ENTRY_BYTES for g in tracked)  # dicts hold the key objects already
+    assert all(
+        counted[g] - plain[g] == tracked[g] * SET_ENTRY_BYTES for g in tracked
+    )  # dicts hold the key objects already
     assert state.bound_memory(None)["after_checkpoint_bytes"] == sum(counted.values())
 
 
@@ -829,8 +931,10 @@ def test_a_bounded_state_compacts_into_full_entries_only(bounded):
 
 
 def test_a_two_variable_checkpoint_marks_deleted_only_the_keys_gone_from_every_variable(store):
-    two = KeyedSchema((pa.field("key", pa.string()),), (StateVariable("value", (pa.field("v", pa.int64()),)),
-                                                        StateVariable("extra", (pa.field("n", pa.int64()),))))
+    two = KeyedSchema(
+        (pa.field("key", pa.string()),),
+        (StateVariable("value", (pa.field("v", pa.int64()),)), StateVariable("extra", (pa.field("n", pa.int64()),))),
+    )
     state = ResidentState(two, key_group_range(0, 1, M))
     g = key_group_for("a", M)
     fillers = [(f"f{i}", 0, (i,)) for i in range(20 * M)]  # the changed keys are a few of each key group's: deltas
@@ -856,8 +960,9 @@ def test_a_two_variable_checkpoint_marks_deleted_only_the_keys_gone_from_every_v
 
 def _commit_two(store, checkpoint_id, state, schema, entries=None):
     entries = state.snapshot(max_chain_length=8) if entries is None else entries
-    blob = store.blobs.write_blob("c", checkpoint_id, 0, state.key_group_range, schema.blob_schema, entries,
-                                  earliest=state.earliest or None)  # as ``checkpoint`` records them
+    blob = store.blobs.write_blob(
+        "c", checkpoint_id, 0, state.key_group_range, schema.blob_schema, entries, earliest=state.earliest or None
+    )  # as ``checkpoint`` records them
     state.chains.record(blob.path)
     return store.commit(checkpoint_id, {"c": (ComponentSpec("c", M, 1, schema), [blob])}, {}).components["c"]
 

@@ -16,13 +16,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_state.store.blob import BlobEntry, BlobIndex, decode_entry, encode_blob
 from spark_state.errors import CheckpointError, CorruptBlobError, InvalidParallelismError
-from spark_state.keyspace import KeyGroupRange, instance_for_key_group, key_group_range
-from spark_state.store.manifest import BlobRef, ComponentManifest, ComponentSpec, ComponentUpdate, next_component
 from spark_state.executor.resident import ResidentState
-from spark_state.store.restore import InstanceRestorePlan, apply_entries, fold_chain, plan_instance_restore, plan_restore
+from spark_state.keyspace import KeyGroupRange, instance_for_key_group, key_group_range
 from spark_state.model.schema import KeyedSchema, StateVariable
+from spark_state.store.blob import BlobEntry, BlobIndex, decode_entry, encode_blob
+from spark_state.store.manifest import BlobRef, ComponentManifest, ComponentSpec, ComponentUpdate, next_component
+from spark_state.store.restore import (
+    InstanceRestorePlan,
+    apply_entries,
+    fold_chain,
+    plan_instance_restore,
+    plan_restore,
+)
 
 SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
 HEADER = 600  # synthetic blobs: bytes before the first entry
@@ -96,9 +102,7 @@ def _check_single_snapshot_plans(component: ComponentManifest, new_parallelism: 
             assert read.length == sum(e.length for e in read.entries)
         # one read per old blob holding some of the owned key groups, never more
         holding = {path_of[instance_for_key_group(g, old_p, m)] for g in expected_groups}
-        intersecting = {
-            b.path for b in component.blobs.values() if b.key_group_range.intersection(owned) is not None
-        }
+        intersecting = {b.path for b in component.blobs.values() if b.key_group_range.intersection(owned) is not None}
         assert sorted(r.path for r in plan.reads) == sorted(holding)
         assert len(plan.reads) <= len(intersecting)
     assert len(covered) == len(set(covered))
@@ -189,11 +193,15 @@ def test_gap_from_a_superseded_entry_is_bridged_only_when_allowed():
     spec = ComponentSpec("c", m, 1, SCHEMA)
     first = _synthetic_blob(1, 0, KeyGroupRange(0, 3), [1, 2, 3])
     second = _synthetic_blob(2, 0, KeyGroupRange(0, 3), [2])
-    component = next_component(next_component(None, 1, ComponentUpdate(spec, [first])), 2, ComponentUpdate(spec, [second]))
+    component = next_component(
+        next_component(None, 1, ComponentUpdate(spec, [first])), 2, ComponentUpdate(spec, [second])
+    )
     assert component.chains == {1: (first.path,), 2: (second.path,), 3: (first.path,)}
     hole = _entry_length(2)
     tight = plan_instance_restore(component, 0, 1)
-    assert sorted((r.path, len(r.entries)) for r in tight.reads) == sorted([(first.path, 1), (first.path, 1), (second.path, 1)])
+    assert sorted((r.path, len(r.entries)) for r in tight.reads) == sorted(
+        [(first.path, 1), (first.path, 1), (second.path, 1)]
+    )
     assert tight.bytes_to_read == tight.bytes_owned == _entry_length(1) + 2 * _entry_length(2) + _entry_length(3) - hole
     for max_gap in (hole - 1, hole, 10**6):
         loose = plan_instance_restore(component, 0, 1, max_gap_bytes=max_gap)
@@ -252,9 +260,7 @@ class _Job:
             entries = state.snapshot(max_chain_length=self.max_chain_length)
             if not entries:
                 continue
-            data, index = encode_blob(
-                SCHEMA.blob_schema, entries, key_group_range=state.key_group_range, metadata={}
-            )
+            data, index = encode_blob(SCHEMA.blob_schema, entries, key_group_range=state.key_group_range, metadata={})
             path = f"blobs/c/{checkpoint_id:020d}/{i:05d}.arrow"
             state.chains.record(path)
             self.files[path] = data
@@ -409,16 +415,21 @@ def test_a_merge_entry_replaces_the_deltas_after_the_full_entry_and_needs_a_base
         data, index = encode_blob(schema, entries, key_group_range=KeyGroupRange(0, 3), metadata={})
         return BlobRef(f"b{checkpoint_id}", checkpoint_id, 0, KeyGroupRange(0, 3), len(data), zlib.crc32(data), index)
 
-    component = next_component(None, 1, ComponentUpdate(spec, [ref(1, [(1, "full", rows(("a", 1), ("b", 2), ("c", 3)))])]))
+    component = next_component(
+        None, 1, ComponentUpdate(spec, [ref(1, [(1, "full", rows(("a", 1), ("b", 2), ("c", 3)))])])
+    )
     component = next_component(component, 2, ComponentUpdate(spec, [ref(2, [(1, "delta", rows(("a", 10)))])]))
-    component = next_component(component, 3, ComponentUpdate(spec, [ref(3, [(1, "delta", rows(("b", 0), deleted={"b"}))])]))
+    component = next_component(
+        component, 3, ComponentUpdate(spec, [ref(3, [(1, "delta", rows(("b", 0), deleted={"b"}))])])
+    )
     assert component.chains == {1: ("b1", "b2", "b3")}
     merged = rows(("a", 10), ("b", 0), ("d", 4), deleted={"b"})  # every key changed since the full entry
     component = next_component(component, 4, ComponentUpdate(spec, [ref(4, [(1, "merge", merged)])]))
     assert component.chains == {1: ("b1", "b4")} and sorted(component.blobs) == ["b1", "b4"]
     live = fold_chain([("full", rows(("a", 1), ("b", 2), ("c", 3))), ("merge", merged)], SCHEMA.key_columns)
-    assert dict(zip(live.column("key").to_pylist(), [v["value"] for v in live.column("_spark_state_value").to_pylist()])) == {
-        "a": 10, "c": 3, "d": 4}
+    assert dict(
+        zip(live.column("key").to_pylist(), [v["value"] for v in live.column("_spark_state_value").to_pylist()])
+    ) == {"a": 10, "c": 3, "d": 4}
     with pytest.raises(CheckpointError, match="merge entry for key group 2, which has no base state"):
         next_component(component, 5, ComponentUpdate(spec, [ref(5, [(2, "merge", rows(("x", 1)))])]))
 
@@ -501,7 +512,9 @@ def test_fold_rows_follow_their_last_occurrence():
 
 
 def test_fold_composite_keys_with_nulls():
-    schema = KeyedSchema.of_values([pa.field("k1", pa.string()), pa.field("k2", pa.int64())], [pa.field("v", pa.int64())])
+    schema = KeyedSchema.of_values(
+        [pa.field("k1", pa.string()), pa.field("k2", pa.int64())], [pa.field("v", pa.int64())]
+    )
 
     def batch(rows):
         return schema.rows_to_columns(
@@ -529,15 +542,19 @@ def test_a_null_variable_removes_the_key_from_that_variable_only():
     assert groups == [{("b",): (2,)}, {("a",): (11,)}]
     folded = fold_chain([("full", full), ("delta", delta)], TWO.key_columns).to_pylist()
     assert [(r["key"], r["_spark_state_value"], r["_spark_state_extra"]) for r in folded] == [
-        ("b", {"value": 2}, None), ("a", None, {"n": 11})
+        ("b", {"value": 2}, None),
+        ("a", None, {"n": 11}),
     ]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(
-    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(-3, 3) | st.none(), st.booleans()), max_size=8),
-    min_size=1, max_size=5,
-))
+@given(
+    st.lists(
+        st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(-3, 3) | st.none(), st.booleans()), max_size=8),
+        min_size=1,
+        max_size=5,
+    )
+)
 def test_both_forms_of_the_fold_agree_with_the_reference(entries):
     chain = []
     for n, rows in enumerate(entries):

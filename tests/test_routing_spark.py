@@ -32,6 +32,7 @@ KEY_SPECS = {
 MAX_PARALLELISMS = [4096, 7, 32768]
 INSTANCE_CASES = {4096: [1, 3, 200, 1000, 4095, 4096], 7: [1, 2, 3, 4, 5, 6, 7], 32768: [1000, 32767]}
 
+
 def _maybe_null(rng: random.Random, value: object) -> object:
     return None if rng.random() < 0.1 else value
 
@@ -43,8 +44,12 @@ def _rows(seed: int) -> list[tuple]:
         text = "".join(rng.choice(ALPHABET) for _ in range(rng.choice([0, 1, 2, 3, 4, 5, 11, 40, 70])))
         rows.append(
             (
-                _maybe_null(rng, rng.choice(INT32_EXTREMES) if rng.random() < 0.1 else rng.randint(-(2**31), 2**31 - 1)),
-                _maybe_null(rng, rng.choice(INT64_EXTREMES) if rng.random() < 0.1 else rng.randint(-(2**63), 2**63 - 1)),
+                _maybe_null(
+                    rng, rng.choice(INT32_EXTREMES) if rng.random() < 0.1 else rng.randint(-(2**31), 2**31 - 1)
+                ),
+                _maybe_null(
+                    rng, rng.choice(INT64_EXTREMES) if rng.random() < 0.1 else rng.randint(-(2**63), 2**63 - 1)
+                ),
                 _maybe_null(rng, text),
                 _maybe_null(rng, rng.randbytes(rng.choice([0, 1, 3, 4, 7, 66]))),
                 _maybe_null(rng, rng.randint(-128, 127)),
@@ -100,8 +105,10 @@ def test_instances_match_python_for_every_key_group(spark, max_parallelism):
             *(instance_column("id", p, max_parallelism).alias(f"p{p}") for p in parallelisms),
             *(instance_column("id", p, max_parallelism, in_range=True).alias(f"unchecked{p}") for p in parallelisms),
             *(F.expr(instance_sql("id", p, max_parallelism)).alias(f"sql{p}") for p in parallelisms),
-            *(F.expr(instance_sql("id", p, max_parallelism, in_range=True)).alias(f"sql_unchecked{p}")
-              for p in parallelisms),
+            *(
+                F.expr(instance_sql("id", p, max_parallelism, in_range=True)).alias(f"sql_unchecked{p}")
+                for p in parallelisms
+            ),
         )
         .toArrow()
     )
@@ -122,8 +129,11 @@ def test_routing_columns_match_python(keyed):
     df, rows = keyed
     df = df.withColumnRenamed("s", "the `s`.col")
     in_rows = {"the `s`.col": "s", "L": "l"}
-    for cols, m, p in ((["the `s`.col"], 1024, 3), (["l", "the `s`.col", "bin", "flag"], 4096, 7),
-                       (["L", "flag"], 1024, 5)):
+    for cols, m, p in (
+        (["the `s`.col"], 1024, 3),
+        (["l", "the `s`.col", "bin", "flag"], 4096, 7),
+        (["L", "flag"], 1024, 5),
+    ):
         key_group, instance = routing_columns(df, cols, p, m)
         table = df.select(key_group.alias("g"), instance.alias("i")).toArrow()
         python = [tuple(row[in_rows.get(c, c)] for c in cols) for row in rows]

@@ -166,16 +166,22 @@ def test_a_create_whose_attempt_failed_while_another_writer_won_raises_exists(st
 
 def test_a_missing_bucket_is_named_for_every_operation(s3_server):
     store = open_storage(s3_server.uri("no-such-bucket", "state"))
-    calls = [store.check_access, lambda: store.list(""), lambda: store.read("blob"),
-             lambda: store.create("d/blob", b"x"), lambda: store.exists("blob")]
+    calls = [
+        store.check_access,
+        lambda: store.list(""),
+        lambda: store.read("blob"),
+        lambda: store.create("d/blob", b"x"),
+        lambda: store.exists("blob"),
+    ]
     for call in calls:
         with pytest.raises(BucketNotFoundError, match="bucket 'no-such-bucket' does not exist") as error:
             call()
         assert not isinstance(error.value, BlobNotFoundError)
 
 
-@pytest.mark.parametrize(("profile", "code"), [(WRONG_SECRET_PROFILE, "SignatureDoesNotMatch"),
-                                               (UNKNOWN_KEY_PROFILE, "InvalidAccessKeyId")])
+@pytest.mark.parametrize(
+    ("profile", "code"), [(WRONG_SECRET_PROFILE, "SignatureDoesNotMatch"), (UNKNOWN_KEY_PROFILE, "InvalidAccessKeyId")]
+)
 def test_refused_credentials_say_so_and_where_they_came_from_never_the_secret(s3_server, s3_bucket, profile, code):
     store = open_storage(s3_server.uri(s3_bucket, "state") + f"&profile={profile}")
     for call in (store.check_access, lambda: store.read("blob"), lambda: store.create("blob", b"x")):
@@ -217,8 +223,9 @@ def test_uri_round_trips_in_canonical_form():
     uri = "s3a://my-bucket/a/b/?retry_seconds=5&path_style=TRUE&endpoint=http://127.0.0.1:9000/&region=eu-west-1"
     location = parse(uri)
     assert location == S3Location("my-bucket", "a/b", "http://127.0.0.1:9000", "eu-west-1", True, None, 5.0)
-    assert location.uri == ("s3://my-bucket/a/b?endpoint=http://127.0.0.1:9000&region=eu-west-1&path_style=true"
-                            "&retry_seconds=5")
+    assert location.uri == (
+        "s3://my-bucket/a/b?endpoint=http://127.0.0.1:9000&region=eu-west-1&path_style=true&retry_seconds=5"
+    )
     assert parse(location.uri) == location
     assert parse("s3://bucket").uri == "s3://bucket"
     assert open_storage(uri) == open_storage(location.uri)
@@ -226,8 +233,9 @@ def test_uri_round_trips_in_canonical_form():
 
 def test_settings_fill_in_the_uri_and_conflicts_are_refused():
     location = parse("s3://bucket/p?region=eu-west-1")
-    filled = location.with_settings({"endpoint": "http://h:1", "path_style": "true", "region": "eu-west-1",
-                                     "profile": None})
+    filled = location.with_settings(
+        {"endpoint": "http://h:1", "path_style": "true", "region": "eu-west-1", "profile": None}
+    )
     assert filled.uri == "s3://bucket/p?endpoint=http://h:1&region=eu-west-1&path_style=true"
     with pytest.raises(ConfigError, match="spark.state.s3.region='us-east-1' conflicts"):
         location.with_settings({"region": "us-east-1"})
@@ -235,8 +243,14 @@ def test_settings_fill_in_the_uri_and_conflicts_are_refused():
         location.with_settings({"path_style": "yes"})
 
 
-@pytest.mark.parametrize("uri", ["s3://AKIAEXAMPLE:hunter2secret@bucket/p", "s3://bucket/p?aws_secret=hunter2secret",
-                                 "s3://bucket/p?secret_access_key=hunter2secret&region=x"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAEXAMPLE:hunter2secret@bucket/p",
+        "s3://bucket/p?aws_secret=hunter2secret",
+        "s3://bucket/p?secret_access_key=hunter2secret&region=x",
+    ],
+)
 def test_a_secret_put_in_a_uri_is_refused_without_echoing_it(uri):
     with pytest.raises(ConfigError) as error:
         parse(uri)

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 
-from spark_state.store.commitlog import encode_record
 from spark_state.errors import (
     ConfigError,
     CorruptBlobError,
@@ -16,6 +15,10 @@ from spark_state.errors import (
     SavepointNotFoundError,
     StorageError,
 )
+from spark_state.storage.base import ForwardingStorage, Storage
+from spark_state.storage.local import LocalStorage
+from spark_state.storage.memory import MemoryStorage
+from spark_state.store.commitlog import encode_record
 from spark_state.store.manifestlog import ManifestLog, manifest_path
 from spark_state.store.savepoints import (
     SAVEPOINTS_DIR,
@@ -24,18 +27,14 @@ from spark_state.store.savepoints import (
     parse_savepoint_uri,
     savepoint_path,
 )
-from spark_state.storage.base import ForwardingStorage, Storage
-from spark_state.storage.local import LocalStorage
-from spark_state.storage.memory import MemoryStorage
 from tests.stores import Store
 from tests.test_manifestlog import (
     COMPONENT,
     KEYS,
-    M,
     Job,
+    M,
     _CrashingDeletes,
     files_under,
-    referenced_files,
     restore_all,
 )
 
@@ -342,12 +341,18 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
     a, _, b = _started(tmp_path)
     uri = Savepoints(a.storage).get("sp").uri
     cases = [
-        (_spec(max_parallelism=32), "max parallelism is 32 but the savepoint's state was written with 8: set "
-                                    "spark.state.maxParallelism=8"),
-        (_spec(KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])),
-         "state column 'key' cannot change from string to int64"),
-        (_spec(KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())])),
-         "'value.value' cannot change from int64 to int32"),
+        (
+            _spec(max_parallelism=32),
+            "max parallelism is 32 but the savepoint's state was written with 8: set spark.state.maxParallelism=8",
+        ),
+        (
+            _spec(KeyedSchema.of_values([pa.field("key", pa.int64())], [pa.field("value", pa.int64())])),
+            "state column 'key' cannot change from string to int64",
+        ),
+        (
+            _spec(KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int32())])),
+            "'value.value' cannot change from int64 to int32",
+        ),
         (_spec(name="renamed"), "component 'renamed' is not in the savepoint.*allow_non_restored_state=True"),
     ]
     for spec, message in cases:
@@ -371,8 +376,15 @@ def test_a_start_that_does_not_fit_the_savepoint_is_refused_with_what_differs(tm
     from spark_state.store.startfrom import check_fits
 
     savepoint = Savepoints(a.storage).get("sp")
-    assert check_fits(savepoint, _spec(KeyedSchema.of_values([pa.field("key", pa.string())], [
-        pa.field("value", pa.int64()), pa.field("extra", pa.string())])), allow_non_restored=False) == (COMPONENT,)
+    assert check_fits(
+        savepoint,
+        _spec(
+            KeyedSchema.of_values(
+                [pa.field("key", pa.string())], [pa.field("value", pa.int64()), pa.field("extra", pa.string())]
+            )
+        ),
+        allow_non_restored=False,
+    ) == (COMPONENT,)
 
 
 def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_path):
@@ -399,8 +411,8 @@ def test_a_damaged_savepoint_blob_is_not_copied_and_a_crashed_copy_resumes(tmp_p
 
 
 def test_a_savepoint_of_an_s3_store_starts_a_local_store_through_the_uri_it_prints(s3_uri, tmp_path):
-    from spark_state.store.manifestlog import ManifestLog
     from spark_state.storage import open_storage
+    from spark_state.store.manifestlog import ManifestLog
     from spark_state.store.startfrom import start_from_savepoint
 
     a = Store(open_storage(s3_uri("a")), retained=2)

@@ -40,7 +40,9 @@ def test_reserved_names_are_refused(name):
 @pytest.mark.parametrize("where", ["key", "value"])
 def test_dictionary_types_are_refused(where):
     dictionary = pa.field("d", pa.dictionary(pa.int32(), pa.string()))
-    keys, values = ([dictionary], [pa.field("v", pa.int64())]) if where == "key" else ([pa.field("k", pa.int64())], [dictionary])
+    keys, values = (
+        ([dictionary], [pa.field("v", pa.int64())]) if where == "key" else ([pa.field("k", pa.int64())], [dictionary])
+    )
     with pytest.raises(ConfigError, match="'d' is dictionary-encoded"):
         KeyedSchema.of_values(keys, values)
 
@@ -66,12 +68,14 @@ def test_serialization_roundtrips_and_damage_is_typed():
         KeyedSchema.deserialize("bm90IGEgc2NoZW1h", TWO.key_columns)
 
 
-values = st.one_of(st.none(), st.tuples(st.text(max_size=4) | st.none(), st.lists(st.integers(-5, 5), max_size=3) | st.none()))
+values = st.one_of(
+    st.none(), st.tuples(st.text(max_size=4) | st.none(), st.lists(st.integers(-5, 5), max_size=3) | st.none())
+)
 timers = st.one_of(st.none(), st.tuples(st.lists(st.integers(0, 10**12), max_size=3)))
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.text(max_size=3), st.integers(-2**31, 2**31 - 1), values, timers), max_size=20))
+@given(st.lists(st.tuples(st.text(max_size=3), st.integers(-(2**31), 2**31 - 1), values, timers), max_size=20))
 def test_rows_and_columns_convert_both_ways(rows):
     keys = [(tenant, user) for tenant, user, _, _ in rows]
     per_variable = [[v for _, _, v, _ in rows], [t for _, _, _, t in rows]]

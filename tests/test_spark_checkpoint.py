@@ -20,13 +20,15 @@ def temp(batch: int) -> tuple[str, str]:
 
 
 def test_offsets_entries_are_keyed_by_their_source_id_or_position():
-    text = "\n".join([
-        "v1",
-        '{"batchWatermarkMs":0,"batchTimestampMs":1,"conf":{}}',
-        '{"source_id": "replayable:file:///e", "0": 4}',
-        '{"logOffset":3}',
-        "-",
-    ])
+    text = "\n".join(
+        [
+            "v1",
+            '{"batchWatermarkMs":0,"batchTimestampMs":1,"conf":{}}',
+            '{"source_id": "replayable:file:///e", "0": 4}',
+            '{"logOffset":3}',
+            "-",
+        ]
+    )
     assert parse_offsets_entry(text) == {
         "replayable:file:///e": {"source_id": "replayable:file:///e", "0": 4},
         "spark-source-1": {"logOffset": 3},
@@ -77,7 +79,8 @@ def test_a_checkpoint_reads_its_metadata_offsets_and_commits_through_hadoop_and_
     (tmp_path / "metadata").write_text('{"id":"q-1"}\n')
     for batch in (0, 1):
         (tmp_path / "offsets" / str(batch)).write_text(
-            f'v1\n{{"batchTimestampMs":{5 + batch}}}\n{{"source_id":"log","splits":{{"0":{batch}}}}}\n')
+            f'v1\n{{"batchTimestampMs":{5 + batch}}}\n{{"source_id":"log","splits":{{"0":{batch}}}}}\n'
+        )
     (tmp_path / "commits" / "0").write_text("v1\n{}\n")
     checkpoint = SparkCheckpoint(spark, str(tmp_path))
     assert checkpoint.query_id() == "q-1" and checkpoint.last_committed_batch() == 0

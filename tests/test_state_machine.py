@@ -30,22 +30,21 @@ import contextlib
 import copy
 from unittest import mock
 
+import numpy as np
 import pyarrow as pa
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import numpy as np
-
 from spark_state.executor import table as keyed_table
+from spark_state.executor.aggregates import PARTIAL_PREFIX, Aggregate
 from spark_state.executor.columns import KEY_GROUP_COLUMN
-from spark_state.executor.aggregates import Aggregate, PARTIAL_PREFIX
-from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
-from spark_state.store.manifest import ComponentSpec
 from spark_state.executor.resident import ResidentState, restore_instance
-from spark_state.store.restore import fold_chain, plan_restore
+from spark_state.keyspace import instance_for_key_group, key_group_for, key_group_range
 from spark_state.model.schema import DELETED_COLUMN, KeyedSchema
 from spark_state.storage.memory import MemoryStorage
+from spark_state.store.manifest import ComponentSpec
+from spark_state.store.restore import fold_chain, plan_restore
 from tests.stores import Store
 
 MAX_PARALLELISM = 8
@@ -101,8 +100,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _empty(self, parallelism: int) -> list[ResidentState]:
         return [
-            ResidentState(self.schema, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded,
-                          native=self.native)
+            ResidentState(
+                self.schema, key_group_range(i, parallelism, MAX_PARALLELISM), bounded=self.bounded, native=self.native
+            )
             for i in range(parallelism)
         ]
 
@@ -125,8 +125,11 @@ class StoreMachine(RuleBasedStateMachine):
         return loaded
 
     def _write_blobs(self, checkpoint_id: int):
-        writer = mock.patch.object(KeyedSchema, "sorted_key", property(lambda _: None)) if self.unsorted else (
-            contextlib.nullcontext())
+        writer = (
+            mock.patch.object(KeyedSchema, "sorted_key", property(lambda _: None))
+            if self.unsorted
+            else (contextlib.nullcontext())
+        )
         with writer:
             refs = [
                 state.checkpoint(self.store.blobs, COMPONENT, checkpoint_id, i, max_chain_length=MAX_CHAIN_LENGTH)[0]
@@ -134,13 +137,22 @@ class StoreMachine(RuleBasedStateMachine):
             ]
         return [ref for ref in refs if ref is not None]
 
-    def _restore(self, parallelism: int, checkpoint_id: int | None = None, *,
-                 bounded: bool = False) -> list[ResidentState]:
+    def _restore(
+        self, parallelism: int, checkpoint_id: int | None = None, *, bounded: bool = False
+    ) -> list[ResidentState]:
         manifest = self.store.latest() if checkpoint_id is None else self.store.load(checkpoint_id)
         component = manifest.components.get(COMPONENT) if manifest else None
         return [
-            restore_instance(self.store.blobs, component, self.schema, i, parallelism, MAX_PARALLELISM,
-                             bounded=bounded, native=self.native)[0]
+            restore_instance(
+                self.store.blobs,
+                component,
+                self.schema,
+                i,
+                parallelism,
+                MAX_PARALLELISM,
+                bounded=bounded,
+                native=self.native,
+            )[0]
             for i in range(parallelism)
         ]
 
@@ -188,8 +200,10 @@ class StoreMachine(RuleBasedStateMachine):
             news = [((old[0] if old and old[0] is not None else 0) + step,) for old in olds]
             arrow = {}
             if columns:
-                arrow = {"key_columns": [pa.array([k for _, k in routed], self.key_type)],
-                         "value_columns": [pa.array([v for (v,) in news], pa.int64())]}
+                arrow = {
+                    "key_columns": [pa.array([k for _, k in routed], self.key_type)],
+                    "value_columns": [pa.array([v for (v,) in news], pa.int64())],
+                }
             state.table.put_many(groups, keys, news, **arrow)
             self.live.update((k, v[0]) for (_, k), v in zip(routed, news))
         self.clean = False
@@ -208,15 +222,20 @@ class StoreMachine(RuleBasedStateMachine):
             routed = by_instance.get(id(state), [])
             if not routed:
                 continue
-            totals = pa.table({KEY_GROUP_COLUMN: pa.array([g for g, _, _ in routed], pa.int32()),
-                               "key": pa.array([k for _, k, _ in routed], self.key_type),
-                               f"{PARTIAL_PREFIX}0": pa.array([p for _, _, p in routed], pa.int64())})
+            totals = pa.table(
+                {
+                    KEY_GROUP_COLUMN: pa.array([g for g, _, _ in routed], pa.int32()),
+                    "key": pa.array([k for _, k, _ in routed], self.key_type),
+                    f"{PARTIAL_PREFIX}0": pa.array([p for _, _, p in routed], pa.int64()),
+                }
+            )
             output = aggregate.apply(state.table, totals, ("key",))
             for _, key, part in routed:
                 old = self.live.get(key)
                 self.live[key] = part if old is None else old if part is None else old + part
             assert dict(zip(output.column("key").to_pylist(), output.column("value").to_pylist())) == {
-                k: self.live[k] for _, k, _ in routed}
+                k: self.live[k] for _, k, _ in routed
+            }
         self.clean = False
 
     @rule(key=keys)
@@ -337,8 +356,9 @@ class StoreMachine(RuleBasedStateMachine):
             for group, chain in state.table._unloaded.items():
                 if chain.released or chain._live is None:
                     continue
-                entries = [(kind, batch.select([*chain.schema.key_columns, DELETED_COLUMN]))
-                           for kind, batch in chain.batches]
+                entries = [
+                    (kind, batch.select([*chain.schema.key_columns, DELETED_COLUMN])) for kind, batch in chain.batches
+                ]
                 assert chain._live == fold_chain(entries, chain.schema.key_columns).num_rows, f"key group {group}"
 
     @invariant()
@@ -438,9 +458,13 @@ def test_a_key_new_to_a_chain_through_its_overlay_is_counted_when_its_entry_is_w
         state = machine.instances[instance_for_key_group(group, machine.parallelism, MAX_PARALLELISM)]
         others = sorted(k for k in machine.live if k != new_key and key_group_for(k, MAX_PARALLELISM) == group)
         assert len(others) >= 2 and state.table.native_groups([group])[0]
-        totals = pa.table({KEY_GROUP_COLUMN: pa.array([group] * len(others), pa.int32()),
-                           "key": pa.array(others, pa.int64()),
-                           f"{PARTIAL_PREFIX}0": pa.array([1] * len(others), pa.int64())})
+        totals = pa.table(
+            {
+                KEY_GROUP_COLUMN: pa.array([group] * len(others), pa.int32()),
+                "key": pa.array(others, pa.int64()),
+                f"{PARTIAL_PREFIX}0": pa.array([1] * len(others), pa.int64()),
+            }
+        )
         Aggregate("sum", "value", "value", pa.int64()).apply(state.table, totals, ("key",))
         machine.live.update((k, machine.live[k] + 1) for k in others)
         machine.checkpoint()

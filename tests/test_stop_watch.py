@@ -73,8 +73,7 @@ def test_each_watched_run_is_recorded_once_when_found_ended_and_the_thread_leave
 
 def test_record_ended_records_only_runs_no_longer_active_as_at_exit():
     ended, running = _Batch(), _Batch()
-    stop_watch._RUNS.update({"run-1": (ended, _query("run-1", active=False)),
-                             "run-2": (running, _query("run-2"))})
+    stop_watch._RUNS.update({"run-1": (ended, _query("run-1", active=False)), "run-2": (running, _query("run-2"))})
     assert record_ended() == 1
     assert (ended.stopped, running.stopped) == (["run-1"], []) and watched_runs() == {"run-2"}
     assert record_ended() == 0 and ended.stopped == ["run-1"]

@@ -11,9 +11,9 @@ and ``open_storage``; ``tests/test_s3_storage.py`` does the same for S3.
 from __future__ import annotations
 
 import os
-import stat
 import queue
 import random
+import stat
 import threading
 import uuid
 
@@ -75,12 +75,7 @@ def backing_dir(storage, server: WebHdfsServer | None = None) -> str:
 
 def temp_files(directory: str) -> list[str]:
     """Names starting with the temp prefix anywhere below ``directory``."""
-    return [
-        name
-        for _, _, names in os.walk(directory)
-        for name in names
-        if name.startswith(TEMP_PREFIX)
-    ]
+    return [name for _, _, names in os.walk(directory) for name in names if name.startswith(TEMP_PREFIX)]
 
 
 # --- create and read -------------------------------------------------------------
@@ -154,7 +149,7 @@ def test_racing_creators_exactly_one_wins(storage):
                 outcomes[i] = "won"
             except BlobExistsError:
                 outcomes[i] = "lost"
-            except Exception as err:  # reported by the asserts below
+            except Exception as err:  # noqa: BLE001 - reported by the asserts below
                 outcomes[i] = err
 
         threads = [threading.Thread(target=race, args=(i,)) for i in range(racers)]
@@ -191,7 +186,7 @@ DATA_1000 = random_bytes(1000, seed=3)
 )
 def test_ranged_read_returns_exactly_the_range(storage, offset, length):
     storage.create("blob", DATA_1000)
-    expected = DATA_1000[offset:] if length is None else DATA_1000[offset:offset + length]
+    expected = DATA_1000[offset:] if length is None else DATA_1000[offset : offset + length]
     assert storage.read("blob", offset, length) == expected
 
 
@@ -370,7 +365,7 @@ def test_a_concurrent_reader_never_sees_a_partial_blob(storage):
                 seen.append("old" if data == old else "new" if data == new else f"partial {len(data)} bytes")
             except BlobNotFoundError:
                 seen.append("absent")
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - recorded, and the test fails on it
                 seen.append(repr(err))
             tokens.task_done()
 
@@ -632,6 +627,12 @@ def test_local_files_and_directories_are_never_writable_by_others_whatever_the_u
     finally:
         os.umask(old)
     modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
-    assert modes == {"root": 0o755, "root/blobs": 0o755, "root/blobs/c": 0o755, "root/blobs/c/00000000000000000001": 0o755,
-                     "root/blobs/c/00000000000000000001/blob.arrow": 0o644, "root/manifests": 0o755,
-                     "root/manifests/1.json": 0o644}, modes
+    assert modes == {
+        "root": 0o755,
+        "root/blobs": 0o755,
+        "root/blobs/c": 0o755,
+        "root/blobs/c/00000000000000000001": 0o755,
+        "root/blobs/c/00000000000000000001/blob.arrow": 0o644,
+        "root/manifests": 0o755,
+        "root/manifests/1.json": 0o644,
+    }, modes

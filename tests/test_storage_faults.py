@@ -14,7 +14,6 @@ import threading
 
 import pytest
 
-from spark_state.store.commitlog import CommitLog
 from spark_state.errors import (
     BlobNotFoundError,
     CommitFailedError,
@@ -22,10 +21,11 @@ from spark_state.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from spark_state.store.manifestlog import ManifestLog, manifest_path
 from spark_state.storage import LocalStorage, MemoryStorage, open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, FaultPlan, FaultStorage, InjectedStorageError
 from spark_state.storage.timeouts import TimeoutStorage, unwrapped
+from spark_state.store.commitlog import CommitLog
+from spark_state.store.manifestlog import ManifestLog, manifest_path
 from tests.stores import Store
 
 
@@ -55,8 +55,10 @@ def test_rules_match_a_store_uri_without_its_parameters(tmp_path):
     """An s3:// store's URI carries its endpoint as parameters; a rule names the bucket and prefix only."""
     inner = MemoryStorage()
     inner.uri = "s3://bucket/q/state?endpoint=http://127.0.0.1:8333&path_style=true"
-    storage = FaultStorage(inner, plan(tmp_path, {"op": "create", "path": r"^s3://bucket/q/state/checkpoints/",
-                                                  "nth": 1, "fault": "error"}))
+    storage = FaultStorage(
+        inner,
+        plan(tmp_path, {"op": "create", "path": r"^s3://bucket/q/state/checkpoints/", "nth": 1, "fault": "error"}),
+    )
     storage.create("blobs/a", b"1")
     with pytest.raises(InjectedStorageError, match="'checkpoints/1.json'"):
         storage.create("checkpoints/1.json", b"{}")
@@ -64,8 +66,14 @@ def test_rules_match_a_store_uri_without_its_parameters(tmp_path):
 
 def test_a_read_fault_and_no_space_left(tmp_path, backend):
     backend.create("d/x", b"data")
-    storage = FaultStorage(backend, plan(tmp_path, {"op": "read", "path": "d/x", "nth": 1, "fault": "error"},
-                                         {"op": "create", "path": "d/y", "nth": 1, "fault": "enospc"}))
+    storage = FaultStorage(
+        backend,
+        plan(
+            tmp_path,
+            {"op": "read", "path": "d/x", "nth": 1, "fault": "error"},
+            {"op": "create", "path": "d/y", "nth": 1, "fault": "enospc"},
+        ),
+    )
     with pytest.raises(InjectedStorageError, match="read of 'd/x'"):
         storage.read("d/x")
     assert storage.read("d/x") == b"data"
@@ -124,8 +132,11 @@ def test_a_manifest_commit_that_failed_but_published_counts_as_committed(tmp_pat
 
 
 def test_a_commit_whose_read_back_fails_too_says_the_outcome_is_unknown(tmp_path, backend):
-    faults = plan(tmp_path, {"op": "create", "path": "log/", "nth": 1, "fault": "error"},
-                  {"op": "read", "path": "log/", "nth": 1, "fault": "error"})
+    faults = plan(
+        tmp_path,
+        {"op": "create", "path": "log/", "nth": 1, "fault": "error"},
+        {"op": "read", "path": "log/", "nth": 1, "fault": "error"},
+    )
     log = CommitLog(FaultStorage(backend, faults), "log")
     with pytest.raises(CommitFailedError, match="may or may not be committed"):
         log.create(0, {"n": 0})
@@ -136,8 +147,9 @@ def test_open_storage_injects_faults_only_when_the_plan_variable_is_set(tmp_path
     plain = open_storage(str(tmp_path / "s"))
     assert isinstance(plain, TimeoutStorage) and isinstance(unwrapped(plain), LocalStorage)
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"timeout_seconds": 7, "rules": [{"op": "create", "path": "x", "nth": 1,
-                                                                   "fault": "error"}]}))
+    path.write_text(
+        json.dumps({"timeout_seconds": 7, "rules": [{"op": "create", "path": "x", "nth": 1, "fault": "error"}]})
+    )
     monkeypatch.setenv(FAULT_PLAN_ENV, str(path))
     faulty = open_storage(str(tmp_path / "s"))
     assert isinstance(faulty.inner, FaultStorage) and faulty.timeout_seconds == 7
@@ -191,7 +203,7 @@ def test_deletes_racing_creates_never_fail_and_creates_publish_whole_or_fail(bac
                 published.append(f"dir/{n}")
             except StorageError:
                 pass
-            except BaseException as exc:  # reported below
+            except BaseException as exc:  # noqa: BLE001 - reported below
                 failures.append(exc)
 
     thread = threading.Thread(target=creator)

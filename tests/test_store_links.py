@@ -16,11 +16,11 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from spark_state.ops.cli import cli
 from spark_state.errors import StoreLinkError
-from spark_state.store.manifest import ComponentSpec
 from spark_state.model.schema import KeyedSchema
+from spark_state.ops.cli import cli
 from spark_state.storage.local import LocalStorage
+from spark_state.store.manifest import ComponentSpec
 from tests.stores import Store
 
 SCHEMA = KeyedSchema.of_values([pa.field("key", pa.string())], [pa.field("value", pa.int64())])
@@ -45,11 +45,18 @@ def test_reads_writes_and_deletes_through_a_link_are_refused_and_change_nothing_
     storage.create("blobs/c/real", b"x")
     (tmp_path / "store" / "blobs" / "link").symlink_to(outside)
     (tmp_path / "store" / "blobs" / "c" / "file-link").symlink_to(outside / "victim.txt")
-    for call in (lambda: storage.read("blobs/link/victim.txt"), lambda: storage.size("blobs/link/victim.txt"),
-                 lambda: storage.exists("blobs/link/victim.txt"), lambda: storage.list("blobs/link"),
-                 lambda: storage.delete("blobs/link/victim.txt"), lambda: storage.delete("blobs/link/dir"),
-                 lambda: storage.create("blobs/link/new", b"y"), lambda: storage.create("blobs/link/dir/new", b"y"),
-                 lambda: storage.read("blobs/c/file-link"), lambda: storage.size("blobs/c/file-link")):
+    for call in (
+        lambda: storage.read("blobs/link/victim.txt"),
+        lambda: storage.size("blobs/link/victim.txt"),
+        lambda: storage.exists("blobs/link/victim.txt"),
+        lambda: storage.list("blobs/link"),
+        lambda: storage.delete("blobs/link/victim.txt"),
+        lambda: storage.delete("blobs/link/dir"),
+        lambda: storage.create("blobs/link/new", b"y"),
+        lambda: storage.create("blobs/link/dir/new", b"y"),
+        lambda: storage.read("blobs/c/file-link"),
+        lambda: storage.size("blobs/c/file-link"),
+    ):
         with pytest.raises(StoreLinkError, match="symbolic link"):
             call()
     with caplog.at_level(logging.WARNING, logger="spark_state.storage.local"):

@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_state import keyed
-from spark_state.store.drain import request_drain
-from spark_state.store.stops import stopped_run
 from spark_state.errors import ConfigError
-from spark_state.store.manifestlog import open_manifest_log
 from spark_state.spark.microbatch import MicroBatch
 from spark_state.storage import open_storage
+from spark_state.store.drain import request_drain
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.store.stops import stopped_run
 from tests.diagnostics import stalled
 from tests.files import publish
 
@@ -44,8 +44,14 @@ def _sessions_oracle(events: pd.DataFrame, gap_ms: int) -> list[tuple]:
         current = None
         for t, v in zip(rows["t"], rows["value"]):
             if current is not None and t <= current[1]:
-                current = [current[0], max(current[1], t + gap_ms), current[2] + 1, current[3] + v,
-                           min(current[4], v), max(current[5], v)]
+                current = [
+                    current[0],
+                    max(current[1], t + gap_ms),
+                    current[2] + 1,
+                    current[3] + v,
+                    min(current[4], v),
+                    max(current[5], v),
+                ]
             else:
                 if current is not None:
                     out.append((key, *current))
@@ -55,10 +61,17 @@ def _sessions_oracle(events: pd.DataFrame, gap_ms: int) -> list[tuple]:
 
 
 def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_equal_a_batch_computation(
-        spark, tmp_path, monkeypatch):
+    spark, tmp_path, monkeypatch
+):
     events = (
-        spark.read.format("replayable").option("generator", "keyed").option("numSplits", 3).option("keys", 60)
-        .option("skew", 1.0).option("seed", 5).option("rowsPerSplit", 1000).load()
+        spark.read.format("replayable")
+        .option("generator", "keyed")
+        .option("numSplits", 3)
+        .option("keys", 60)
+        .option("skew", 1.0)
+        .option("seed", 5)
+        .option("rowsPerSplit", 1000)
+        .load()
         .selectExpr("key", "value", "event_time + make_interval(0, 0, 0, 0, 0, 0, (offset % 7) * 0.05) AS event_time")
     )
     events.write.format("replayable").mode("append").option("numSplits", 3).save(str(tmp_path / "events"))
@@ -68,11 +81,20 @@ def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_e
     def start(parallelism: int, **trigger):
         """Session windows over the log, 800 rows per batch, written per batch id as Parquet."""
         spark.conf.set("spark.state.parallelism", str(parallelism))
-        stream = (spark.readStream.format("replayable").option("path", str(tmp_path / "events"))
-                  .option("maxRecordsPerBatch", 800).load())
-        writer = (keyed(stream, "key", name="sessions").withWatermark("event_time", "2 seconds")
-                  .session_window("300 ms", "value").writeStream.format("parquet").option("path", str(tmp_path / "out"))
-                  .option("checkpointLocation", str(tmp_path / "chk")))
+        stream = (
+            spark.readStream.format("replayable")
+            .option("path", str(tmp_path / "events"))
+            .option("maxRecordsPerBatch", 800)
+            .load()
+        )
+        writer = (
+            keyed(stream, "key", name="sessions")
+            .withWatermark("event_time", "2 seconds")
+            .session_window("300 ms", "value")
+            .writeStream.format("parquet")
+            .option("path", str(tmp_path / "out"))
+            .option("checkpointLocation", str(tmp_path / "chk"))
+        )
         return writer.trigger(**trigger).start() if trigger else writer.start()
 
     def fail_after_commit(self, at, batch_id):
@@ -91,9 +113,15 @@ def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_e
     query = holder["query"] = start(5)
     query.processAllAvailable()
     query.request_drain()
-    last = spark.read.format("replayable").load(str(tmp_path / "events")).selectExpr("max(event_time) AS t").first()["t"]
-    (spark.createDataFrame([("drain-trigger", 0, last)], "key string, value long, event_time timestamp")
-     .write.format("replayable").mode("append").save(str(tmp_path / "events")))
+    last = (
+        spark.read.format("replayable").load(str(tmp_path / "events")).selectExpr("max(event_time) AS t").first()["t"]
+    )
+    (
+        spark.createDataFrame([("drain-trigger", 0, last)], "key string, value long, event_time timestamp")
+        .write.format("replayable")
+        .mode("append")
+        .save(str(tmp_path / "events"))
+    )
     query.awaitTermination(300)
     assert not query.isActive and query.exception() is None
     assert query.batches[0]["replayed"]  # batch 1, committed in the store before the failure
@@ -102,8 +130,15 @@ def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_e
     expected = _sessions_oracle(log, 300)
     out = pq.read_table(tmp_path / "out").to_pandas()
     got = sorted(
-        (r.key, int(r.session_start.value // 1_000_000), int(r.session_end.value // 1_000_000), r.count, r.sum_value,
-         r.min_value, r.max_value)
+        (
+            r.key,
+            int(r.session_start.value // 1_000_000),
+            int(r.session_end.value // 1_000_000),
+            r.count,
+            r.sum_value,
+            r.min_value,
+            r.max_value,
+        )
         for r in out.itertuples()
     )
     assert len(got) == len(expected) > 30 and got == expected
@@ -126,13 +161,25 @@ def _timer_job(spark, tmp_path: Path, name: str = "alarms"):
         return None
 
     def on_timer(key, timer, state):
-        return [{"key": key[0], "fired_at": timer.time_ms, "watermark": state.watermark,
-                 "instance": TaskContext.get().partitionId()}]
+        return [
+            {
+                "key": key[0],
+                "fired_at": timer.time_ms,
+                "watermark": state.watermark,
+                "instance": TaskContext.get().partitionId(),
+            }
+        ]
 
     inputs = spark.readStream.schema("key string, t long").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
-    return keyed(inputs, "key", name=name).withWatermark("t", "500 ms").apply(
-        on_rows, state_schema="first long", output_schema="key string, fired_at long, watermark long, instance int",
-        on_timer=on_timer,
+    return (
+        keyed(inputs, "key", name=name)
+        .withWatermark("t", "500 ms")
+        .apply(
+            on_rows,
+            state_schema="first long",
+            output_schema="key string, fired_at long, watermark long, instance int",
+            on_timer=on_timer,
+        )
     )
 
 
@@ -142,8 +189,9 @@ def _write_times(tmp_path: Path, index: int, rows: list[tuple[str, int]]) -> Non
     publish(pa.table({"key": [k for k, _ in rows], "t": pa.array([t for _, t in rows], pa.int64())}), path, index)
 
 
-def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after_a_failed_attempt(spark, tmp_path,
-                                                                                                   monkeypatch):
+def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after_a_failed_attempt(
+    spark, tmp_path, monkeypatch
+):
     from spark_state.keyspace import instance_for_key_group, key_group_for
 
     fired: list = []
@@ -154,9 +202,13 @@ def test_a_timer_fires_once_on_the_new_owner_after_a_rescale_and_not_twice_after
     def run(parallelism):
         spark.conf.set("spark.state.parallelism", str(parallelism))
         spark.conf.set("spark.state.store", str(tmp_path / "state"))
-        query = _timer_job(spark, tmp_path).writeStream.foreachBatch(
-            lambda df, b: fired.extend((b, r) for r in df.collect())
-        ).option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+        query = (
+            _timer_job(spark, tmp_path)
+            .writeStream.foreachBatch(lambda df, b: fired.extend((b, r) for r in df.collect()))
+            .option("checkpointLocation", str(tmp_path / "chk"))
+            .trigger(availableNow=True)
+            .start()
+        )
         query.awaitTermination()
         return query
 
@@ -188,12 +240,17 @@ def test_time_to_live_bounds_state_under_churning_keys(spark, tmp_path):
         name = "ttl" if ttl else "forever"
         spark.conf.set("spark.state.parallelism", "2")
         spark.conf.set("spark.state.store", str(tmp_path / f"state-{name}"))
-        inputs = spark.readStream.schema("key string, t long").option("maxFilesPerTrigger", 1).parquet(
-            str(tmp_path / "in"))
+        inputs = (
+            spark.readStream.schema("key string, t long").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
+        )
         stream = keyed(inputs, "key", name=name).withWatermark("t", "0 ms")
-        query = stream.apply(remember, state_schema="n long", output_schema="key string", ttl=ttl,
-                             ttl_kind="event").writeStream.foreachBatch(lambda df, b: None).option(
-            "checkpointLocation", str(tmp_path / f"chk-{name}")).trigger(availableNow=True).start()
+        query = (
+            stream.apply(remember, state_schema="n long", output_schema="key string", ttl=ttl, ttl_kind="event")
+            .writeStream.foreachBatch(lambda df, b: None)
+            .option("checkpointLocation", str(tmp_path / f"chk-{name}"))
+            .trigger(availableNow=True)
+            .start()
+        )
         query.awaitTermination()
         return [sum(i["keys"] for i in b["instances"]) for b in query.batches], query.batches
 
@@ -214,15 +271,25 @@ def test_a_drain_emits_open_sessions_once_and_a_stale_request_does_nothing(spark
 
     def start():
         inputs = spark.readStream.schema("key string, t timestamp, v long").parquet(str(tmp_path / "in"))
-        return keyed(inputs, "key", name="s").withWatermark("t", "1 second").session_window("10 seconds", "v") \
-            .writeStream.foreachBatch(lambda df, b: out.extend(r.asDict() for r in df.collect())) \
-            .option("checkpointLocation", str(tmp_path / "chk")).start()
+        return (
+            keyed(inputs, "key", name="s")
+            .withWatermark("t", "1 second")
+            .session_window("10 seconds", "v")
+            .writeStream.foreachBatch(lambda df, b: out.extend(r.asDict() for r in df.collect()))
+            .option("checkpointLocation", str(tmp_path / "chk"))
+            .start()
+        )
 
     def write(index, rows):
         path = tmp_path / "in" / f"p{index}.parquet"
         times = [dt.datetime.fromtimestamp((BASE + ms) / 1000, dt.timezone.utc) for _, ms in rows]
-        publish(pa.table({"key": [k for k, _ in rows], "t": pa.array(times, pa.timestamp("ms", tz="UTC")),
-                          "v": [1] * len(rows)}), path, index)
+        publish(
+            pa.table(
+                {"key": [k for k, _ in rows], "t": pa.array(times, pa.timestamp("ms", tz="UTC")), "v": [1] * len(rows)}
+            ),
+            path,
+            index,
+        )
 
     query = start()
     write(0, [("a", 0), ("b", 100), ("a", 2000)])
@@ -250,8 +317,9 @@ def test_a_drain_emits_open_sessions_once_and_a_stale_request_does_nothing(spark
     assert sum(len(i.get("items") or ()) for i in restarted.batches[-1]["instances"]) == 0
 
 
-def test_deduplicate_keeps_the_first_row_per_key_within_the_horizon_across_a_crash_and_a_rescale(spark, tmp_path,
-                                                                                                  monkeypatch):
+def test_deduplicate_keeps_the_first_row_per_key_within_the_horizon_across_a_crash_and_a_rescale(
+    spark, tmp_path, monkeypatch
+):
     rows = [("a", BASE), ("b", BASE + 10), ("a", BASE + 500)]  # a repeats within the horizon
     rows2 = [("a", BASE + 1200), ("c", BASE + 1300), ("b", BASE + 3000)]  # a again: still within; b after it
     rows3 = [("z", BASE + 9000)]
@@ -262,11 +330,18 @@ def test_deduplicate_keeps_the_first_row_per_key_within_the_horizon_across_a_cra
     def run(parallelism):
         spark.conf.set("spark.state.parallelism", str(parallelism))
         spark.conf.set("spark.state.store", str(tmp_path / "state"))
-        inputs = spark.readStream.schema("key string, t long").option("maxFilesPerTrigger", 1).parquet(
-            str(tmp_path / "in"))
-        query = keyed(inputs, "key", name="dedup").withWatermark("t", "100 ms").deduplicate("2 seconds") \
-            .writeStream.foreachBatch(lambda df, b: emitted.__setitem__(b, sorted(map(tuple, df.collect())))) \
-            .option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+        inputs = (
+            spark.readStream.schema("key string, t long").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
+        )
+        query = (
+            keyed(inputs, "key", name="dedup")
+            .withWatermark("t", "100 ms")
+            .deduplicate("2 seconds")
+            .writeStream.foreachBatch(lambda df, b: emitted.__setitem__(b, sorted(map(tuple, df.collect()))))
+            .option("checkpointLocation", str(tmp_path / "chk"))
+            .trigger(availableNow=True)
+            .start()
+        )
         query.awaitTermination()
 
     def crash(self, at, batch_id):
@@ -281,16 +356,23 @@ def test_deduplicate_keeps_the_first_row_per_key_within_the_horizon_across_a_cra
     assert emitted == {0: [("a", BASE), ("b", BASE + 10)], 1: [("c", BASE + 1300)], 2: [("z", BASE + 9000)]}
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda k: k.withWatermark("missing", "1 second"), "no such column"),
-    (lambda k: k.withWatermark("key", "1 second"), "must be a timestamp, or a long"),
-    (lambda k: k.withWatermark("t", "ten seconds"), "not a duration"),
-    (lambda k: k.withWatermark("t", "-1 second"), "negative"),
-    (lambda k: k.apply(lambda *a: None, state_schema="n long", output_schema="key string", ttl="1 hour",
-                       ttl_kind="event"), "needs event time"),
-    (lambda k: k.session_window("5 minutes"), "needs event time"),
-    (lambda k: k.withWatermark("t", "1 second").session_window("0 seconds"), "longer than zero"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda k: k.withWatermark("missing", "1 second"), "no such column"),
+        (lambda k: k.withWatermark("key", "1 second"), "must be a timestamp, or a long"),
+        (lambda k: k.withWatermark("t", "ten seconds"), "not a duration"),
+        (lambda k: k.withWatermark("t", "-1 second"), "negative"),
+        (
+            lambda k: k.apply(
+                lambda *a: None, state_schema="n long", output_schema="key string", ttl="1 hour", ttl_kind="event"
+            ),
+            "needs event time",
+        ),
+        (lambda k: k.session_window("5 minutes"), "needs event time"),
+        (lambda k: k.withWatermark("t", "1 second").session_window("0 seconds"), "longer than zero"),
+    ],
+)
 def test_bad_time_settings_are_refused_when_the_query_is_defined(spark, tmp_path, build, match):
     (tmp_path / "in").mkdir()
     inputs = spark.readStream.schema("key string, t long").parquet(str(tmp_path / "in"))
@@ -326,9 +408,18 @@ def test_the_readme_alert_example_alerts_only_for_the_unconfirmed_order(spark, t
     def write(index, rows):
         path = tmp_path / "in" / f"p{index}.parquet"
         times = [dt.datetime.fromtimestamp((BASE + t) / 1000, dt.timezone.utc) for _, _, t in rows]
-        publish(pa.table({"order_id": [o for o, _, _ in rows], "kind": [k for _, k, _ in rows],
-                          "amount": [5] * len(rows),
-                          "event_time": pa.array(times, pa.timestamp("us", tz="UTC"))}), path, index)
+        publish(
+            pa.table(
+                {
+                    "order_id": [o for o, _, _ in rows],
+                    "kind": [k for _, k, _ in rows],
+                    "amount": [5] * len(rows),
+                    "event_time": pa.array(times, pa.timestamp("us", tz="UTC")),
+                }
+            ),
+            path,
+            index,
+        )
 
     write(0, [("o1", "placed", 0), ("o2", "placed", minute)])
     write(1, [("o1", "confirmed", 10 * minute), ("x", "placed", 20 * minute)])
@@ -336,14 +427,30 @@ def test_the_readme_alert_example_alerts_only_for_the_unconfirmed_order(spark, t
     write(3, [("z", "placed", 41 * minute)])
     spark.conf.set("spark.state.store", str(tmp_path / "state"))
     alerts: list = []
-    events = spark.readStream.schema("order_id string, kind string, amount long, event_time timestamp").option(
-        "maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
-    query = keyed(events, "order_id", name="alerts").withWatermark("event_time", "5 minutes").apply(
-        on_order, on_timer=on_timer, ttl="1 day", ttl_kind="event",
-        state_schema="amount long", output_schema="order_id string, alert string",
-    ).writeStream.foreachBatch(lambda df, b: alerts.extend((b, tuple(r)) for r in df.collect())).option(
-        "checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True).start()
+    events = (
+        spark.readStream.schema("order_id string, kind string, amount long, event_time timestamp")
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(tmp_path / "in"))
+    )
+    query = (
+        keyed(events, "order_id", name="alerts")
+        .withWatermark("event_time", "5 minutes")
+        .apply(
+            on_order,
+            on_timer=on_timer,
+            ttl="1 day",
+            ttl_kind="event",
+            state_schema="amount long",
+            output_schema="order_id string, alert string",
+        )
+        .writeStream.foreachBatch(lambda df, b: alerts.extend((b, tuple(r)) for r in df.collect()))
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
     query.awaitTermination()
     # batch 3 runs with watermark 40 - 5 = 35 minutes: o2's deadline (16) and x's (35) have passed; o1 was confirmed
-    assert sorted(alerts) == [(3, ("o2", "no confirmation within 15 minutes")),
-                              (3, ("x", "no confirmation within 15 minutes"))]
+    assert sorted(alerts) == [
+        (3, ("o2", "no confirmation within 15 minutes")),
+        (3, ("x", "no confirmation within 15 minutes")),
+    ]

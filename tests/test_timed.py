@@ -11,21 +11,25 @@ from spark_state.executor.functions import KeyState
 from spark_state.executor.timed import Deduplicate, first_by_event_time
 
 ROWS = st.lists(
-    st.tuples(st.integers(0, 3), st.one_of(st.none(), st.integers(-2, 2)), st.sampled_from(["x", "y", "é"]),
-              st.integers(0, 5)),
-    min_size=1, max_size=12,
+    st.tuples(
+        st.integers(0, 3), st.one_of(st.none(), st.integers(-2, 2)), st.sampled_from(["x", "y", "é"]), st.integers(0, 5)
+    ),
+    min_size=1,
+    max_size=12,
 ).flatmap(lambda rows: st.tuples(st.just(rows), st.permutations(range(len(rows)))))
 
 
 def _batch(rows: list[tuple]) -> pa.RecordBatch:
     event_ms, value, label, nested = zip(*rows) if rows else ((), (), (), ())
-    return pa.RecordBatch.from_pydict({
-        "key": ["k"] * len(rows),
-        "value": pa.array(value, pa.int64()),
-        "label": list(label),
-        "tags": pa.array([[n] for n in nested], pa.list_(pa.int64())),  # nested: not part of the order
-        EVENT_MS_COLUMN: pa.array(event_ms, pa.int64()),
-    })
+    return pa.RecordBatch.from_pydict(
+        {
+            "key": ["k"] * len(rows),
+            "value": pa.array(value, pa.int64()),
+            "label": list(label),
+            "tags": pa.array([[n] for n in nested], pa.list_(pa.int64())),  # nested: not part of the order
+            EVENT_MS_COLUMN: pa.array(event_ms, pa.int64()),
+        }
+    )
 
 
 def _emit(rows: list[tuple]) -> dict:
@@ -41,7 +45,7 @@ def _emit(rows: list[tuple]) -> dict:
 def test_deduplicate_emits_and_stores_the_same_row_whatever_order_the_rows_arrive_in(case):
     rows, permutation = case
     expected = min(rows, key=lambda r: (r[0], r[1] is None, r[1] or 0, r[2]))  # event time, then value (nulls
-    shuffled = [rows[i] for i in permutation]                                   # last), then label
+    shuffled = [rows[i] for i in permutation]  # last), then label
     emitted = _emit(shuffled)
     assert emitted == _emit(rows)
     assert (emitted["row"]["value"], emitted["row"]["label"]) == (expected[1], expected[2])

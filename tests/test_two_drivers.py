@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from spark_state.store.manifestlog import ManifestReader
 from spark_state.storage import LocalStorage
+from spark_state.store.manifestlog import ManifestReader
 from tests.campaign.events import EventLog
 from tests.campaign.model import CountModel
 from tests.campaign.supervisor import REPO, SITE, read_offsets, sink_rows
@@ -35,14 +35,24 @@ def _spec(root: Path, name: str, events: str, store: Path) -> Path:
     control.mkdir(parents=True)
     (control / "finish").write_text("")  # process everything available, then stop
     spec = {
-        "shape": "count", "events": events, "checkpoint": str(root / name / "chk"), "out": str(root / name / "out"),
-        "starting_offsets": {str(s): 0 for s in range(4)}, "max_records_per_batch": 700, "live_change": None,
+        "shape": "count",
+        "events": events,
+        "checkpoint": str(root / name / "chk"),
+        "out": str(root / name / "out"),
+        "starting_offsets": {str(s): 0 for s in range(4)},
+        "max_records_per_batch": 700,
+        "live_change": None,
         "control": str(control),
         "conf": {
-            "spark.master": "local[1]", "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
-            "spark.sql.shuffle.partitions": "2", "spark.sql.adaptive.enabled": "false",
+            "spark.master": "local[1]",
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": "2",
+            "spark.sql.adaptive.enabled": "false",
             "spark.driver.extraJavaOptions": driver_jvm_options(),
-            "spark.state.parallelism": "2", "spark.state.store": str(store), "spark.state.checkpointsRetained": "50",
+            "spark.state.parallelism": "2",
+            "spark.state.store": str(store),
+            "spark.state.checkpointsRetained": "50",
         },
     }
     path = root / name / "spec.json"
@@ -60,8 +70,14 @@ def test_two_drivers_on_one_store_one_owns_it_the_other_stops_and_nothing_is_cor
     for name in ("a", "b"):
         spec = _spec(tmp_path, name, log.uri, store)
         with open(tmp_path / name / "driver.log", "wb") as out:
-            processes[name] = subprocess.Popen([sys.executable, "-m", "tests.campaign.driver", str(spec)], cwd=REPO,
-                                               env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "tests.campaign.driver", str(spec)],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
     codes = {name: process.wait(timeout=600) for name, process in processes.items()}
     assert sorted(codes.values()) == [0, 3], codes
     winner = next(name for name, code in codes.items() if code == 0)

@@ -101,7 +101,9 @@ def test_rename_onto_a_directory_moves_the_source_inside(server):
 def test_delete_of_a_non_empty_directory_needs_recursive(server):
     create(server, "/d/f", b"x")
     assert remote_exception(call(server, "DELETE", "/d", op="DELETE", recursive="false"))[:2] == (
-        403, "PathIsNotEmptyDirectoryException")
+        403,
+        "PathIsNotEmptyDirectoryException",
+    )
     assert call(server, "DELETE", "/d", op="DELETE", recursive="true").json() == {"boolean": True}
     assert not call(server, "GET", "/d", op="GETFILESTATUS").ok
 
@@ -111,7 +113,9 @@ def test_a_file_lists_as_itself_and_a_path_below_it_is_not_a_directory(server):
     statuses = call(server, "GET", "/f", op="LISTSTATUS").json()["FileStatuses"]["FileStatus"]
     assert [(s["pathSuffix"], s["type"]) for s in statuses] == [("", "FILE")]
     assert remote_exception(call(server, "GET", "/f/below", op="GETFILESTATUS"))[:2] == (
-        403, "ParentNotDirectoryException")
+        403,
+        "ParentNotDirectoryException",
+    )
 
 
 def test_faults_hit_only_the_selected_requests(server):

@@ -148,7 +148,9 @@ class WebHdfsServer:
         httpd = _HttpServer(("127.0.0.1", 0), _Handler)
         httpd.webhdfs = self
         self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), name="webhdfs-test-server", daemon=True)
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, args=(0.05,), name="webhdfs-test-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -174,8 +176,9 @@ class WebHdfsServer:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def fail_next(self, count: int = 1, *, mode: str = "error", op: str | None = None,
-                  datanode: bool | None = None) -> None:
+    def fail_next(
+        self, count: int = 1, *, mode: str = "error", op: str | None = None, datanode: bool | None = None
+    ) -> None:
         """Make the next ``count`` requests with this ``op`` (any if None) and step fail.
 
         ``mode="error"`` answers 500 with an ``IOException`` body; ``mode="drop"``
@@ -271,21 +274,33 @@ class _Handler(BaseHTTPRequestHandler):
             handler = _OPS.get((method, op))
             if handler is None:
                 raise RemoteError(
-                    400, "IllegalArgumentException",
-                    f"Invalid value for webhdfs parameter \"op\": {op or '(missing)'} with {method}",
+                    400,
+                    "IllegalArgumentException",
+                    f'Invalid value for webhdfs parameter "op": {op or "(missing)"} with {method}',
                 )
             handler(self, server, path, params, body, datanode)
         except RemoteError as err:
-            self._send_json(err.status, {"RemoteException": {
-                "exception": err.exception,
-                "javaClassName": _JAVA_CLASSES.get(err.exception, "java.io.IOException"),
-                "message": err.message,
-            }})
-        except Exception as err:  # a bug in this server: answer it visibly
-            self._send_json(500, {"RemoteException": {
-                "exception": "RuntimeException", "javaClassName": "java.lang.RuntimeException",
-                "message": f"test server bug: {type(err).__name__}: {err}",
-            }})
+            self._send_json(
+                err.status,
+                {
+                    "RemoteException": {
+                        "exception": err.exception,
+                        "javaClassName": _JAVA_CLASSES.get(err.exception, "java.io.IOException"),
+                        "message": err.message,
+                    }
+                },
+            )
+        except Exception as err:  # noqa: BLE001 - a bug in this server: answer it visibly
+            self._send_json(
+                500,
+                {
+                    "RemoteException": {
+                        "exception": "RuntimeException",
+                        "javaClassName": "java.lang.RuntimeException",
+                        "message": f"test server bug: {type(err).__name__}: {err}",
+                    }
+                },
+            )
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -301,8 +316,13 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _send(self, status: int, body: bytes = b"", content_type: str | None = "application/octet-stream",
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        content_type: str | None = "application/octet-stream",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
         if content_type is not None:
             self.send_header("Content-Type", content_type)
@@ -313,8 +333,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _send_json(self, status: int, document: object) -> None:
-        self._send(status, json.dumps(document).encode(),
-                   "application/json" if self.server.webhdfs.label_json else None)
+        self._send(
+            status, json.dumps(document).encode(), "application/json" if self.server.webhdfs.label_json else None
+        )
 
     def _redirect_to_datanode(self, path: str, params: dict[str, str]) -> None:
         host, port = self.server.server_address[:2]
@@ -339,7 +360,7 @@ class _Handler(BaseHTTPRequestHandler):
             file = open(local, "wb")
         with file:  # outside the lock: like HDFS, the file is visible while it grows
             for start in range(0, len(body), 1 << 16):
-                file.write(body[start:start + (1 << 16)])
+                file.write(body[start : start + (1 << 16)])
                 file.flush()
         host, port = self.server.server_address[:2]
         self._send(201, headers={"Location": f"hdfs://{host}:{port}{quote(path)}"})
@@ -353,7 +374,9 @@ class _Handler(BaseHTTPRequestHandler):
                 info = os.stat(server.local_path(path))
                 size = info.st_size if stat.S_ISREG(info.st_mode) else 0
                 if size > 0 and offset >= size:
-                    raise RemoteError(403, "IOException", f"Offset={offset} out of the range [0, {size}); OPEN, path={path}")
+                    raise RemoteError(
+                        403, "IOException", f"Offset={offset} out of the range [0, {size}); OPEN, path={path}"
+                    )
                 self._redirect_to_datanode(path, params)
                 return
             with open(server.local_path(path), "rb") as file:
@@ -394,7 +417,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if os.path.isdir(local):
                 if os.listdir(local) and not recursive:
-                    raise RemoteError(403, "PathIsNotEmptyDirectoryException", f"`{path} is non empty': Directory is not empty")
+                    raise RemoteError(
+                        403, "PathIsNotEmptyDirectoryException", f"`{path} is non empty': Directory is not empty"
+                    )
                 shutil.rmtree(local)
             else:
                 os.unlink(local)
@@ -436,11 +461,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get_server_defaults(self, server: WebHdfsServer, path: str, params, body: bytes, datanode: bool) -> None:
         """What Hadoop's ``WebHdfs`` (FileContext) asks before its first create: a NameNode's defaults."""
-        self._send_json(200, {"FsServerDefaults": {
-            "blockSize": 134217728, "bytesPerChecksum": 512, "writePacketSize": 65536, "replication": 1,
-            "fileBufferSize": 4096, "encryptDataTransfer": False, "trashInterval": 0, "checksumType": 2,
-            "keyProviderUri": "", "defaultStoragePolicyId": 7,
-        }})
+        self._send_json(
+            200,
+            {
+                "FsServerDefaults": {
+                    "blockSize": 134217728,
+                    "bytesPerChecksum": 512,
+                    "writePacketSize": 65536,
+                    "replication": 1,
+                    "fileBufferSize": 4096,
+                    "encryptDataTransfer": False,
+                    "trashInterval": 0,
+                    "checksumType": 2,
+                    "keyProviderUri": "",
+                    "defaultStoragePolicyId": 7,
+                }
+            },
+        )
 
 
 _OPS = {
@@ -460,7 +497,7 @@ _OPS = {
 def _hdfs_path(url_path: str) -> str:
     if not url_path.startswith(PREFIX):
         raise RemoteError(404, "FileNotFoundException", f"not a WebHDFS URL: {url_path}")
-    path = unquote(url_path[len(PREFIX):]) or "/"
+    path = unquote(url_path[len(PREFIX) :]) or "/"
     if not path.startswith("/") or ".." in path.split("/"):
         raise RemoteError(400, "IllegalArgumentException", f"Invalid path: {path}")
     return posixpath.normpath(path)
@@ -549,7 +586,7 @@ def _parse_bool(params: dict[str, str], name: str, default: bool) -> bool:
     if value is None or value == "":
         return default
     if value.lower() not in ("true", "false"):
-        raise RemoteError(400, "IllegalArgumentException", f"Invalid value for webhdfs parameter \"{name}\": {value}")
+        raise RemoteError(400, "IllegalArgumentException", f'Invalid value for webhdfs parameter "{name}": {value}')
     return value.lower() == "true"
 
 
@@ -562,5 +599,5 @@ def _parse_int(params: dict[str, str], name: str, default: int | None) -> int | 
     except ValueError:
         number = -1
     if number < 0:
-        raise RemoteError(400, "IllegalArgumentException", f"Invalid value for webhdfs parameter \"{name}\": {value}")
+        raise RemoteError(400, "IllegalArgumentException", f'Invalid value for webhdfs parameter "{name}": {value}')
     return number

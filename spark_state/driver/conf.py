@@ -67,8 +67,9 @@ and raises ``ConfigError`` naming the key, the value and the valid range.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from spark_state.errors import ConfigError
 from spark_state.keyspace import UPPER_BOUND_MAX_PARALLELISM, default_max_parallelism
@@ -91,9 +92,22 @@ RESTORE_FROM = PREFIX + "restoreFrom"
 SHARED_LOCAL_STORE = PREFIX + "sharedLocalStore"
 INSTANCE_HOSTS = PREFIX + "instanceHosts"
 RESIDENT_MEMORY = PREFIX + "residentMemory"
-KNOWN_KEYS = (STORE, PARALLELISM, MAX_PARALLELISM, RETAINED, MAX_CHAIN_LENGTH, COMPRESSION, FROM_SAVEPOINT,
-              ALLOW_NON_RESTORED, ORPHAN_GRACE, RESTORE_FROM, SHARED_LOCAL_STORE, INSTANCE_HOSTS, RESIDENT_MEMORY,
-              *S3_KEYS)
+KNOWN_KEYS = (
+    STORE,
+    PARALLELISM,
+    MAX_PARALLELISM,
+    RETAINED,
+    MAX_CHAIN_LENGTH,
+    COMPRESSION,
+    FROM_SAVEPOINT,
+    ALLOW_NON_RESTORED,
+    ORPHAN_GRACE,
+    RESTORE_FROM,
+    SHARED_LOCAL_STORE,
+    INSTANCE_HOSTS,
+    RESIDENT_MEMORY,
+    *S3_KEYS,
+)
 COMPRESSIONS = ("none", "lz4", "zstd")
 
 
@@ -101,10 +115,10 @@ def check_known(keys: Iterable[str]) -> None:
     """Raise ``ConfigError`` for a ``spark.state.*`` key this version does not know (a typo is never ignored)."""
     unknown = sorted(k for k in keys if k.startswith(PREFIX) and k not in KNOWN_KEYS)
     if unknown:
-        names = {k[len(PREFIX):].lower(): k for k in KNOWN_KEYS}
+        names = {k[len(PREFIX) :].lower(): k for k in KNOWN_KEYS}
         hints = []
         for key in unknown:
-            match = difflib.get_close_matches(key[len(PREFIX):].lower(), names, 1, cutoff=0.75)
+            match = difflib.get_close_matches(key[len(PREFIX) :].lower(), names, 1, cutoff=0.75)
             hints.append(f"{key} (did you mean {names[match[0]]}?)" if match else key)
         raise ConfigError(f"unknown setting(s) {', '.join(hints)}; the settings are: {', '.join(KNOWN_KEYS)}")
 
@@ -122,21 +136,33 @@ def _int(key: str, text: str, low: int, high: int | None = None) -> int:
 
 MIN_RESIDENT_MEMORY = 64 << 10
 """The smallest memory bound accepted: a smaller number is a size written without its unit."""
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30,
-               "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+}
 
 
 def parse_bytes(key: str, text: str) -> int:
     """A size as Spark writes it (``512m``, ``4g``, ``1048576``; binary units, case-insensitive), in bytes."""
     cleaned = str(text).strip().lower()
     digits = cleaned.rstrip("kmgtb")
-    unit = cleaned[len(digits):]
+    unit = cleaned[len(digits) :]
     if not digits.isdigit() or unit not in _BYTE_UNITS:
         raise ConfigError(f"{key}={text!r} is not a size; write it as bytes or with a unit, like 512m or 4g")
     value = int(digits) * _BYTE_UNITS[unit]
     if value < MIN_RESIDENT_MEMORY:
-        raise ConfigError(f"{key}={text!r} is below 64k, which is surely a missing unit; write the unit (512m, "
-                          "4g), or unset it for no bound")
+        raise ConfigError(
+            f"{key}={text!r} is below 64k, which is surely a missing unit; write the unit (512m, "
+            "4g), or unset it for no bound"
+        )
     return value
 
 
@@ -202,11 +228,12 @@ class StateConf:
         *,
         default_store: str | Callable[[], str],
         default_parallelism: int,
-    ) -> "StateConf":
+    ) -> StateConf:
         """Build from a lookup like ``lambda k: spark.conf.get(k, None)``; unset keys take defaults.
 
         ``default_store`` may be a function, called only when the store is not set.
         """
+
         def value(key: str) -> str | None:
             text = get(key)
             return None if text is None or str(text).strip() == "" else str(text).strip()
@@ -243,13 +270,13 @@ class StateConf:
         )
 
     @classmethod
-    def from_mapping(cls, conf: Mapping[str, str], **defaults) -> "StateConf":
+    def from_mapping(cls, conf: Mapping[str, str], **defaults) -> StateConf:
         """``parse`` over a plain dict (tests, scripts); unknown ``spark.state.*`` keys are refused."""
         check_known(conf)
         return cls.parse(conf.get, **defaults)
 
     @classmethod
-    def from_session(cls, session: Any, *, default_store: str | Callable[[], str]) -> "StateConf":
+    def from_session(cls, session: Any, *, default_store: str | Callable[[], str]) -> StateConf:
         """``parse`` over a Spark session's conf; unknown ``spark.state.*`` keys are refused.
 
         The parallelism defaults to ``spark.sql.shuffle.partitions``.
@@ -333,11 +360,11 @@ def default_store(checkpoint_location: str) -> str:
     location = checkpoint_location.rstrip("/")
     scheme = location.split(":", 1)[0].lower() if "://" in location else ""
     if location.startswith("/") or scheme == "file":
-        return location[len("file://"):] + "/state" if scheme == "file" else location + "/state"
+        return location[len("file://") :] + "/state" if scheme == "file" else location + "/state"
     if scheme == "webhdfs":
         return location + "/state"
     if scheme in s3_location.SCHEMES:
-        return "s3" + location[len(scheme):] + "/state"
+        return "s3" + location[len(scheme) :] + "/state"
     if scheme == "hdfs":
         raise ConfigError(
             f"checkpointLocation {checkpoint_location!r} is on HDFS through its RPC port, which spark-state does "

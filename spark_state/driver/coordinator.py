@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from spark_state.errors import (
     CheckpointError,
@@ -55,10 +56,8 @@ from spark_state.errors import (
 )
 from spark_state.executor.report import InstanceReport
 from spark_state.store.manifest import (
-    BlobRef,
     ComponentSpec,
     ComponentUpdate,
-    ItemsRef,
     Manifest,
     QueryBinding,
     check_compatible,
@@ -175,8 +174,9 @@ def plan_restore_from(manifests: ManifestLog, batch: SparkBatch, checkpoint_id: 
     return BatchPlan(max(ids) + 1 if ids else checkpoint_id + 1, base, False, restored=True)
 
 
-def check_query_start(latest: Manifest | None, query_id: str | None, last_committed: int | None, *,
-                      checkpoint_location: str, store: str) -> None:
+def check_query_start(
+    latest: Manifest | None, query_id: str | None, last_committed: int | None, *, checkpoint_location: str, store: str
+) -> None:
     """At query start: refuse early what ``plan_batch`` would refuse at the first batch without offsets.
 
     ``query_id`` and ``last_committed`` come from Spark's checkpoint (None
@@ -188,8 +188,9 @@ def check_query_start(latest: Manifest | None, query_id: str | None, last_commit
         plan_batch(None, _no_load, SparkBatch(query_id, None, last_committed + 1, checkpoint_location, {}), store=store)
     elif latest.binding is not None and latest.binding.same_query(query_id):
         if latest.binding.batch_id < last_committed:
-            plan_batch(latest, _no_load, SparkBatch(query_id, None, last_committed + 1, checkpoint_location, {}),
-                       store=store)
+            plan_batch(
+                latest, _no_load, SparkBatch(query_id, None, last_committed + 1, checkpoint_location, {}), store=store
+            )
 
 
 def _no_load(checkpoint_id: int) -> Manifest:
@@ -272,10 +273,14 @@ def _check_same_offsets(committed: Manifest, batch: SparkBatch, store: str) -> N
     """A replayed batch must read exactly what its committed attempt read, or its output would differ."""
     binding = committed.binding
     assert binding is not None
-    pairs = [("end", source_id, committed.sources.get(source_id, UNKNOWN), offsets)
-             for source_id, offsets in sorted(batch.end.items())]
-    pairs += [("start", source_id, binding.start.get(source_id, UNKNOWN), offsets)
-              for source_id, offsets in sorted(batch.start.items())]
+    pairs = [
+        ("end", source_id, committed.sources.get(source_id, UNKNOWN), offsets)
+        for source_id, offsets in sorted(batch.end.items())
+    ]
+    pairs += [
+        ("start", source_id, binding.start.get(source_id, UNKNOWN), offsets)
+        for source_id, offsets in sorted(batch.start.items())
+    ]
     for which, source_id, recorded, now in pairs:
         if recorded is not UNKNOWN and recorded != now:
             raise StateQueryMismatchError(
@@ -329,8 +334,15 @@ class Coordinator:
             check_compatible(plan.base.components[spec.name], spec)
         return plan
 
-    def commit(self, plan: BatchPlan, batch: SparkBatch, spec: ComponentSpec,
-               reports: Sequence[InstanceReport], *, drained: bool = False) -> Manifest | None:
+    def commit(
+        self,
+        plan: BatchPlan,
+        batch: SparkBatch,
+        spec: ComponentSpec,
+        reports: Sequence[InstanceReport],
+        *,
+        drained: bool = False,
+    ) -> Manifest | None:
         """Commit ``plan``'s checkpoint from the instances' reports (steps 3-4); None for a replayed batch.
 
         A report's ``info["max_event_time_ms"]`` (the largest event time of
@@ -347,8 +359,13 @@ class Coordinator:
             max(event_times) if event_times else None,
         )
         manifest = next_manifest(
-            plan.base, plan.checkpoint_id, {spec.name: update}, batch.end,
-            binding=batch.binding(), committed_at=time.time(), drained=drained,
+            plan.base,
+            plan.checkpoint_id,
+            {spec.name: update},
+            batch.end,
+            binding=batch.binding(),
+            committed_at=time.time(),
+            drained=drained,
         )
         try:
             return self.manifests.commit(manifest, restored_from=plan.base if plan.restored else None)
@@ -357,8 +374,11 @@ class Coordinator:
             if latest is None or latest.checkpoint_id < plan.checkpoint_id:
                 raise
             owner = latest.binding
-            who = (f"query {owner.query_id} (checkpointLocation {owner.checkpoint_location}, micro-batch "
-                   f"{owner.batch_id})" if owner is not None else "a query that recorded no binding")
+            who = (
+                f"query {owner.query_id} (checkpointLocation {owner.checkpoint_location}, micro-batch {owner.batch_id})"
+                if owner is not None
+                else "a query that recorded no binding"
+            )
             raise StoreOwnedByAnotherQueryError(
                 f"another query owns the state store {self.store}: checkpoint {latest.checkpoint_id} was committed by "
                 f"{who} while this query ({batch.query_id}, checkpointLocation {batch.checkpoint_location}) ran "

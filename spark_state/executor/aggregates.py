@@ -13,9 +13,10 @@ per key; elsewhere per key, in Python.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -64,8 +65,14 @@ def _numeric(name: str, column: str, kind: pa.DataType) -> None:
 
 
 def _orderable(name: str, column: str, kind: pa.DataType) -> None:
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
-            or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_temporal(kind)):
+    if not (
+        pa.types.is_integer(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_decimal(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_temporal(kind)
+    ):
         raise ConfigError(f"{name}({column!r}) needs a numeric, string, date or timestamp column, it is {kind}")
 
 
@@ -82,8 +89,9 @@ def _jvm_sums(kind: pa.DataType | None) -> bool:
 
 
 def _jvm_orders(kind: pa.DataType | None) -> bool:
-    return kind is not None and (pa.types.is_integer(kind) or pa.types.is_string(kind)
-                                 or pa.types.is_date(kind) or pa.types.is_timestamp(kind))
+    return kind is not None and (
+        pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_date(kind) or pa.types.is_timestamp(kind)
+    )
 
 
 @dataclass(frozen=True)
@@ -152,39 +160,93 @@ class AggregateDef:
 
 def _mean(columns: list[pa.Array]) -> pa.Array:
     total, count = columns
-    return pc.if_else(pc.fill_null(pc.equal(count, 0), True), pa.scalar(None, pa.float64()),
-                      pc.divide(total, pc.cast(count, pa.float64())))
+    return pc.if_else(
+        pc.fill_null(pc.equal(count, 0), True),
+        pa.scalar(None, pa.float64()),
+        pc.divide(total, pc.cast(count, pa.float64())),
+    )
 
 
 def _ordered_in_arrow(kind: pa.DataType | None) -> bool:
     """Python's and Arrow's orders of NaN differ, and Arrow has no element-wise min or max of dates and
     timestamps: a min or max merges in Arrow only over integers or strings."""
-    return kind is not None and (pa.types.is_integer(kind) or pa.types.is_string(kind)
-                                 or pa.types.is_large_string(kind))
+    return kind is not None and (
+        pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    )
 
 
 AGGREGATES: dict[str, AggregateDef] = {
     d.name: d
     for d in (
-        AggregateDef("count", False, lambda *_: None, lambda _: (pa.int64(),), ("count_all",), ("sum",),
-                     lambda _: pa.int64(), _first, _always, lambda _: (0,),
-                     doc="Running count of rows per key; emits ``(keys..., output)`` for every key seen in a batch.",
-                     finish_arrow=_first),
-        AggregateDef("sum", True, _numeric, lambda t: (_sum_type(t),), ("sum",), ("sum",), _sum_type,
-                     _first, _jvm_sums, lambda t: (0,) if pa.types.is_integer(_sum_type(t)) else (-0.0,),
-                     doc="Running sum of ``column`` per key (int64 for integers, float64 otherwise); nulls are "
-                         "skipped.", finish_arrow=_first),
-        AggregateDef("min", True, _orderable, lambda t: (t,), ("min",), ("min",), lambda t: t, _first,
-                     _jvm_orders, doc="Running minimum of ``column`` per key (numbers, strings, dates, timestamps); "
-                                      "nulls are skipped.", finish_arrow=_first, in_arrow=_ordered_in_arrow),
-        AggregateDef("max", True, _orderable, lambda t: (t,), ("max",), ("max",), lambda t: t, _first,
-                     _jvm_orders, doc="Running maximum of ``column`` per key; nulls are skipped.",
-                     finish_arrow=_first, in_arrow=_ordered_in_arrow),
-        AggregateDef("mean", True, _numeric, lambda _: (pa.float64(), pa.int64()), ("sum", "count"),
-                     ("sum", "sum"), lambda _: pa.float64(),
-                     lambda s: None if not s[1] else s[0] / s[1], _jvm_sums,
-                     doc="Running mean of ``column`` per key (float64; null until a non-null value arrives).",
-                     finish_arrow=_mean),
+        AggregateDef(
+            "count",
+            False,
+            lambda *_: None,
+            lambda _: (pa.int64(),),
+            ("count_all",),
+            ("sum",),
+            lambda _: pa.int64(),
+            _first,
+            _always,
+            lambda _: (0,),
+            doc="Running count of rows per key; emits ``(keys..., output)`` for every key seen in a batch.",
+            finish_arrow=_first,
+        ),
+        AggregateDef(
+            "sum",
+            True,
+            _numeric,
+            lambda t: (_sum_type(t),),
+            ("sum",),
+            ("sum",),
+            _sum_type,
+            _first,
+            _jvm_sums,
+            lambda t: (0,) if pa.types.is_integer(_sum_type(t)) else (-0.0,),
+            doc="Running sum of ``column`` per key (int64 for integers, float64 otherwise); nulls are skipped.",
+            finish_arrow=_first,
+        ),
+        AggregateDef(
+            "min",
+            True,
+            _orderable,
+            lambda t: (t,),
+            ("min",),
+            ("min",),
+            lambda t: t,
+            _first,
+            _jvm_orders,
+            doc="Running minimum of ``column`` per key (numbers, strings, dates, timestamps); nulls are skipped.",
+            finish_arrow=_first,
+            in_arrow=_ordered_in_arrow,
+        ),
+        AggregateDef(
+            "max",
+            True,
+            _orderable,
+            lambda t: (t,),
+            ("max",),
+            ("max",),
+            lambda t: t,
+            _first,
+            _jvm_orders,
+            doc="Running maximum of ``column`` per key; nulls are skipped.",
+            finish_arrow=_first,
+            in_arrow=_ordered_in_arrow,
+        ),
+        AggregateDef(
+            "mean",
+            True,
+            _numeric,
+            lambda _: (pa.float64(), pa.int64()),
+            ("sum", "count"),
+            ("sum", "sum"),
+            lambda _: pa.float64(),
+            lambda s: None if not s[1] else s[0] / s[1],
+            _jvm_sums,
+            doc="Running mean of ``column`` per key (float64; null until a non-null value arrives).",
+            finish_arrow=_mean,
+        ),
     )
 }
 
@@ -270,7 +332,7 @@ class Aggregate:
         groups = rows.group_by([KEY_GROUP_COLUMN, *key_columns], use_threads=False)
         column = [] if self.column is None else self.column
         totals = groups.aggregate([(column, op) for op in definition.partials])
-        return totals, totals.column_names[-len(definition.partials):]
+        return totals, totals.column_names[-len(definition.partials) :]
 
     def apply(self, table: KeyGroupTable, rows: pa.Table, key_columns: tuple[str, ...]) -> pa.Table:
         """Merge the batch's partial aggregates per key into the state; one output row per key seen.
@@ -289,13 +351,15 @@ class Aggregate:
         if native.all():
             return self._apply_arrow(table, totals, names, key_columns)
         rows_native = np.repeat(native, np.diff(np.append(starts, len(key_groups))))
-        parts = [self._apply_arrow(table, totals.filter(pa.array(rows_native)), names, key_columns)
-                 ] if native.any() else []
+        parts = (
+            [self._apply_arrow(table, totals.filter(pa.array(rows_native)), names, key_columns)] if native.any() else []
+        )
         parts.append(self._apply_python(table, totals.filter(pa.array(~rows_native)), names, key_columns))
         return pa.concat_tables(parts)
 
-    def _apply_arrow(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
-                     key_columns: tuple[str, ...]) -> pa.Table:
+    def _apply_arrow(
+        self, table: KeyGroupTable, totals: pa.Table, names: list[str], key_columns: tuple[str, ...]
+    ) -> pa.Table:
         """``apply`` with Arrow kernels: look the keys' states up, merge, put them back, without Python objects.
 
         A null state field (no value yet, or only nulls) is the identity, as
@@ -322,15 +386,19 @@ class Aggregate:
             columns.append(merged)
         table.put_arrow(key_groups, keys, columns, olds.is_null().to_numpy(zero_copy_only=False))
         result = definition.finish_arrow(columns)
-        return pa.table({**{c: totals.column(c) for c in key_columns}, self.output_name: result.cast(self.output_type())})
+        return pa.table(
+            {**{c: totals.column(c) for c in key_columns}, self.output_name: result.cast(self.output_type())}
+        )
 
     def _overflow(self) -> AggregateOverflowError:
         return AggregateOverflowError(
             f"{self.kind}({self.column!r}) overflows its 64-bit integer state for some key; the batch failed and "
-            "the state is unchanged: cast the column to double before aggregating")
+            "the state is unchanged: cast the column to double before aggregating"
+        )
 
-    def _apply_python(self, table: KeyGroupTable, totals: pa.Table, names: list[str],
-                      key_columns: tuple[str, ...]) -> pa.Table:
+    def _apply_python(
+        self, table: KeyGroupTable, totals: pa.Table, names: list[str], key_columns: tuple[str, ...]
+    ) -> pa.Table:
         """``apply`` through ``get_many``/``put_many``, one Python object per key."""
         definition = self.definition
         state_types = definition.state(self.input_type)
@@ -352,17 +420,24 @@ class Aggregate:
                 merged = part
             elif None not in part:  # some keys may be new (old None) or hold None (only nulls so far)
                 firsts = list(map(_first, olds)) if None not in olds else [o if o is None else o[0] for o in olds]
-                merged = list(map(merge, firsts, part)) if None not in firsts else [
-                    p if f is None else merge(f, p) for f, p in zip(firsts, part)]
+                merged = (
+                    list(map(merge, firsts, part))
+                    if None not in firsts
+                    else [p if f is None else merge(f, p) for f, p in zip(firsts, part)]
+                )
             else:  # the rule of ``_merge``, as one comprehension
-                new = [(p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
-                       for o, p in zip(olds, part)]
+                new = [
+                    (p,) if o is None or o[0] is None else o if p is None else (merge(o[0], p),)
+                    for o, p in zip(olds, part)
+                ]
             if merged is not None:
                 new = list(zip(merged))
         else:
             new = [
-                tuple(_merge(op, old[i] if old is not None else None, part[row])
-                      for i, (op, part) in enumerate(zip(merges, partials)))
+                tuple(
+                    _merge(op, old[i] if old is not None else None, part[row])
+                    for i, (op, part) in enumerate(zip(merges, partials))
+                )
                 for row, old in enumerate(olds)
             ]
         # No state is ever None here (a key with a batch has a value): the columns are the values as put.
@@ -371,8 +446,13 @@ class Aggregate:
             columns = [pa.array(f, t) for f, t in zip(fields, state_types)]
         except (OverflowError, pa.ArrowInvalid) as exc:
             raise self._overflow() from exc
-        table.put_many(key_groups, keys, new, key_columns=[totals.column(c).combine_chunks() for c in key_columns],
-                       value_columns=columns)
+        table.put_many(
+            key_groups,
+            keys,
+            new,
+            key_columns=[totals.column(c).combine_chunks() for c in key_columns],
+            value_columns=columns,
+        )
         output = {c: totals.column(c) for c in key_columns}
         if definition.finish is _first and columns[0].type == self.output_type():
             output[self.output_name] = columns[0]  # the output is the state column, as stored

@@ -11,7 +11,7 @@ something needs all of the key group.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -40,8 +40,9 @@ class FetchedChain:
         check_chain([kind for kind, _ in batches], f"key group {key_group}")
         self.batches = list(batches)
         self.schema = schema
-        possible = live is not None and 0 <= live <= (self.batches[0][1].num_rows if len(self.batches) == 1
-                                                      else sum(batch.num_rows for _, batch in self.batches))
+        possible = live is not None and 0 <= live <= (
+            self.batches[0][1].num_rows if len(self.batches) == 1 else sum(batch.num_rows for _, batch in self.batches)
+        )
         self._live: int | None = live if possible else None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
@@ -62,7 +63,7 @@ class FetchedChain:
         return FetchedChain.searchable_all([self])[0]
 
     @staticmethod
-    def searchable_all(chains: Sequence["FetchedChain"]) -> list[list[tuple[pa.RecordBatch, pa.Array]] | None]:
+    def searchable_all(chains: Sequence[FetchedChain]) -> list[list[tuple[pa.RecordBatch, pa.Array]] | None]:
         """``searchable`` of each chain, the entries of those not checked yet checked together in one pass
         (``keys_ascending``): after a restore, a batch touches the chains of hundreds of key groups, each with
         entries never checked, and a few Arrow calls per entry cost more than the comparisons."""
@@ -102,8 +103,9 @@ class FetchedChain:
         live = live.drop_columns([DELETED_COLUMN])
         if kind != "full":  # a delta, or a merge (the keys changed since the full entry): the rows replace theirs
             key = self.schema.key_columns[0]
-            kept = previous.filter(pc.invert(pc.is_in(previous.column(key), value_set=batch.column(key),
-                                                      skip_nulls=False)))
+            kept = previous.filter(
+                pc.invert(pc.is_in(previous.column(key), value_set=batch.column(key), skip_nulls=False))
+            )
             live = pa.concat_tables([kept, live])
             if self.schema.sorted_key is not None:  # two sorted runs: a stable sort merges them in one pass
                 live = sort_rows(live.combine_chunks(), key)
@@ -139,8 +141,9 @@ class FetchedChain:
         batch = self.batches[-1][1]
         return batch if batch.num_rows == self._live else None
 
-    def write_pending(self, kind: EntryKind, written: pa.RecordBatch, ascending: bool, *,
-                      live: int | None = None) -> None:
+    def write_pending(
+        self, kind: EntryKind, written: pa.RecordBatch, ascending: bool, *, live: int | None = None
+    ) -> None:
         """A checkpoint wrote the pending changes as ``written``, a ``kind`` entry: it replaces them.
 
         A ``full`` entry becomes the whole chain; a ``merge`` entry (every
@@ -158,7 +161,7 @@ class FetchedChain:
         """
         written = as_schema(written, self.batches[0][1].schema)
         pending, self.pending = self.pending, 0
-        committed = self.batches[:len(self.batches) - pending]
+        committed = self.batches[: len(self.batches) - pending]
         self._folded, self._nbytes = None, None
         if live is not None:
             self._live = live
@@ -203,7 +206,7 @@ class FetchedChain:
         return self._folded
 
     @staticmethod
-    def live_rows(chains: Sequence["FetchedChain"], key_columns: Sequence[str]) -> pa.Table:
+    def live_rows(chains: Sequence[FetchedChain], key_columns: Sequence[str]) -> pa.Table:
         """The live rows of ``chains`` (key groups' chains of one schema), concatenated.
 
         A chain folded before gives its fold; the others are folded together

@@ -16,17 +16,18 @@ timers in time order, then the expiries.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from spark_state.errors import ConfigError
+from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.model.eventtime import END_OF_TIME
 from spark_state.model.instance_items import InstanceItems
-from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.model.schema import Key
 from spark_state.model.timers import (
     EVENT,
@@ -37,6 +38,7 @@ from spark_state.model.timers import (
     with_expiry,
     with_timer,
 )
+
 
 @dataclass(frozen=True)
 class BatchTime:
@@ -83,12 +85,31 @@ class KeyState:
     merged on rescale).
     """
 
-    __slots__ = ("_value", "_fields", "changed", "instance_items", "_timers", "_time", "expires", "_ttl", "_event_ms",
-                 "expired")
+    __slots__ = (
+        "_value",
+        "_fields",
+        "changed",
+        "instance_items",
+        "_timers",
+        "_time",
+        "expires",
+        "_ttl",
+        "_event_ms",
+        "expired",
+    )
 
-    def __init__(self, value: tuple | None, fields: tuple[str, ...], instance_items: InstanceItems | None = None, *,
-                 timers: KeyTimersHandle | None = None, time: BatchTime | None = None,
-                 ttl: TimeToLive | None = None, expires: int | None = None, event_time_ms: int | None = None):
+    def __init__(
+        self,
+        value: tuple | None,
+        fields: tuple[str, ...],
+        instance_items: InstanceItems | None = None,
+        *,
+        timers: KeyTimersHandle | None = None,
+        time: BatchTime | None = None,
+        ttl: TimeToLive | None = None,
+        expires: int | None = None,
+        event_time_ms: int | None = None,
+    ):
         self._time = time
         self._ttl = ttl
         self.expires = expires
@@ -164,8 +185,6 @@ def _group_rows(table: pa.Table, key_columns: tuple[str, ...]) -> tuple[pa.Table
     return ordered, np.append(starts, ordered.num_rows)
 
 
-
-
 @dataclass(frozen=True)
 class PythonFunction:
     """A user function ``fn(key, rows, state) -> output`` called once per key with rows in the batch.
@@ -199,13 +218,29 @@ class PythonFunction:
         """Whether its component needs the ``timers`` state variable."""
         return self.on_timer is not None or self.ttl is not None
 
-    def _key_state(self, state, key_group: int, key: Key, value_fields: tuple[str, ...], time: BatchTime,
-                   event_time_ms: int | None, event_time: bool) -> KeyState:
+    def _key_state(
+        self,
+        state,
+        key_group: int,
+        key: Key,
+        value_fields: tuple[str, ...],
+        time: BatchTime,
+        event_time_ms: int | None,
+        event_time: bool,
+    ) -> KeyState:
         stored = state.table.get(key_group, key, variable=state.timers_variable) if state.timers_variable else None
         handle = KeyTimersHandle(stored, event_time=event_time) if self.on_timer is not None else None
         expires = stored[2] if stored is not None and self.ttl is not None else None
-        return KeyState(state.table.get(key_group, key), value_fields, state.items, timers=handle, time=time,
-                        ttl=self.ttl, expires=expires, event_time_ms=event_time_ms)
+        return KeyState(
+            state.table.get(key_group, key),
+            value_fields,
+            state.items,
+            timers=handle,
+            time=time,
+            ttl=self.ttl,
+            expires=expires,
+            event_time_ms=event_time_ms,
+        )
 
     def _write_back(self, state, key_group: int, key: Key, key_state: KeyState) -> None:
         """Store what the call changed: the value, and the key's timers and expiry (indexing new ones)."""
@@ -231,13 +266,22 @@ class PythonFunction:
             table.delete(key_group, key, variable)
         else:
             table.put(key_group, key, new, variable)
-        for kind, time_ms in (handle.registered if handle is not None else ()):
+        for kind, time_ms in handle.registered if handle is not None else ():
             state.timers.push(kind, time_ms, key_group, key)
         if new is not None and new[2] is not None and (stored is None or stored[2] != new[2]):
             state.timers.push(EXPIRES, new[2], key_group, key)
 
-    def apply(self, state, rows: pa.Table, key_columns: tuple[str, ...], value_fields: tuple[str, ...],
-              input_columns: Sequence[str], output_schema: pa.Schema, time: BatchTime, event_time: bool) -> pa.Table:
+    def apply(
+        self,
+        state,
+        rows: pa.Table,
+        key_columns: tuple[str, ...],
+        value_fields: tuple[str, ...],
+        input_columns: Sequence[str],
+        output_schema: pa.Schema,
+        time: BatchTime,
+        event_time: bool,
+    ) -> pa.Table:
         """Call ``fn`` once per key of ``rows`` (the instance's rows of the batch) on ``state`` (a ``ResidentState``)."""
         ordered, bounds = _group_rows(rows, key_columns)
         payload = ordered.select(list(input_columns))
@@ -251,15 +295,20 @@ class PythonFunction:
             key = tuple(values[start] for values in key_lists)
             latest = int(event_ms[start:end].max()) if event_ms is not None else None
             key_state = self._key_state(state, key_group, key, value_fields, time, latest, event_time)
-            part = frame.iloc[start:end].reset_index(drop=True) if self.style == "pandas" else frame.slice(start, end - start)
+            part = (
+                frame.iloc[start:end].reset_index(drop=True)
+                if self.style == "pandas"
+                else frame.slice(start, end - start)
+            )
             result = self.fn(key, part, key_state)
             self._write_back(state, key_group, key, key_state)
             if result is not None:
                 outputs.append(_to_output_table(result, output_schema))
         return pa.concat_tables(outputs) if outputs else output_schema.empty_table()
 
-    def fire(self, state, value_fields: tuple[str, ...], output_schema: pa.Schema, time: BatchTime,
-             event_time: bool) -> tuple[pa.Table, int]:
+    def fire(
+        self, state, value_fields: tuple[str, ...], output_schema: pa.Schema, time: BatchTime, event_time: bool
+    ) -> tuple[pa.Table, int]:
         """Call ``on_timer`` for every due timer, in time order; the output and the number of timers fired.
 
         Event-time timers are due at or before the batch's watermark (every
@@ -291,8 +340,9 @@ class PythonFunction:
                 table.delete(key_group, key, variable)
             else:
                 table.put(key_group, key, remaining, variable)
-            key_state = self._key_state(state, key_group, key, value_fields, time,
-                                        time_ms if kind == EVENT else None, event_time)
+            key_state = self._key_state(
+                state, key_group, key, value_fields, time, time_ms if kind == EVENT else None, event_time
+            )
             result = self.on_timer(key, Timer(time_ms, kind), key_state)
             self._write_back(state, key_group, key, key_state)
             fired += 1
@@ -338,7 +388,9 @@ def _to_output_table(result: Any, schema: pa.Schema) -> pa.Table:
         if isinstance(result, pd.DataFrame):
             return pa.Table.from_pandas(result[list(schema.names)], schema=schema, preserve_index=False)
     except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as exc:
-        raise ConfigError(f"the keyed function returned rows that do not fit the output schema {schema}: {exc}") from exc
+        raise ConfigError(
+            f"the keyed function returned rows that do not fit the output schema {schema}: {exc}"
+        ) from exc
     raise ConfigError(
         f"the keyed function returned {type(result).__name__}; return a pandas DataFrame, a pyarrow Table, "
         "a list of dicts, or None"

@@ -7,7 +7,7 @@ binary search (``search``) and a merge of two sorted runs one stable sort.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -38,16 +38,16 @@ def key_order(keys: pa.Array | pa.ChunkedArray, sizes: Sequence[int]) -> np.ndar
                     return np.argsort(run_ids * span + (values.astype(np.int64) - low), kind="stable")
             if len(values) <= LEXSORT_ROWS:
                 return np.lexsort((values, run_ids))
-        sort = lambda start, n: np.argsort(values[start:start + n], kind="stable")  # noqa: E731
+        sort = lambda start, n: np.argsort(values[start : start + n], kind="stable")
     else:
         if len(keys) <= LEXSORT_ROWS or short_runs:
             table = pa.table({"run": np.repeat(np.arange(runs), sizes), "key": keys})
             return pc.sort_indices(table, [("run", "ascending"), ("key", "ascending")]).to_numpy()
-        sort = lambda start, n: pc.sort_indices(keys.slice(start, n)).to_numpy()  # noqa: E731
+        sort = lambda start, n: pc.sort_indices(keys.slice(start, n)).to_numpy()
     order, start = np.arange(len(keys)), 0
     for n in sizes:
         if n > 1:
-            order[start:start + n] = start + sort(start, n)
+            order[start : start + n] = start + sort(start, n)
         start += n
     return order
 

@@ -7,8 +7,9 @@ keeps its ``info`` in the batch's history (``StatefulQuery.batches``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from spark_state.store.manifest import BlobRef, ItemsRef
 
@@ -31,7 +32,7 @@ class InstanceReport:
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "InstanceReport":
+    def from_json(cls, obj: Mapping[str, Any]) -> InstanceReport:
         info = {k: v for k, v in obj.items() if k not in ("instance", "blob", "items")}
         blob = BlobRef.from_json(obj["blob"]) if obj.get("blob") else None
         items = ItemsRef.from_json(obj["items"]) if obj.get("items") else None

@@ -54,25 +54,25 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable
 
 import numpy as np
 import pyarrow as pa
 
-from spark_state.store.blob import EntryKind
-from spark_state.store.blobstore import BlobStore, FetchStats
-from spark_state.store.chains import DEFAULT_MAX_CHAIN_LENGTH, ChainTracker, PlannedEntry
 from spark_state.errors import KeyGroupOwnershipError
-from spark_state.model.instance_items import InstanceItems, redistribute_items
-from spark_state.keyspace import KeyGroupRange, key_group_range
 from spark_state.executor.chain import FetchedChain
 from spark_state.executor.order import key_order, sort_rows
 from spark_state.executor.table import ChangedRows, KeyGroupTable
-from spark_state.store.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
-from spark_state.store.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
+from spark_state.keyspace import KeyGroupRange, key_group_range
+from spark_state.model.instance_items import InstanceItems, redistribute_items
 from spark_state.model.schema import KeyedSchema
 from spark_state.model.timers import TIMERS, TimerIndex, earlier, minima
+from spark_state.store.blob import EntryKind
+from spark_state.store.blobstore import BlobStore, FetchStats
+from spark_state.store.chains import DEFAULT_MAX_CHAIN_LENGTH, ChainTracker, PlannedEntry
+from spark_state.store.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
+from spark_state.store.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
 
 CATCH_UP_MAX_GAP_BYTES = 8192
 """Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
@@ -93,8 +93,9 @@ class CatchUp:
 class ResidentState:
     """See the module docstring. ``key_group_range`` is inclusive."""
 
-    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, bounded: bool = False,
-                 native: bool = False):
+    def __init__(
+        self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, bounded: bool = False, native: bool = False
+    ):
         self.schema = schema
         self.key_group_range = key_group_range
         self.timers_variable = schema.variable_index(TIMERS.name) if schema.has_variable(TIMERS.name) else None
@@ -104,8 +105,9 @@ class ResidentState:
         self._timer_bounds: dict[int, tuple[tuple[int | None, int | None, int | None], int]] = {}
         self.bounded = bounded and self.timers is None
         self.native = native  # asked for; the table is native when its schema allows (``KeyGroupTable``)
-        self.table = KeyGroupTable(schema, key_group_range, keep_arrow=self.bounded,
-                                   native=native and not self.bounded and self.timers is None)
+        self.table = KeyGroupTable(
+            schema, key_group_range, keep_arrow=self.bounded, native=native and not self.bounded and self.timers is None
+        )
         if self.bounded:
             self.table.evict_all()
         # Under a memory bound, the keys changed since each full entry would be Python objects the bound does not
@@ -144,7 +146,11 @@ class ResidentState:
         self.chains.forget(self.table.take_changes())
         self._batch += 1
         plan = plan_instance_restore(
-            component, instance, parallelism, have=self.chains.held(), max_gap_bytes=CATCH_UP_MAX_GAP_BYTES,
+            component,
+            instance,
+            parallelism,
+            have=self.chains.held(),
+            max_gap_bytes=CATCH_UP_MAX_GAP_BYTES,
             skip=self.table.cold,
         )
         entries, stats = blobs.fetch(component, plan, self.schema)
@@ -247,9 +253,17 @@ class ResidentState:
                 evicted += 1
         if self.bounded:
             _release_freed_memory()
-        return {"bounded": self.bounded, "limit_bytes": limit, "peak_bytes": peak, "after_checkpoint_bytes": before, "resident_bytes": after,
-                "high_water_bytes": self.high_water_bytes, "evicted_key_groups": evicted,
-                "cold_key_groups": len(self.table.cold), "seconds": round(time.perf_counter() - started, 4)}
+        return {
+            "bounded": self.bounded,
+            "limit_bytes": limit,
+            "peak_bytes": peak,
+            "after_checkpoint_bytes": before,
+            "resident_bytes": after,
+            "high_water_bytes": self.high_water_bytes,
+            "evicted_key_groups": evicted,
+            "cold_key_groups": len(self.table.cold),
+            "seconds": round(time.perf_counter() - started, 4),
+        }
 
     def _catch_up_items(self, blobs: BlobStore, component: ComponentManifest, instance: int, parallelism: int) -> int:
         """Bring the items to ``component``'s; after a rescale take this instance's share. Returns bytes read."""
@@ -269,8 +283,9 @@ class ResidentState:
 
     # Step 3 -------------------------------------------------------------------------------
 
-    def snapshot(self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH,
-                 stored: "StoredChains | None" = None) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
+    def snapshot(
+        self, *, max_chain_length: int = DEFAULT_MAX_CHAIN_LENGTH, stored: StoredChains | None = None
+    ) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
         """Entries for the changes since the last snapshot, in key-group order (see ``chains``).
 
         The rows of all entries become one record batch, then each entry gets
@@ -295,16 +310,23 @@ class ResidentState:
         self.earliest: dict[int, tuple] = {}
         planned = self.chains.plan(changes, self.table.key_count, max_chain_length)
         held = {e.key_group for e in planned if self.table.native and self.table.arrow_held(e.key_group)}
-        from_store = {e.key_group for e in planned
-                      if stored is not None and e.kind == "full" and not e.empty and e.key_group not in held
-                      and (e.compacted or self.table.is_released(e.key_group))
-                      and stored.holds(e.key_group, e.previous)}
+        from_store = {
+            e.key_group
+            for e in planned
+            if stored is not None
+            and e.kind == "full"
+            and not e.empty
+            and e.key_group not in held
+            and (e.compacted or self.table.is_released(e.key_group))
+            and stored.holds(e.key_group, e.previous)
+        }
         # Only delta entries are written from the Arrow rows: a batch that writes every key group in full (most
         # of their keys changed) does not sort and copy them for nothing.
         wants_fast = changed is not None and any(entry.kind == "delta" for entry in planned)
         fast = self._changed_batch(changed, changes) if wants_fast else None
-        arrow = self._arrow_entries([e for e in planned if e.key_group in held
-                                     and not (fast is not None and e.kind == "delta")])
+        arrow = self._arrow_entries(
+            [e for e in planned if e.key_group in held and not (fast is not None and e.kind == "delta")]
+        )
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
         deleted: list[bool] = []  # with several variables; with one, computed from its values at the end
@@ -352,12 +374,15 @@ class ResidentState:
             if single:  # a key is deleted when its one variable has no value (a dict never holds None)
                 deleted = [value is None for value in values[0]] if None in values[0] else np.zeros(len(keys), bool)
             table = self.schema.rows_to_columns(keys, values, deleted, bare=self.table.bare)
-            batch = pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns],
-                                               schema=table.schema)
+            batch = pa.RecordBatch.from_arrays(
+                [column.combine_chunks() for column in table.columns], schema=table.schema
+            )
             if self.schema.sorted_key is not None:  # each entry's rows by key, entries in place
                 batch = sort_rows(batch, self.schema.sorted_key, [n for _, rows, _, n in bounds if rows is None])
-        entries = [(entry.key_group, entry.kind, pa.concat_batches([(batch if rows is None else rows).slice(start, n)]))
-                   for entry, rows, start, n in bounds]
+        entries = [
+            (entry.key_group, entry.kind, pa.concat_batches([(batch if rows is None else rows).slice(start, n)]))
+            for entry, rows, start, n in bounds
+        ]
         self.compaction = {}
         if from_store:
             entries = stored.compact(entries, from_store)
@@ -372,10 +397,13 @@ class ResidentState:
         found = {}
         full = [e.key_group for e in planned if e.kind == "full"]
         keyed = [e for e in planned if e.kind != "full" and None not in e.keys]
-        for groups, made in ((full, self.table.arrow_rows(full) if full else None),
-                             ([e.key_group for e in keyed],
-                              self.table.arrow_key_rows([e.key_group for e in keyed], [e.keys for e in keyed])
-                              if keyed else None)):
+        for groups, made in (
+            (full, self.table.arrow_rows(full) if full else None),
+            (
+                [e.key_group for e in keyed],
+                self.table.arrow_key_rows([e.key_group for e in keyed], [e.keys for e in keyed]) if keyed else None,
+            ),
+        ):
             if made is not None:
                 rows, sizes = made
                 firsts = np.cumsum([0, *sizes[:-1]]).tolist()
@@ -422,8 +450,9 @@ class ResidentState:
         if self.schema.sorted_key is not None and not changed.keys[0].null_count:  # then by key in each group
             order = order[key_order(changed.keys[0].take(pa.array(order)), counts)]
         take = pa.array(order)
-        batch = self.schema.fields_to_batch([column.take(take) for column in changed.keys],
-                                            [column.take(take) for column in changed.fields])
+        batch = self.schema.fields_to_batch(
+            [column.take(take) for column in changed.keys], [column.take(take) for column in changed.fields]
+        )
         return batch, dict(zip(present.tolist(), zip(firsts.tolist(), counts.tolist())))
 
     def checkpoint(
@@ -443,8 +472,14 @@ class ResidentState:
         if entries:
             counts = {g: self.table.recorded_count(g) for g, _, _ in entries}
             blob = blobs.write_blob(
-                component, checkpoint_id, instance, self.key_group_range, self.schema.blob_schema, entries,
-                compression=compression, earliest=self.earliest or None,
+                component,
+                checkpoint_id,
+                instance,
+                self.key_group_range,
+                self.schema.blob_schema,
+                entries,
+                compression=compression,
+                earliest=self.earliest or None,
                 live={g: n for g, n in counts.items() if n is not None},
             )
             self.chains.record(blob.path)
@@ -473,21 +508,30 @@ class StoredChains:
     that read.
     """
 
-    def __init__(self, blobs: BlobStore, component: ComponentManifest, schema: KeyedSchema,
-                 key_group_range: KeyGroupRange):
+    def __init__(
+        self, blobs: BlobStore, component: ComponentManifest, schema: KeyedSchema, key_group_range: KeyGroupRange
+    ):
         self.blobs, self.component, self.schema, self.key_group_range = blobs, component, schema, key_group_range
         self.last: dict = {}
 
     def holds(self, key_group: int, chain: tuple[str, ...]) -> bool:
         return self.component.chains.get(key_group) == tuple(chain)
 
-    def compact(self, entries: list[tuple[int, EntryKind, pa.RecordBatch]],
-                key_groups: set[int]) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
-        plan = plan_links({g: chain_links(self.component, g) for g in sorted(key_groups)},
-                          max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
+    def compact(
+        self, entries: list[tuple[int, EntryKind, pa.RecordBatch]], key_groups: set[int]
+    ) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
+        plan = plan_links(
+            {g: chain_links(self.component, g) for g in sorted(key_groups)},
+            max_gap_bytes=CATCH_UP_MAX_GAP_BYTES,
+            key_group_range=self.key_group_range,
+        )
         fetched, stats = self.blobs.fetch(self.component, plan, self.schema)
-        self.last = {"key_groups": len(key_groups), "bytes_read": stats.bytes_read, "requests": stats.requests,
-                     "seconds": round(stats.seconds, 4)}
+        self.last = {
+            "key_groups": len(key_groups),
+            "bytes_read": stats.bytes_read,
+            "requests": stats.requests,
+            "seconds": round(stats.seconds, 4),
+        }
         blob_schema = self.schema.blob_schema
         key_columns = list(self.schema.key_columns)
         order = sorted(key_groups)
@@ -500,8 +544,9 @@ class StoredChains:
             if self.schema.sorted_key is not None:
                 live = sort_rows(live, self.schema.sorted_key)
             kept = pa.array(np.zeros(live.num_rows, bool))
-            folded[g] = pa.RecordBatch.from_arrays([c.combine_chunks() for c in live.columns] + [kept],
-                                                   schema=blob_schema)
+            folded[g] = pa.RecordBatch.from_arrays(
+                [c.combine_chunks() for c in live.columns] + [kept], schema=blob_schema
+            )
         return [(g, "full", folded[g]) if g in key_groups else (g, kind, table) for g, kind, table in entries]
 
 
@@ -526,8 +571,9 @@ def restore_instance(
     native: bool = False,
 ) -> tuple[ResidentState, CatchUp | None]:
     """Build instance ``instance``'s state at ``parallelism`` from ``component`` (None: start empty)."""
-    state = ResidentState(schema, key_group_range(instance, parallelism, max_parallelism), bounded=bounded,
-                          native=native)
+    state = ResidentState(
+        schema, key_group_range(instance, parallelism, max_parallelism), bounded=bounded, native=native
+    )
     if component is None:
         return state, None
     check_compatible(component, ComponentSpec(component.name, max_parallelism, parallelism, schema))
@@ -540,8 +586,17 @@ _LOCK = threading.Lock()
 _RESIDENT: dict[tuple[str, str], dict[int, ResidentState]] = {}
 
 
-def take(store: str, component: str, instance: int, parallelism: int, max_parallelism: int,
-         schema: KeyedSchema, *, bounded: bool = False, native: bool = False) -> ResidentState:
+def take(
+    store: str,
+    component: str,
+    instance: int,
+    parallelism: int,
+    max_parallelism: int,
+    schema: KeyedSchema,
+    *,
+    bounded: bool = False,
+    native: bool = False,
+) -> ResidentState:
     """This process's state of ``instance``, or a new empty one; drops states of another parallelism.
 
     A state held with another ``bounded`` (the memory bound was set or unset
@@ -551,12 +606,20 @@ def take(store: str, component: str, instance: int, parallelism: int, max_parall
     owned = key_group_range(instance, parallelism, max_parallelism)
     with _LOCK:
         states = _RESIDENT.setdefault((store, component), {})
-        for other in [i for i, s in states.items()
-                      if i >= parallelism or s.key_group_range != key_group_range(i, parallelism, max_parallelism)]:
+        for other in [
+            i
+            for i, s in states.items()
+            if i >= parallelism or s.key_group_range != key_group_range(i, parallelism, max_parallelism)
+        ]:
             del states[other]
         state = states.pop(instance, None)
-    if (state is None or state.key_group_range != owned or state.schema != schema
-            or state.bounded != (bounded and state.timers is None) or state.native != native):
+    if (
+        state is None
+        or state.key_group_range != owned
+        or state.schema != schema
+        or state.bounded != (bounded and state.timers is None)
+        or state.native != native
+    ):
         state = ResidentState(schema, owned, bounded=bounded, native=native)
     return state
 

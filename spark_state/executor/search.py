@@ -7,7 +7,7 @@ to Python objects the keys it touches, not the key groups they are in.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -35,8 +35,9 @@ def probe(live: pa.Table, asked_keys: pa.Array) -> pa.ChunkedArray:
     return live.column(1).take(pc.index_in(asked_keys, value_set=live.column(0).combine_chunks(), skip_nulls=False))
 
 
-def search_entries(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int, list[tuple[pa.RecordBatch, pa.Array]]]
-                   ) -> tuple[np.ndarray, list[pa.Array]]:
+def search_entries(
+    owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int, list[tuple[pa.RecordBatch, pa.Array]]]
+) -> tuple[np.ndarray, list[pa.Array]]:
     """Find each asked key (``asked_keys[i]`` of key group ``owner[i]``) in its key group's sorted entries.
 
     ``entries``: per key group, its entries newest first, each with its key
@@ -68,7 +69,9 @@ def search_entries(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int
     if (np.repeat([g for g, _, _ in newer], sizes)[at[hit]] != owner[hit]).any():
         return _search_levels(owner, asked_keys, entries)
     found = np.flatnonzero(hit)
-    values = [pa.concat_arrays([batch.column(1) for _, batch, _ in newer]).take(pa.array(at[hit]))] if len(found) else []
+    values = (
+        [pa.concat_arrays([batch.column(1) for _, batch, _ in newer]).take(pa.array(at[hit]))] if len(found) else []
+    )
     rest = np.flatnonzero(~hit)
     if len(rest):
         oldest = {g: entries[g][-1:] for g in np.unique(owner[rest]).tolist()}
@@ -77,8 +80,9 @@ def search_entries(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int
     return found, values
 
 
-def _search_levels(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int, list[tuple[pa.RecordBatch, pa.Array]]]
-                   ) -> tuple[np.ndarray, list[pa.Array]]:
+def _search_levels(
+    owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int, list[tuple[pa.RecordBatch, pa.Array]]]
+) -> tuple[np.ndarray, list[pa.Array]]:
     """``search_entries`` level by level, newest first: every asked key not found yet is searched in its key
     group's entry at that level, one binary search for all of them at once, each step one Arrow ``take`` and
     ``less`` over the asked keys. Costs the keys asked times the log of the entries' sizes, not their size.
@@ -106,8 +110,7 @@ def _search_levels(owner: np.ndarray, asked_keys: pa.Array, entries: Mapping[int
             less = pc.less(keys.take(pa.array(np.minimum(middle, last))), key).to_numpy(zero_copy_only=False)
             active = low < high
             low, high = np.where(active & less, middle + 1, low), np.where(active & ~less, middle, high)
-        hit = (low < end) & pc.equal(keys.take(pa.array(np.minimum(low, last))), key).to_numpy(
-            zero_copy_only=False)
+        hit = (low < end) & pc.equal(keys.take(pa.array(np.minimum(low, last))), key).to_numpy(zero_copy_only=False)
         if hit.any():
             column = pa.chunked_array([entries[g][level][0].column(1) for g in groups])
             values.append(column.take(pa.array(low[hit])).combine_chunks())

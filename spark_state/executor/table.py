@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -65,7 +66,7 @@ import pyarrow.compute as pc
 
 from spark_state.errors import KeyGroupNotLoadedError, KeyGroupOwnershipError
 from spark_state.executor.chain import Entries, FetchedChain, as_schema
-from spark_state.executor.order import keys_ascending_each, key_order
+from spark_state.executor.order import key_order, keys_ascending_each
 from spark_state.executor.search import probe, search_entries
 from spark_state.keyspace import KeyGroupRange
 from spark_state.model.schema import DELETED_COLUMN, Key, KeyedSchema, Value, struct_values
@@ -108,8 +109,9 @@ class ChangedRows:
 class KeyGroupTable:
     """See the module docstring; ``variable`` arguments are indexes into ``schema.variables`` (0: ``value``)."""
 
-    def __init__(self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, keep_arrow: bool = False,
-                 native: bool = False):
+    def __init__(
+        self, schema: KeyedSchema, key_group_range: KeyGroupRange, *, keep_arrow: bool = False, native: bool = False
+    ):
         self.schema = schema
         self.key_group_range = key_group_range
         self._width = len(schema.variables)
@@ -143,8 +145,11 @@ class KeyGroupTable:
     def _check_all(self, key_groups: Sequence[int]) -> None:
         if len(key_groups) == 0:
             return
-        low, high = (int(key_groups.min()), int(key_groups.max())) if isinstance(key_groups, np.ndarray) else (
-            min(key_groups), max(key_groups))
+        low, high = (
+            (int(key_groups.min()), int(key_groups.max()))
+            if isinstance(key_groups, np.ndarray)
+            else (min(key_groups), max(key_groups))
+        )
         if low < self.key_group_range.start or high > self.key_group_range.end:
             self._check(next(g for g in key_groups if g not in self.key_group_range))
         if self._cold and not self._cold.isdisjoint(key_groups):
@@ -222,7 +227,7 @@ class KeyGroupTable:
                     wanted.setdefault(g, []).append(k)
         again = [g for g in wanted if g in self._looked_up]
         if again and not self.keep_arrow:  # folded a share per batch: dicts are faster, a fold of all is a spike
-            for g in again[:max(1, -(-len(unloaded) // FOLD_SPREAD))]:
+            for g in again[: max(1, -(-len(unloaded) // FOLD_SPREAD))]:
                 self._group(g)
                 del wanted[g]
         self._looked_up.update(wanted)
@@ -245,8 +250,7 @@ class KeyGroupTable:
         values = struct_values(probe(rows, asked_keys), len(self.schema.variables[0].fields))
         self._remember([(g, k) for g in wanted for k in wanted[g]], values)
 
-    def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, pa.Array]]]
-                ) -> None:
+    def _search(self, wanted: dict[int, list[Key]], entries: dict[int, list[tuple[pa.RecordBatch, pa.Array]]]) -> None:
         """``_look_up`` of key groups whose entries are sorted (``FetchedChain.searchable``): ``search_entries``."""
         asked = [k for keys in wanted.values() for k in keys]
         owner = np.repeat(np.fromiter(wanted, np.int64, len(wanted)), [len(keys) for keys in wanted.values()])
@@ -329,9 +333,15 @@ class KeyGroupTable:
                 found.extend(map(values.get, keys[start:end], itertools.repeat(default, end - start)))
         return found
 
-    def put_many(self, key_groups: Sequence[int], keys: Sequence[Any], values: Sequence[Value], *,
-                 key_columns: Sequence[pa.Array] | None = None, value_columns: Sequence[pa.Array] | None = None
-                 ) -> None:
+    def put_many(
+        self,
+        key_groups: Sequence[int],
+        keys: Sequence[Any],
+        values: Sequence[Value],
+        *,
+        key_columns: Sequence[pa.Array] | None = None,
+        value_columns: Sequence[pa.Array] | None = None,
+    ) -> None:
         """``put(g, k, v)`` of the ``value`` variable for each ``(g, k, v)`` of the zipped sequences.
 
         ``keys`` as the dicts hold them (``held_key``: bare values for a bare
@@ -371,8 +381,14 @@ class KeyGroupTable:
         """Which of ``key_groups`` ``look_up`` and ``put_arrow`` serve: held as an Arrow chain (not released)
         or empty, without dicts."""
         groups, cold, unloaded = self._groups, self._cold, self._unloaded
-        return np.fromiter((g not in groups and g not in cold and not (g in unloaded and unloaded[g].released)
-                            for g in np.asarray(key_groups).tolist()), bool, len(key_groups))
+        return np.fromiter(
+            (
+                g not in groups and g not in cold and not (g in unloaded and unloaded[g].released)
+                for g in np.asarray(key_groups).tolist()
+            ),
+            bool,
+            len(key_groups),
+        )
 
     def look_up(self, key_groups: np.ndarray, keys: pa.Array) -> pa.Array:
         """The ``value`` struct of each ``(key_groups[i], keys[i])`` as Arrow, null where the key has none.
@@ -392,8 +408,11 @@ class KeyGroupTable:
         asked = keys if len(index) == len(keys) else keys.take(pa.array(index))
         chains = {g: unloaded[g] for g in present}
         rows = sum(batch.num_rows for chain in chains.values() for _, batch in chain.batches)
-        entries = dict(zip(chains, FetchedChain.searchable_all(list(chains.values())))) \
-            if len(index) * SEARCH_RATIO < rows else {}
+        entries = (
+            dict(zip(chains, FetchedChain.searchable_all(list(chains.values()))))
+            if len(index) * SEARCH_RATIO < rows
+            else {}
+        )
         if entries and None not in entries.values():
             found_at, chunks = search_entries(np.asarray(key_groups)[index], asked, entries)
             at = np.full(len(index), -1, np.int64)
@@ -408,8 +427,9 @@ class KeyGroupTable:
         where[index] = np.arange(len(index))
         return found.take(pa.array(where, mask=where < 0))
 
-    def put_arrow(self, key_groups: np.ndarray, keys: pa.Array, value_columns: Sequence[pa.Array],
-                  new_keys: np.ndarray) -> None:
+    def put_arrow(
+        self, key_groups: np.ndarray, keys: pa.Array, value_columns: Sequence[pa.Array], new_keys: np.ndarray
+    ) -> None:
         """Set the ``value`` of each ``(key_groups[i], keys[i])`` from Arrow columns, without Python objects.
 
         For key groups ``native_groups`` allows, ``key_groups`` ascending,
@@ -490,13 +510,16 @@ class KeyGroupTable:
         newest = np.ones(len(order), bool)  # a key group's last row never equals the next one's first key
         if len(order) > 1:
             newest[:-1] = pc.not_equal(ordered.slice(0, len(order) - 1), ordered.slice(1)).to_numpy(
-                zero_copy_only=False)
+                zero_copy_only=False
+            )
         keep = newest & ~table.column(DELETED_COLUMN).combine_chunks().to_numpy(zero_copy_only=False)[order]
         sizes = np.bincount(np.repeat(np.arange(len(runs)), runs)[order][keep], minlength=len(runs))
         rows = table.take(pa.array(order[keep]))
         return pa.RecordBatch.from_arrays([c.combine_chunks() for c in rows.columns], schema=schema), sizes.tolist()
 
-    def arrow_key_rows(self, key_groups: Sequence[int], keys: Sequence[Collection[Key]]) -> tuple[pa.RecordBatch, list[int]]:
+    def arrow_key_rows(
+        self, key_groups: Sequence[int], keys: Sequence[Collection[Key]]
+    ) -> tuple[pa.RecordBatch, list[int]]:
         """The rows of the given keys of Arrow-held key groups (``keys[i]`` of ``key_groups[i]``), no key None,
         as one blob-schema batch, each key group's together by ascending key (a key without a value: a
         tombstone), and each one's row count: their delta or merge entries."""
@@ -541,8 +564,9 @@ class KeyGroupTable:
     def has_keys(self) -> bool:
         """``len(self) > 0`` without counting: stops at the first key group holding a key."""
         unloaded = self._unloaded
-        return (any(any(group) for g, group in self._groups.items() if g not in unloaded)
-                or any(self._unloaded_count(g) for g in unloaded))
+        return any(any(group) for g, group in self._groups.items() if g not in unloaded) or any(
+            self._unloaded_count(g) for g in unloaded
+        )
 
     def _unloaded_count(self, key_group: int) -> int:
         """Keys of an unloaded key group: its chain's live keys, and the overlay's keys the chain lacks."""
@@ -550,13 +574,13 @@ class KeyGroupTable:
 
     # Checkpointing ----------------------------------------------------------------------
 
-    def take_changes(self) -> dict[int, "set[Key] | Sequence[Key]"]:
+    def take_changes(self) -> dict[int, set[Key] | Sequence[Key]]:
         """The keys changed per key group since the last call, which clears them (each key once, as the dicts
         hold it, in a set or a sequence: test membership only after making a set)."""
         changes, self._dirty, self._changed_rows = self._dirty, {}, []
         return changes
 
-    def changed_rows(self) -> "ChangedRows | None":
+    def changed_rows(self) -> ChangedRows | None:
         """Every change since ``take_changes`` as Arrow rows, when ``put_many`` with ``columns`` and ``put_arrow``
         made them all (their rows concatenated: a key put twice makes more rows than changed keys, which
         ``resident`` checks).
@@ -570,9 +594,11 @@ class KeyGroupTable:
             return None
         if len(rows) == 1:
             return rows[0]
-        return ChangedRows(np.concatenate([r.key_groups for r in rows]),
-                           tuple(pa.concat_arrays(list(c)) for c in zip(*(r.keys for r in rows))),
-                           tuple(pa.concat_arrays(list(c)) for c in zip(*(r.fields for r in rows))))
+        return ChangedRows(
+            np.concatenate([r.key_groups for r in rows]),
+            tuple(pa.concat_arrays(list(c)) for c in zip(*(r.keys for r in rows))),
+            tuple(pa.concat_arrays(list(c)) for c in zip(*(r.fields for r in rows))),
+        )
 
     def recorded_count(self, key_group: int) -> int | None:
         """The keys ``key_group`` holds, for its entry to record (``BlobEntry.live``), when known exactly
@@ -715,8 +741,11 @@ class KeyGroupTable:
         checks none of them (a first batch of millions of keys otherwise made the next one check them all,
         and each compaction the whole chain it compacted)."""
         key = self.schema.sorted_key
-        ascending = (keys_ascending_each([written for _, _, written in entries], key) if key is not None
-                     else [False] * len(entries))
+        ascending = (
+            keys_ascending_each([written for _, _, written in entries], key)
+            if key is not None
+            else [False] * len(entries)
+        )
         for (key_group, kind, written), sorted_keys in zip(entries, ascending):
             self._settle(key_group, kind, written, sorted_keys)
 
@@ -771,8 +800,10 @@ class KeyGroupTable:
         if self._bytes_per_key is not None:
             return self._bytes_per_key
         entries = (item for group in self._groups.values() for values in group for item in values.items())
-        sample = [DICT_ENTRY_BYTES + _object_bytes(key) + _object_bytes(value)
-                  for key, value in itertools.islice(entries, SAMPLED_KEYS)]
+        sample = [
+            DICT_ENTRY_BYTES + _object_bytes(key) + _object_bytes(value)
+            for key, value in itertools.islice(entries, SAMPLED_KEYS)
+        ]
         estimate = sum(sample) / len(sample) if sample else float(DICT_ENTRY_BYTES)
         if len(sample) >= SAMPLED_KEYS:
             self._bytes_per_key = estimate

@@ -32,25 +32,26 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.compute
 
-from spark_state.store.blobstore import BlobStore
-from spark_state.executor.report import InstanceReport
 from spark_state.errors import KeyGroupOwnershipError
-from spark_state.model.eventtime import EventTime, to_millis
+from spark_state.executor.aggregates import ROWS_COLUMN, Aggregate
 from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN, LATE_COLUMN
-from spark_state.executor.aggregates import Aggregate, ROWS_COLUMN
 from spark_state.executor.functions import BatchTime, PythonFunction
+from spark_state.executor.report import InstanceReport
+from spark_state.executor.resident import ResidentState, keep, memory_share, take
 from spark_state.keyspace import KeyGroupRange, key_groups_for_columns
+from spark_state.model.eventtime import EventTime, to_millis
+from spark_state.model.schema import KeyedSchema
+from spark_state.store.blobstore import BlobStore
 from spark_state.store.manifest import ComponentManifest
 from spark_state.store.manifestlog import ManifestReader
-from spark_state.executor.resident import ResidentState, keep, memory_share, take
-from spark_state.model.schema import KeyedSchema
 
 INSTANCE_COLUMN = "_spark_state_instance"
 META_COLUMN = "_spark_state_meta"
@@ -130,8 +131,16 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
     and received for the catch-up (``Storage.counters``), retries included.
     """
     native = isinstance(task.function, Aggregate) and task.function.vectorized()
-    state = take(task.store_uri, task.component, instance, task.parallelism, task.max_parallelism, task.schema,
-                 bounded=task.resident_memory is not None, native=native)
+    state = take(
+        task.store_uri,
+        task.component,
+        instance,
+        task.parallelism,
+        task.max_parallelism,
+        task.schema,
+        bounded=task.resident_memory is not None,
+        native=native,
+    )
     info = {"resident": state.has_keys(), "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
     component = _base_component(task, manifests)
     if component is None:
@@ -153,8 +162,9 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
     return state, info
 
 
-def _check_key_groups(table: pa.Table, key_columns: tuple[str, ...], max_parallelism: int,
-                      owned: KeyGroupRange) -> None:
+def _check_key_groups(
+    table: pa.Table, key_columns: tuple[str, ...], max_parallelism: int, owned: KeyGroupRange
+) -> None:
     """Step 2: the JVM's key groups equal ours, and this instance owns every one of them."""
     if table.num_rows == 0:
         return
@@ -200,8 +210,11 @@ def _apply(task: TaskSpec, state: ResidentState, table: pa.Table | None) -> tupl
         return outputs, info
     if table is not None and table.num_rows:
         columns = list(task.input_columns) + ([LATE_COLUMN] if LATE_COLUMN in table.column_names else [])
-        outputs.append(function.apply(state, table, key_columns, schema.value.columns, columns, task.output_schema,
-                                      time, event_time))
+        outputs.append(
+            function.apply(
+                state, table, key_columns, schema.value.columns, columns, task.output_schema, time, event_time
+            )
+        )
     fired, info["timers_fired"] = function.fire(state, schema.value.columns, task.output_schema, time, event_time)
     outputs.append(fired)
     info["expired"] = function.expire(state, time)
@@ -219,8 +232,9 @@ def _in_chunks(task: TaskSpec, state: ResidentState) -> bool:
     return state.bounded and isinstance(task.function, Aggregate)
 
 
-def _aggregate_in_chunks(task: TaskSpec, state: ResidentState, table: pa.Table,
-                         blobs: BlobStore) -> tuple[list[pa.Table], dict]:
+def _aggregate_in_chunks(
+    task: TaskSpec, state: ResidentState, table: pa.Table, blobs: BlobStore
+) -> tuple[list[pa.Table], dict]:
     """Step 1b and 3 under a memory bound: the rows by key group, in chunks whose evicted chains fit.
 
     Each chunk loads the evicted key groups its rows touch (at most a
@@ -298,8 +312,12 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     phases.end("output")
     wire_before = blobs.storage.counters()
     blob, items = state.checkpoint(
-        blobs, task.component, task.checkpoint_id, instance,
-        max_chain_length=task.max_chain_length, compression=task.compression,
+        blobs,
+        task.component,
+        task.checkpoint_id,
+        instance,
+        max_chain_length=task.max_chain_length,
+        compression=task.compression,
     )
     phases.end("checkpoint")
     if state.compaction:
@@ -309,17 +327,22 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     if wire_before is not None and wire_after is not None:
         time_info["checkpoint_storage"] = {k: wire_after[k] - wire_before.get(k, 0) for k in wire_after}
     keep(task.store_uri, task.component, instance, state)
-    report = InstanceReport(instance, blob, items, {
-        **time_info,
-        "rows_in": _rows_in(table),
-        "rows_received": 0 if table is None else table.num_rows,  # fewer than rows_in: partials from the JVM
-        "keys": len(state),
-        "restore": restore_info,
-        "pid": os.getpid(),
-        "seconds": round(time.perf_counter() - started, 4),
-        "phase_seconds": phases.seconds,
-        "cpu": _usage_since(usage),
-    })
+    report = InstanceReport(
+        instance,
+        blob,
+        items,
+        {
+            **time_info,
+            "rows_in": _rows_in(table),
+            "rows_received": 0 if table is None else table.num_rows,  # fewer than rows_in: partials from the JVM
+            "keys": len(state),
+            "restore": restore_info,
+            "pid": os.getpid(),
+            "seconds": round(time.perf_counter() - started, 4),
+            "phase_seconds": phases.seconds,
+            "cpu": _usage_since(usage),
+        },
+    )
     yield pa.RecordBatch.from_arrays([pa.array([json.dumps(report.to_json())], pa.string())], names=[META_COLUMN])
 
 
@@ -340,8 +363,11 @@ def _usage_since(before: tuple[float, float, int] | None) -> dict:
     after = _usage()
     if before is None or after is None:
         return {}
-    return {"user_seconds": round(after[0] - before[0], 4), "system_seconds": round(after[1] - before[1], 4),
-            "page_faults": after[2] - before[2]}
+    return {
+        "user_seconds": round(after[0] - before[0], 4),
+        "system_seconds": round(after[1] - before[1], 4),
+        "page_faults": after[2] - before[2],
+    }
 
 
 def _rss() -> dict:
@@ -351,8 +377,10 @@ def _rss() -> dict:
             fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
     except OSError:
         return {}
-    return {"rss_bytes": int(fields["VmRSS"].split()[0]) * 1024,
-            "rss_high_water_bytes": int(fields["VmHWM"].split()[0]) * 1024}
+    return {
+        "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024,
+        "rss_high_water_bytes": int(fields["VmHWM"].split()[0]) * 1024,
+    }
 
 
 def _rows_in(table: pa.Table | None) -> int:

@@ -67,9 +67,17 @@ def first_by_event_time(rows: pa.RecordBatch | pa.Table) -> int:
     ``rows`` arrive in, unless rows differ in skipped columns only."""
     if rows.num_rows == 1:
         return 0
-    sortable = [name for name, field in zip(rows.schema.names, rows.schema) if name != EVENT_MS_COLUMN and not (
-        pa.types.is_nested(field.type) or pa.types.is_dictionary(field.type) or pa.types.is_null(field.type)
-        or isinstance(field.type, pa.ExtensionType))]
+    sortable = [
+        name
+        for name, field in zip(rows.schema.names, rows.schema)
+        if name != EVENT_MS_COLUMN
+        and not (
+            pa.types.is_nested(field.type)
+            or pa.types.is_dictionary(field.type)
+            or pa.types.is_null(field.type)
+            or isinstance(field.type, pa.ExtensionType)
+        )
+    ]
     order = pc.sort_indices(rows, sort_keys=[(name, "ascending") for name in [EVENT_MS_COLUMN, *sortable]])
     return order[0].as_py()
 
@@ -85,11 +93,16 @@ def session_fields(column: str | None, value_type: pa.DataType | None) -> tuple[
         if not (pa.types.is_integer(value_type) or pa.types.is_floating(value_type)):
             raise ConfigError(f"session_window aggregates {column!r}, which is {value_type}; it must be numeric")
         total = pa.int64() if pa.types.is_integer(value_type) else pa.float64()
-        aggregates += [pa.field(f"sum_{column}", total), pa.field(f"min_{column}", value_type),
-                       pa.field(f"max_{column}", value_type)]
+        aggregates += [
+            pa.field(f"sum_{column}", total),
+            pa.field(f"min_{column}", value_type),
+            pa.field(f"max_{column}", value_type),
+        ]
     session = pa.struct([pa.field("start", pa.int64()), pa.field("end", pa.int64())] + aggregates)
-    outputs = [pa.field("session_start", pa.timestamp("us", tz="UTC")),
-               pa.field("session_end", pa.timestamp("us", tz="UTC"))] + aggregates
+    outputs = [
+        pa.field("session_start", pa.timestamp("us", tz="UTC")),
+        pa.field("session_end", pa.timestamp("us", tz="UTC")),
+    ] + aggregates
     return [pa.field(SESSIONS, pa.list_(session))], outputs
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from spark_state.hosts import listening, naming, policy, wire
 from spark_state.hosts.trust import connect, log_refusal
 
-
 ADOPT_IDLE_SECONDS = 1.0
 """A worker that needs a new host first asks hosts idle at least this long whether the store still needs them
 (``adopt``)."""
@@ -124,8 +123,8 @@ def spare(address: Path) -> tuple[Path | None, socket.socket | None]:
 def start_afresh() -> None:
     """Drop this host's states and storage clients, hand the memory they held back to the system and reset its
     peak resident size (``VmHWM``, which its tasks report), as a newly forked host starts."""
-    from spark_state.executor.task import forget_stores
     from spark_state.executor.resident import forget_all
+    from spark_state.executor.task import forget_stores
 
     forget_all(release_memory=True)
     forget_stores()
@@ -137,8 +136,9 @@ def is_spare(address: Path) -> bool:
     return address.name.startswith(SPARE + "-")
 
 
-def answer_adoption(connection: socket.socket, served, idle_seconds: float, listener: socket.socket,
-              address: Path) -> tuple[Path, socket.socket] | None:
+def answer_adoption(
+    connection: socket.socket, served, idle_seconds: float, listener: socket.socket, address: Path
+) -> tuple[Path, socket.socket] | None:
     """Answer an ``wire.ADOPT`` frame (``adopt``): the new address and a socket bound to it, when this host now
     serves that instance; None when it stays at ``address`` (or, if that is gone, leaves).
 
@@ -158,12 +158,18 @@ def answer_adoption(connection: socket.socket, served, idle_seconds: float, list
     if frame is None:
         return None
     name = frame[1].decode(errors="replace")
-    if not naming.SOCKET_NAME.fullmatch(name):  # a worker names an instance's socket, never a path: it stays in this directory
+    if not naming.SOCKET_NAME.fullmatch(
+        name
+    ):  # a worker names an instance's socket, never a path: it stays in this directory
         log_refusal(f"it asked this host to serve at {name[:80]!r}, which is not an instance's socket name", connection)
         return None
     new_address = address.parent / name
-    agreed = is_spare(address) or (served is not None and idle_seconds >= ADOPT_IDLE_SECONDS
-                                     and held_keys() <= ADOPT_MAX_KEYS and policy.obsolete(served, idle_seconds))
+    agreed = is_spare(address) or (
+        served is not None
+        and idle_seconds >= ADOPT_IDLE_SECONDS
+        and held_keys() <= ADOPT_MAX_KEYS
+        and policy.obsolete(served, idle_seconds)
+    )
     try:
         wire.send(connection, wire.READY if agreed else wire.REFUSED)
         if not agreed or wire.next_kind(connection) != wire.GO:

@@ -8,10 +8,8 @@ import socket
 import time
 from pathlib import Path
 
-from spark_state.hosts import tasks, wire
-from spark_state.hosts import naming
+from spark_state.hosts import naming, tasks, wire
 from spark_state.hosts.trust import admit, host_key, log_refusal, private_file
-
 
 BUSY_MARK_SECONDS = 365 * 24 * 3600.0
 """A host running a task dates its socket this far ahead (``mark``)."""
@@ -75,7 +73,7 @@ def _serve_queued(listener: socket.socket) -> int:
     while True:
         try:
             connection, _ = listener.accept()
-        except (BlockingIOError, socket.timeout):
+        except (TimeoutError, BlockingIOError):
             return served
         with connection:
             connection.setblocking(True)

@@ -8,8 +8,7 @@ is what a host does with the garbage a task left.
 from __future__ import annotations
 
 import gc
-from typing import Iterable
-
+from collections.abc import Iterable
 
 IDLE_SECONDS = 300.0
 """A host with no task for this long exits (its state is in the store; the next task reloads it), unless its
@@ -89,8 +88,8 @@ def obsolete(task, idle_seconds: float) -> bool:
     its state anew from the store). Never when the store cannot be read:
     the idle timeout still ends the host.
     """
-    from spark_state.store.blobstore import BLOBS_DIR
     from spark_state.executor.task import manifest_reader
+    from spark_state.store.blobstore import BLOBS_DIR
     from spark_state.store.stops import stopped_run
 
     run_id = task.run_id

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import gc
 import os
 import shutil
@@ -10,7 +9,6 @@ import traceback
 from pathlib import Path
 
 from spark_state.hosts import listening, serving
-
 
 _WORKER_FROZEN = False
 """Whether this process froze its objects as a worker (``freeze_worker``)."""
@@ -99,11 +97,11 @@ def load_host_modules(store_uri: str) -> None:
     import concurrent.futures  # noqa: F401
 
     import pandas  # noqa: F401
-    import pyarrow.acero  # noqa: F401
+    import pyarrow.acero
     import pyarrow.pandas_compat  # noqa: F401
 
-    import spark_state.executor.task  # noqa: F401
-    import spark_state.storage.faults  # noqa: F401
+    import spark_state.executor.task
+    import spark_state.storage.faults
     import spark_state.storage.timeouts  # noqa: F401
     from spark_state.storage import preload
 
@@ -122,14 +120,16 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         os.dup2(nothing, 0)
         listening.log_to(log)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        from spark_state.executor.task import forget_stores
         from spark_state.executor.resident import forget_all
+        from spark_state.executor.task import forget_stores
 
         _STARTED.clear()  # the worker's children, not the host's
         forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
         listener = None
-        while address is not None:  # a host adopted by another instance serves that one next (``adoption.answer_adoption``)
+        while (
+            address is not None
+        ):  # a host adopted by another instance serves that one next (``adoption.answer_adoption``)
             address, listener = serving.serve(address, daemon_pid, listener=listener)
     except BaseException as error:  # noqa: BLE001  (the host must never return into the worker's code)
         if not (isinstance(error, SystemExit) and serving._SIGNALLED is not None):  # a signal's exit is no error

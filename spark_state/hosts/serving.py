@@ -15,7 +15,6 @@ from pathlib import Path
 
 from spark_state.hosts import adoption, listening, naming, policy, tasks, wire
 
-
 ACCEPT_SECONDS = 1.0
 """How often a host waiting for a task checks its executor, its idle time and its store."""
 
@@ -34,8 +33,9 @@ def alive(pid: int) -> bool:
     return True
 
 
-def serve(address: Path, daemon_pid: int, *, idle_seconds: float = policy.IDLE_SECONDS,
-          listener: socket.socket | None = None) -> tuple[Path | None, socket.socket | None]:
+def serve(
+    address: Path, daemon_pid: int, *, idle_seconds: float = policy.IDLE_SECONDS, listener: socket.socket | None = None
+) -> tuple[Path | None, socket.socket | None]:
     """Run tasks sent to ``address``, one connection at a time, until the daemon is gone or the host idles out.
 
     ``idle_seconds`` is ``policy.idle_limit``'s floor; ``listener``, when given, is
@@ -63,11 +63,14 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = policy.IDLE_S
         if is_host:
             gc.freeze()  # what it made since the fork (the worker froze what it inherits)
         gaps, last_start = collections.deque(maxlen=policy.GAPS_KEPT), None  # between the starts of its latest tasks
-        while (_SIGNALLED is None and alive(daemon_pid)
-               and time.monotonic() - last_task < policy.idle_limit(gaps, idle_seconds)):
+        while (
+            _SIGNALLED is None
+            and alive(daemon_pid)
+            and time.monotonic() - last_task < policy.idle_limit(gaps, idle_seconds)
+        ):
             try:
                 connection, _ = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 now = time.monotonic()
                 if served is not None and now - max(last_task, last_check) >= policy.OBSOLETE_CHECK_SECONDS:
                     last_check = now
@@ -81,7 +84,9 @@ def serve(address: Path, daemon_pid: int, *, idle_seconds: float = policy.IDLE_S
                 if not listening.admitted(connection, address):
                     continue
                 if wire.first_frame_kind(connection) == wire.ADOPT:
-                    adopted = adoption.answer_adoption(connection, served, time.monotonic() - last_task, listener, address)
+                    adopted = adoption.answer_adoption(
+                        connection, served, time.monotonic() - last_task, listener, address
+                    )
                     if adopted is not None or not address.exists():
                         return adopted or (None, None)
                     continue

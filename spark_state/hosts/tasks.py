@@ -13,7 +13,7 @@ import functools
 import pickle
 import socket
 import traceback
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
 
@@ -36,7 +36,8 @@ def pickled_task(task, instance: int) -> bytes:
     context = TaskContext.get()
     buffer = io.BytesIO()
     _task_pickler()(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(
-        (task, instance, None if context is None else dict(vars(context))))
+        (task, instance, None if context is None else dict(vars(context)))
+    )
     return buffer.getvalue()
 
 

@@ -289,7 +289,11 @@ def admit(connection: socket.socket, key: bytes) -> str | None:
         nonce_w, nonce_h = hello[1], os.urandom(NONCE_BYTES)
         wire.send(connection, PROOF, nonce_h + _mac(key, b"host", nonce_w, nonce_h))
         proof = _receive(connection)
-        if proof is None or proof[0] != PROOF or not hmac.compare_digest(proof[1], _mac(key, b"worker", nonce_h, nonce_w)):
+        if (
+            proof is None
+            or proof[0] != PROOF
+            or not hmac.compare_digest(proof[1], _mac(key, b"worker", nonce_h, nonce_w))
+        ):
             return "it does not hold this executor's host key"
         connection.settimeout(None)
         return None
@@ -335,5 +339,9 @@ def log_refusal(reason: str, connection: socket.socket) -> None:
     except OSError:
         credentials = None
     who = "a process" if credentials is None else f"pid {credentials[0]} (uid {credentials[1]})"
-    print(f"spark-state: instance host {os.getpid()} refused a connection from {who}: {reason}; nothing it sent "
-          "was read as a task", file=sys.stderr, flush=True)
+    print(
+        f"spark-state: instance host {os.getpid()} refused a connection from {who}: {reason}; nothing it sent "
+        "was read as a task",
+        file=sys.stderr,
+        flush=True,
+    )

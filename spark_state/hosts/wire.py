@@ -16,7 +16,6 @@ import struct
 
 import pyarrow as pa
 
-
 TASK, BATCH, END, ERROR = b"T", b"B", b"E", b"X"
 
 

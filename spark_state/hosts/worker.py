@@ -9,15 +9,14 @@ import select
 import socket
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import pyarrow as pa
 
 from spark_state.errors import SparkStateError
 from spark_state.hosts import adoption, naming, policy, process, serving, tasks, wire
 from spark_state.hosts.trust import connect, peer_credentials, private_file
-
 
 SLOW_ANSWER_SECONDS = 60.0
 """A worker that has waited this long for its host's next frame logs it, with the host's stacks, and again each
@@ -96,9 +95,12 @@ def _report_slow_host(connection: socket.socket, instance: int, address: Path, w
                 stacks = text.read(64 << 10).decode(errors="replace")
     except OSError as error:
         stacks = f"(no stacks: {error})"
-    print(f"spark-state: the worker of instance {instance} (pid {os.getpid()}) has waited {waited:.1f} s for an "
-          f"answer from its host (pid {pid}, {address}); it keeps waiting. The host's threads:\n{stacks}",
-          file=sys.stderr, flush=True)
+    print(
+        f"spark-state: the worker of instance {instance} (pid {os.getpid()}) has waited {waited:.1f} s for an "
+        f"answer from its host (pid {pid}, {address}); it keeps waiting. The host's threads:\n{stacks}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _connect(address: Path, daemon_pid: int, store_uri: str) -> socket.socket:

@@ -67,8 +67,7 @@ def check_max_parallelism(max_parallelism: int) -> int:
     m = _check_int("max_parallelism", max_parallelism)
     if not 1 <= m <= UPPER_BOUND_MAX_PARALLELISM:
         raise InvalidParallelismError(
-            f"max_parallelism={m} is out of range: need 1 <= max_parallelism <= "
-            f"{UPPER_BOUND_MAX_PARALLELISM}"
+            f"max_parallelism={m} is out of range: need 1 <= max_parallelism <= {UPPER_BOUND_MAX_PARALLELISM}"
         )
     return m
 
@@ -243,8 +242,7 @@ def instances_for_key_groups(key_groups: np.ndarray, parallelism: int, max_paral
     groups = np.asarray(key_groups)
     if groups.dtype.kind not in "iu":
         raise InvalidParallelismError(
-            f"key_groups must be an integer array, got dtype {groups.dtype}: "
-            "compute them with key_groups_for_columns"
+            f"key_groups must be an integer array, got dtype {groups.dtype}: compute them with key_groups_for_columns"
         )
     if groups.size:
         bad = (groups < 0) | (groups >= m)

@@ -39,11 +39,18 @@ END_OF_TIME = 2**63 - 1
 LATE_POLICIES = ("drop", "pass")
 
 _UNITS_MS = {
-    "millisecond": 1, "ms": 1, "milli": 1,
-    "second": 1_000, "sec": 1_000, "s": 1_000,
-    "minute": 60_000, "min": 60_000,
-    "hour": 3_600_000, "h": 3_600_000,
-    "day": 86_400_000, "d": 86_400_000,
+    "millisecond": 1,
+    "ms": 1,
+    "milli": 1,
+    "second": 1_000,
+    "sec": 1_000,
+    "s": 1_000,
+    "minute": 60_000,
+    "min": 60_000,
+    "hour": 3_600_000,
+    "h": 3_600_000,
+    "day": 86_400_000,
+    "d": 86_400_000,
     "week": 604_800_000,
 }
 _PART = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]+)")

@@ -53,12 +53,14 @@ _FLOATS = [pa.float16(), pa.float32(), pa.float64()]
 
 
 def _ladder(types: list[pa.DataType]) -> set[tuple[pa.DataType, pa.DataType]]:
-    return {(a, b) for i, a in enumerate(types) for b in types[i + 1:]}
+    return {(a, b) for i, a in enumerate(types) for b in types[i + 1 :]}
 
 
 WIDENINGS: frozenset[tuple[pa.DataType, pa.DataType]] = frozenset(
-    _ladder(_INTS) | _ladder(_UINTS) | _ladder(_FLOATS)
-    | {(u, s) for i, u in enumerate(_UINTS) for s in _INTS[i + 1:]}
+    _ladder(_INTS)
+    | _ladder(_UINTS)
+    | _ladder(_FLOATS)
+    | {(u, s) for i, u in enumerate(_UINTS) for s in _INTS[i + 1 :]}
     | {(pa.string(), pa.large_string()), (pa.binary(), pa.large_binary())}
 )
 """Scalar ``(old, new)`` type pairs whose every old value is exactly representable in the new type."""
@@ -72,7 +74,9 @@ def widens(old: pa.DataType, new: pa.DataType) -> bool:
         return True
     if pa.types.is_decimal(old) and pa.types.is_decimal(new):
         return new.scale == old.scale and new.precision - new.scale >= old.precision - old.scale
-    if (pa.types.is_list(old) or pa.types.is_large_list(old)) and (pa.types.is_list(new) or pa.types.is_large_list(new)):
+    if (pa.types.is_list(old) or pa.types.is_large_list(old)) and (
+        pa.types.is_list(new) or pa.types.is_large_list(new)
+    ):
         return not (pa.types.is_large_list(old) and pa.types.is_list(new)) and widens(old.value_type, new.value_type)
     return False
 
@@ -83,7 +87,9 @@ def with_default(field: pa.Field, value: Any) -> pa.Field:
         pa.array([value], field.type)
         text = json.dumps(value)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
-        raise ConfigError(f"default {value!r} of state column {field.name!r} does not fit its type {field.type}: {exc}") from exc
+        raise ConfigError(
+            f"default {value!r} of state column {field.name!r} does not fit its type {field.type}: {exc}"
+        ) from exc
     return field.with_metadata({**(field.metadata or {}), DEFAULT_METADATA: text.encode()})
 
 
@@ -168,7 +174,10 @@ def _refuse(component: str, column: str, old: pa.DataType | None, new: pa.DataTy
         f"component {component!r}: state column {column!r} cannot change from {_type(old) or '(absent)'} to "
         f"{_type(new) or '(absent)'}: {why}. Keep the stored schema for {column!r}, or start from a savepoint "
         "(`spark-state savepoint create`) under a new component name, which starts its state empty",
-        component=component, column=column, old_type=_type(old), new_type=_type(new),
+        component=component,
+        column=column,
+        old_type=_type(old),
+        new_type=_type(new),
     )
 
 
@@ -181,9 +190,14 @@ def _check_keys(component: str, old: KeyedSchema, new: KeyedSchema) -> None:
         if before is None or after is None or not before.type.equals(after.type):
             _refuse(component, name, before.type if before else None, after.type if after else None, why)
     if old.key_columns != new.key_columns:
-        _refuse(component, ",".join(new.key_columns), None, None,
-                f"key columns are {list(new.key_columns)}, the state is keyed by {list(old.key_columns)} (order "
-                "matters); " + why)
+        _refuse(
+            component,
+            ",".join(new.key_columns),
+            None,
+            None,
+            f"key columns are {list(new.key_columns)}, the state is keyed by {list(old.key_columns)} (order "
+            "matters); " + why,
+        )
 
 
 def _variable_changes(component: str, old: StateVariable, new: StateVariable) -> list[str]:
@@ -195,18 +209,35 @@ def _variable_changes(component: str, old: StateVariable, new: StateVariable) ->
         if previous is None:
             has_default, value = default_of(field)
             if not field.nullable and not has_default:
-                _refuse(component, column, None, field.type,
-                        "a column added as non-nullable needs a declared default (apply(..., state_defaults="
-                        "{...})) or must be nullable")
-            changes.append(f"{column} added ({'default ' + json.dumps(value) if has_default else 'null'} for stored keys)")
+                _refuse(
+                    component,
+                    column,
+                    None,
+                    field.type,
+                    "a column added as non-nullable needs a declared default (apply(..., state_defaults="
+                    "{...})) or must be nullable",
+                )
+            changes.append(
+                f"{column} added ({'default ' + json.dumps(value) if has_default else 'null'} for stored keys)"
+            )
             continue
         if not widens(previous.type, field.type):
-            _refuse(component, column, previous.type, field.type,
-                    "only widening casts are allowed (int8->int16->int32->int64, float32->float64, "
-                    "string->large_string, ...); this one narrows or changes the kind of the type")
+            _refuse(
+                component,
+                column,
+                previous.type,
+                field.type,
+                "only widening casts are allowed (int8->int16->int32->int64, float32->float64, "
+                "string->large_string, ...); this one narrows or changes the kind of the type",
+            )
         if previous.nullable and not field.nullable:
-            _refuse(component, column, previous.type, field.type,
-                    "it was nullable and is now non-nullable, but stored values may be null")
+            _refuse(
+                component,
+                column,
+                previous.type,
+                field.type,
+                "it was nullable and is now non-nullable, but stored values may be null",
+            )
         if not previous.type.equals(field.type):
             changes.append(f"{column} widened from {previous.type} to {field.type}")
     names = {f.name for f in new.fields}
@@ -217,5 +248,6 @@ def _variable_changes(component: str, old: StateVariable, new: StateVariable) ->
 @lru_cache(maxsize=256)
 def cached_evolution(component: str, old_text: str, new_text: str, key_columns: tuple[str, ...]) -> SchemaEvolution:
     """``plan_evolution`` of two serialized schemas (``KeyedSchema.serialize``), cached: readers call it per entry."""
-    return plan_evolution(component, KeyedSchema.deserialize(old_text, key_columns),
-                          KeyedSchema.deserialize(new_text, key_columns))
+    return plan_evolution(
+        component, KeyedSchema.deserialize(old_text, key_columns), KeyedSchema.deserialize(new_text, key_columns)
+    )

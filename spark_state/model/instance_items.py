@@ -9,7 +9,8 @@ new instances (``redistribute_items``, Flink's split redistribution).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from spark_state.errors import ConfigError, KeyGroupOwnershipError
 

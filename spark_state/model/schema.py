@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import base64
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -119,7 +120,7 @@ class KeyedSchema:
             raise ConfigError(f"key columns {list(self.key_columns)} must be distinct")
 
     @classmethod
-    def of_values(cls, key_fields: Sequence[pa.Field], value_fields: Sequence[pa.Field]) -> "KeyedSchema":
+    def of_values(cls, key_fields: Sequence[pa.Field], value_fields: Sequence[pa.Field]) -> KeyedSchema:
         """A schema with only the ``value`` variable holding ``value_fields``."""
         return cls(tuple(key_fields), (StateVariable(VALUE, tuple(value_fields)),))
 
@@ -143,8 +144,13 @@ class KeyedSchema:
         never assume it: a store written before it was kept reads as well.
         """
         kind = self.keys[0].type
-        if len(self.keys) == 1 and (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_binary(kind)
-                                    or pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)):
+        if len(self.keys) == 1 and (
+            pa.types.is_integer(kind)
+            or pa.types.is_string(kind)
+            or pa.types.is_binary(kind)
+            or pa.types.is_large_string(kind)
+            or pa.types.is_large_binary(kind)
+        ):
             return self.keys[0].name
         return None
 
@@ -168,7 +174,7 @@ class KeyedSchema:
         return base64.b64encode(self.blob_schema.serialize().to_pybytes()).decode("ascii")
 
     @classmethod
-    def deserialize(cls, text: str, key_columns: Sequence[str]) -> "KeyedSchema":
+    def deserialize(cls, text: str, key_columns: Sequence[str]) -> KeyedSchema:
         """Inverse of ``serialize``, given the key column names the manifest records beside it."""
         try:
             schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
@@ -182,13 +188,14 @@ class KeyedSchema:
         stored = list(schema)[n:-1]
         if not all(f.name.startswith(VARIABLE_PREFIX) and pa.types.is_struct(f.type) for f in stored):
             raise CorruptBlobError(f"stored state schema {schema.names} has columns that are not state variables")
-        variables = tuple(StateVariable(f.name[len(VARIABLE_PREFIX):], tuple(f.type)) for f in stored)
+        variables = tuple(StateVariable(f.name[len(VARIABLE_PREFIX) :], tuple(f.type)) for f in stored)
         return cls(tuple(schema)[:n], variables)
 
     # -- conversions between Arrow and the in-memory form -------------------------------
 
-    def columns_to_rows(self, batch: pa.RecordBatch | pa.Table, *, bare: bool = False
-                        ) -> tuple[list[Key], list[list[Value | None]], list[bool]]:
+    def columns_to_rows(
+        self, batch: pa.RecordBatch | pa.Table, *, bare: bool = False
+    ) -> tuple[list[Key], list[list[Value | None]], list[bool]]:
         """The keys, per variable the values (None where the struct is null) and the tombstone flags of a batch.
 
         ``bare`` (one key column): each key is its column's value, not a 1-tuple.
@@ -202,16 +209,20 @@ class KeyedSchema:
         deleted = batch.column(n_keys + len(self.variables)).to_pylist()
         return keys, values, deleted
 
-    def rows_to_columns(self, keys: Sequence[Key], values: Sequence[Sequence[Value | None]],
-                        deleted: Sequence[bool], *, bare: bool = False) -> pa.Table:
+    def rows_to_columns(
+        self,
+        keys: Sequence[Key],
+        values: Sequence[Sequence[Value | None]],
+        deleted: Sequence[bool],
+        *,
+        bare: bool = False,
+    ) -> pa.Table:
         """Inverse of ``columns_to_rows``: ``values[i][r]`` is variable i's value of row r (or None)."""
         schema = self.blob_schema
         if bare:
             arrays = [pa.array(keys, type=self.keys[0].type)]
         else:
-            arrays = [
-                pa.array(list(map(itemgetter(i), keys)), type=field.type) for i, field in enumerate(self.keys)
-            ]
+            arrays = [pa.array(list(map(itemgetter(i), keys)), type=field.type) for i, field in enumerate(self.keys)]
         for variable, column in zip(self.variables, values):
             arrays.append(_struct_array(variable, column))
         arrays.append(pa.array(deleted, pa.bool_()))  # a list, or a NumPy array when none is deleted
@@ -221,11 +232,13 @@ class KeyedSchema:
         """A blob-schema batch of one variable given as Arrow columns, no row deleted."""
         schema = self.blob_schema
         (variable,) = self.variables
-        arrays = [column if column.type == field.type else column.cast(field.type)
-                  for column, field in zip([*keys, *fields], [*self.keys, *variable.fields])]
-        value = pa.StructArray.from_arrays(arrays[len(keys):], fields=list(variable.fields))
+        arrays = [
+            column if column.type == field.type else column.cast(field.type)
+            for column, field in zip([*keys, *fields], [*self.keys, *variable.fields])
+        ]
+        value = pa.StructArray.from_arrays(arrays[len(keys) :], fields=list(variable.fields))
         deleted = pa.array(np.zeros(len(value), bool))
-        return pa.RecordBatch.from_arrays([*arrays[:len(keys)], value, deleted], schema=schema)
+        return pa.RecordBatch.from_arrays([*arrays[: len(keys)], value, deleted], schema=schema)
 
 
 def struct_values(column: Any, width: int) -> list[Value | None]:
@@ -243,12 +256,12 @@ def struct_values(column: Any, width: int) -> list[Value | None]:
 def _struct_array(variable: StateVariable, values: Sequence[Value | None]) -> pa.StructArray:
     absent = None in values
     present = [v if v is not None else (None,) * len(variable.fields) for v in values] if absent else values
-    children = [
-        pa.array(list(map(itemgetter(i), present)), type=field.type) for i, field in enumerate(variable.fields)
-    ]
+    children = [pa.array(list(map(itemgetter(i), present)), type=field.type) for i, field in enumerate(variable.fields)]
     mask = pa.array([v is None for v in values], pa.bool_()) if absent else None
     if not variable.fields:
-        return pa.StructArray.from_arrays([], fields=[], mask=mask) if mask is not None else pa.array(
-            [{}] * len(values), type=variable.arrow_type
+        return (
+            pa.StructArray.from_arrays([], fields=[], mask=mask)
+            if mask is not None
+            else pa.array([{}] * len(values), type=variable.arrow_type)
         )
     return pa.StructArray.from_arrays(children, fields=list(variable.fields), mask=mask)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
@@ -63,8 +63,7 @@ def minima(values: Iterable[KeyTimers]) -> tuple[int | None, int | None, int | N
     event = [times[0] for times, _, _ in values if times]  # each list of times is sorted
     processing = [times[0] for _, times, _ in values if times]
     expires = [time_ms for _, _, time_ms in values if time_ms is not None]
-    return (min(event) if event else None, min(processing) if processing else None,
-            min(expires) if expires else None)
+    return (min(event) if event else None, min(processing) if processing else None, min(expires) if expires else None)
 
 
 def earlier(a: tuple[int | None, ...], b: tuple[int | None, ...]) -> tuple[int | None, ...]:
@@ -113,7 +112,9 @@ class TimerIndex:
         """A timer was registered on a folded key group (a duplicate entry is harmless: it is checked when due)."""
         heapq.heappush(self._heaps[kind], (time_ms, key_group, next(self._order), key))
 
-    def due(self, kind: str, now_ms: int, fold: Callable[[int], Iterable[tuple[int, Key]]]) -> list[tuple[int, int, Key]]:
+    def due(
+        self, kind: str, now_ms: int, fold: Callable[[int], Iterable[tuple[int, Key]]]
+    ) -> list[tuple[int, int, Key]]:
         """Every ``(time, key_group, key)`` of ``kind`` with ``time <= now_ms``, in time order, off the heap.
 
         ``fold(key_group)`` yields ``(time, key)`` for every timer of

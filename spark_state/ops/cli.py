@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
 from spark_state.errors import SparkStateError
 from spark_state.redaction import redact
+
 
 def _console(stderr: bool = False):
     from rich.console import Console
@@ -42,8 +44,15 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = _console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                   console=console, transient=True, disable=not console.is_terminal)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
     with bar:
         task = bar.add_task(description, total=None)
 
@@ -121,8 +130,9 @@ class _Group(click.Group):
 
 
 JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON document (for scripts).")
-CHECKPOINT = click.option("--checkpoint", "-c", default=None,
-                          help="A checkpoint id or a savepoint name (default: the latest).")
+CHECKPOINT = click.option(
+    "--checkpoint", "-c", default=None, help="A checkpoint id or a savepoint name (default: the latest)."
+)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -150,13 +160,27 @@ def checkpoints(store: str, as_json: bool) -> None:
         return
     rows = []
     for c in listed:
-        components = "; ".join(f"{n} p={v['parallelism']} max={v['max_parallelism']}" for n, v in c["components"].items())
+        components = "; ".join(
+            f"{n} p={v['parallelism']} max={v['max_parallelism']}" for n, v in c["components"].items()
+        )
         sources = "; ".join(f"{k}: {json.dumps(v, sort_keys=True)}" for k, v in c["sources"].items())
         marks = ", ".join(c["savepoints"]) + ("" if c["retained"] else " (pinned)")
-        rows.append([c["checkpoint_id"], c["committed_at"], components, sources, _size(c["bytes_referenced"]),
-                     marks.strip(), c["batch_id"]])
-    _table(f"checkpoints of {store}", ["id", "committed (UTC)", "components", "sources' offsets", "bytes",
-                                       "savepoints", "batch"], rows)
+        rows.append(
+            [
+                c["checkpoint_id"],
+                c["committed_at"],
+                components,
+                sources,
+                _size(c["bytes_referenced"]),
+                marks.strip(),
+                c["batch_id"],
+            ]
+        )
+    _table(
+        f"checkpoints of {store}",
+        ["id", "committed (UTC)", "components", "sources' offsets", "bytes", "savepoints", "batch"],
+        rows,
+    )
 
 
 @cli.command()
@@ -175,30 +199,56 @@ def describe(store: str, component: str | None, checkpoint: str | None, key_grou
     if as_json:
         _emit_json(data)
         return
-    click.echo(f"checkpoint {data['checkpoint_id']} committed {data['committed_at']}"
-               + (f", batch {data['binding']['batch_id']} of query {data['binding']['query_id']}" if data["binding"] else "")
-               + (" (drained)" if data["drained"] else ""))
+    click.echo(
+        f"checkpoint {data['checkpoint_id']} committed {data['committed_at']}"
+        + (f", batch {data['binding']['batch_id']} of query {data['binding']['query_id']}" if data["binding"] else "")
+        + (" (drained)" if data["drained"] else "")
+    )
     for source, offsets in data["sources"].items():
         click.echo(f"  source {source}: {json.dumps(offsets, sort_keys=True)}")
     for c in data["components"]:
-        click.echo(f"\ncomponent {c['name']}: parallelism {c['parallelism']}, max parallelism {c['max_parallelism']}, "
-                   f"{c['key_groups_with_state']} key groups with state, {c['blobs']} blobs, {_size(c['bytes'])}")
+        click.echo(
+            f"\ncomponent {c['name']}: parallelism {c['parallelism']}, max parallelism {c['max_parallelism']}, "
+            f"{c['key_groups_with_state']} key groups with state, {c['blobs']} blobs, {_size(c['bytes'])}"
+        )
         keys = ", ".join(f"{k['name']} {k['type']}" for k in c["schema"]["keys"])
         click.echo(f"  keys: {keys}")
         for variable in c["schema"]["variables"]:
             columns = ", ".join(f"{f['name']} {f['type']}" for f in variable["columns"])
             click.echo(f"  state variable {variable['name']}: {columns}")
-        click.echo(f"  chain lengths (entries: key groups): "
-                   + ", ".join(f"{n}: {k}" for n, k in c["chain_lengths"].items()))
-        click.echo(f"  watermark: {c['watermark'] or 'none'}; timers: "
-                   + (f"{c['timers']['key_groups_with_timers']} key groups, earliest "
-                      + json.dumps(c["timers"]["earliest_ms"]) if c["timers"]["variable"] else "none"))
-        _table(None, ["instance", "key groups", "with state", "entries", "bytes", "items"],
-               [[i["instance"], f"{i['key_groups'][0]}-{i['key_groups'][1]}", i["key_groups_with_state"],
-                 i["entries"], _size(i["bytes"]), _size(i["items_bytes"])] for i in c["instances"]])
+        click.echo(
+            "  chain lengths (entries: key groups): " + ", ".join(f"{n}: {k}" for n, k in c["chain_lengths"].items())
+        )
+        click.echo(
+            f"  watermark: {c['watermark'] or 'none'}; timers: "
+            + (
+                f"{c['timers']['key_groups_with_timers']} key groups, earliest "
+                + json.dumps(c["timers"]["earliest_ms"])
+                if c["timers"]["variable"]
+                else "none"
+            )
+        )
+        _table(
+            None,
+            ["instance", "key groups", "with state", "entries", "bytes", "items"],
+            [
+                [
+                    i["instance"],
+                    f"{i['key_groups'][0]}-{i['key_groups'][1]}",
+                    i["key_groups_with_state"],
+                    i["entries"],
+                    _size(i["bytes"]),
+                    _size(i["items_bytes"]),
+                ]
+                for i in c["instances"]
+            ],
+        )
         if key_groups:
-            _table(None, ["key group", "entries", "kinds", "rows", "bytes"],
-                   [[g["key_group"], g["entries"], ",".join(g["kinds"]), g["rows"], g["bytes"]] for g in c["key_groups"]])
+            _table(
+                None,
+                ["key group", "entries", "kinds", "rows", "bytes"],
+                [[g["key_group"], g["entries"], ",".join(g["kinds"]), g["rows"], g["bytes"]] for g in c["key_groups"]],
+            )
 
 
 @cli.command()
@@ -219,19 +269,37 @@ def plan(store: str, component: str, parallelism: int, checkpoint: str | None, r
     if as_json:
         _emit_json(data)
         return
-    click.echo(f"checkpoint {manifest.checkpoint_id}, component {component}: {_size(data['state_bytes'])} of entries, "
-               f"max parallelism {data['max_parallelism']}")
+    click.echo(
+        f"checkpoint {manifest.checkpoint_id}, component {component}: {_size(data['state_bytes'])} of entries, "
+        f"max parallelism {data['max_parallelism']}"
+    )
     for label in ("target", "current"):
         part = data[label]
-        _table(f"{label}: parallelism {part['parallelism']}: {part['requests']} requests, {_size(part['bytes'])} "
-               f"(at most {_size(part['max_bytes_per_instance'])} and {part['max_requests_per_instance']} requests per instance)",
-               ["instance", "key groups", "with state", "requests", "bytes"],
-               [[i["instance"], f"{i['key_groups'][0]}-{i['key_groups'][1]}", i["key_groups_with_state"],
-                 i["requests"], _size(i["bytes"])] for i in part["instances"]])
+        _table(
+            f"{label}: parallelism {part['parallelism']}: {part['requests']} requests, {_size(part['bytes'])} "
+            f"(at most {_size(part['max_bytes_per_instance'])} and {part['max_requests_per_instance']} requests per instance)",
+            ["instance", "key groups", "with state", "requests", "bytes"],
+            [
+                [
+                    i["instance"],
+                    f"{i['key_groups'][0]}-{i['key_groups'][1]}",
+                    i["key_groups_with_state"],
+                    i["requests"],
+                    _size(i["bytes"]),
+                ]
+                for i in part["instances"]
+            ],
+        )
         if reads:
-            _table(None, ["instance", "path", "offset", "length", "entries"],
-                   [[i["instance"], r["path"], r["offset"], r["length"], r["entries"]]
-                    for i in part["instances"] for r in i["reads"]])
+            _table(
+                None,
+                ["instance", "path", "offset", "length", "entries"],
+                [
+                    [i["instance"], r["path"], r["offset"], r["length"], r["entries"]]
+                    for i in part["instances"]
+                    for r in i["reads"]
+                ],
+            )
 
 
 @cli.command()
@@ -248,8 +316,10 @@ def verify(store: str, deep: bool, as_json: bool) -> None:
         _emit_json(result)
     else:
         checked = result["checked"]
-        click.echo(f"{store}: {checked['records']} records, {checked['restorable_checkpoints']} restorable checkpoints, "
-                   f"{checked['savepoints']} savepoints, {checked['files']} files ({_size(checked['bytes'])}) checked")
+        click.echo(
+            f"{store}: {checked['records']} records, {checked['restorable_checkpoints']} restorable checkpoints, "
+            f"{checked['savepoints']} savepoints, {checked['files']} files ({_size(checked['bytes'])}) checked"
+        )
         for p in result["problems"]:
             click.echo(f"PROBLEM {p['what']}: {p['path']}: {p['detail']}")
         click.echo("OK" if result["ok"] else f"{len(result['problems'])} problem(s)")
@@ -264,11 +334,24 @@ def verify(store: str, deep: bool, as_json: bool) -> None:
 @click.option("--key", "key", multiple=True, help="Show only this key (repeat for each key column, in order).")
 @click.option("--timers", is_flag=True, help="Add the keys' timers and TTL expiry (timers_* columns).")
 @click.option("--limit", type=int, default=None, help="At most this many rows (terminal default: 20).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write every row to this file instead (.parquet or .csv).")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write every row to this file instead (.parquet or .csv).",
+)
 @JSON
-def show(store: str, component: str, checkpoint: str | None, key: tuple[str, ...], timers: bool, limit: int | None,
-         output: str | None, as_json: bool) -> None:
+def show(
+    store: str,
+    component: str,
+    checkpoint: str | None,
+    key: tuple[str, ...],
+    timers: bool,
+    limit: int | None,
+    output: str | None,
+    as_json: bool,
+) -> None:
     """Show COMPONENT's keys and values (all, or one --key) on the terminal, as JSON, or into Parquet/CSV."""
     from spark_state.ops.reader import read_state
 
@@ -278,8 +361,13 @@ def show(store: str, component: str, checkpoint: str | None, key: tuple[str, ...
         _write_table(table, Path(output))
         click.echo(f"wrote {table.num_rows} rows to {output}")
         return
-    rows = table.slice(0, limit).to_pylist() if limit is not None else table.to_pylist() if as_json else \
-        table.slice(0, 20).to_pylist()
+    rows = (
+        table.slice(0, limit).to_pylist()
+        if limit is not None
+        else table.to_pylist()
+        if as_json
+        else table.slice(0, 20).to_pylist()
+    )
     if as_json:
         _emit_json({"component": component, "rows": rows, "total_rows": table.num_rows})
         return
@@ -339,15 +427,31 @@ def savepoint_list(store: str, as_json: bool) -> None:
 
     listing = Savepoints(_storage(store)).list()
     if as_json:
-        _emit_json({"savepoints": [{**s.to_json(), "uri": s.uri} for s in listing.savepoints],
-                    "damaged": dict(listing.damaged)})
+        _emit_json(
+            {
+                "savepoints": [{**s.to_json(), "uri": s.uri} for s in listing.savepoints],
+                "damaged": dict(listing.damaged),
+            }
+        )
         return
-    _table(f"savepoints of {store}", ["name", "checkpoint", "created (UTC)", "components", "sources' offsets", "uri"],
-           [[s.name, s.checkpoint_id, iso(s.created_at),
-             "; ".join(f"{n} p={c.parallelism} max={c.max_parallelism} keys={','.join(c.key_columns)}"
-                       for n, c in s.components.items()),
-             "; ".join(f"{k}: {json.dumps(v, sort_keys=True)}" for k, v in s.sources.items()), s.uri]
-            for s in listing.savepoints])
+    _table(
+        f"savepoints of {store}",
+        ["name", "checkpoint", "created (UTC)", "components", "sources' offsets", "uri"],
+        [
+            [
+                s.name,
+                s.checkpoint_id,
+                iso(s.created_at),
+                "; ".join(
+                    f"{n} p={c.parallelism} max={c.max_parallelism} keys={','.join(c.key_columns)}"
+                    for n, c in s.components.items()
+                ),
+                "; ".join(f"{k}: {json.dumps(v, sort_keys=True)}" for k, v in s.sources.items()),
+                s.uri,
+            ]
+            for s in listing.savepoints
+        ],
+    )
     for name, detail in listing.damaged.items():
         click.echo(f"DAMAGED {name}: {detail}")
 
@@ -375,14 +479,21 @@ def drain(store: str, run_id: str, reason: str) -> None:
     from spark_state.store.drain import request_drain
 
     path = request_drain(_storage(store), run_id, reason=reason)
-    click.echo(f"requested a drain of run {run_id}: {store.rstrip('/')}/{path} (it takes effect at the next micro-batch)")
+    click.echo(
+        f"requested a drain of run {run_id}: {store.rstrip('/')}/{path} (it takes effect at the next micro-batch)"
+    )
 
 
 @cli.command()
 @click.argument("store")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
-@click.option("--grace-seconds", type=click.FloatRange(min=0), default=None, show_default="3600",
-              help="Keep unreferenced files younger than this (attempts that may still be running).")
+@click.option(
+    "--grace-seconds",
+    type=click.FloatRange(min=0),
+    default=None,
+    show_default="3600",
+    help="Keep unreferenced files younger than this (attempts that may still be running).",
+)
 @JSON
 def cleanup(store: str, dry_run: bool, grace_seconds: float | None, as_json: bool) -> None:
     """Delete what no retained checkpoint and no savepoint of STORE needs (records first, then files)."""
@@ -403,8 +514,14 @@ def cleanup(store: str, dry_run: bool, grace_seconds: float | None, as_json: boo
             continue
     if not dry_run:
         paths = log.execute_cleanup(plan)  # exactly what was listed and sized above
-    data = {"store": store, "dry_run": dry_run, "after_checkpoint": latest.checkpoint_id, "records": list(plan.records),
-            "files": list(plan.files), "bytes": size}
+    data = {
+        "store": store,
+        "dry_run": dry_run,
+        "after_checkpoint": latest.checkpoint_id,
+        "records": list(plan.records),
+        "files": list(plan.files),
+        "bytes": size,
+    }
     if as_json:
         _emit_json(data)
         return

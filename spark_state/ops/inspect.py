@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from spark_state.errors import (
     BlobNotFoundError,
@@ -22,13 +23,13 @@ from spark_state.errors import (
     SparkStateError,
     StorageError,
 )
-from spark_state.store.blob import read_blob_file
 from spark_state.keyspace import check_parallelism, key_group_range
+from spark_state.model.timers import TIMER_KINDS, TIMERS, earlier
+from spark_state.store.blob import read_blob_file
 from spark_state.store.manifest import ComponentManifest, Manifest
 from spark_state.store.manifestlog import ManifestReader
 from spark_state.store.restore import InstanceRestorePlan, chain_links, plan_restore
 from spark_state.store.savepoints import Savepoints
-from spark_state.model.timers import TIMER_KINDS, TIMERS, earlier
 
 Progress = Callable[[int, int], None]
 
@@ -52,23 +53,29 @@ def list_checkpoints(manifests: ManifestReader) -> list[dict]:
     result = []
     for checkpoint_id, savepoints in manifests.restorable().items():
         manifest = manifests.load(checkpoint_id)
-        result.append({
-            "checkpoint_id": checkpoint_id,
-            "committed_at": iso(manifest.committed_at),
-            "retained": checkpoint_id in retained,
-            "savepoints": savepoints,
-            "components": {
-                name: {"parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
-                       "key_groups_with_state": len(c.chains), "bytes": component_bytes(c)}
-                for name, c in sorted(manifest.components.items())
-            },
-            "sources": dict(manifest.sources),
-            "bytes_referenced": _bytes_referenced(manifest),
-            "batch_id": manifest.binding.batch_id if manifest.binding is not None else None,
-            "query_id": manifest.binding.query_id if manifest.binding is not None else None,
-            "drained": manifest.drained,
-            "origin": manifest.origin,
-        })
+        result.append(
+            {
+                "checkpoint_id": checkpoint_id,
+                "committed_at": iso(manifest.committed_at),
+                "retained": checkpoint_id in retained,
+                "savepoints": savepoints,
+                "components": {
+                    name: {
+                        "parallelism": c.parallelism,
+                        "max_parallelism": c.max_parallelism,
+                        "key_groups_with_state": len(c.chains),
+                        "bytes": component_bytes(c),
+                    }
+                    for name, c in sorted(manifest.components.items())
+                },
+                "sources": dict(manifest.sources),
+                "bytes_referenced": _bytes_referenced(manifest),
+                "batch_id": manifest.binding.batch_id if manifest.binding is not None else None,
+                "query_id": manifest.binding.query_id if manifest.binding is not None else None,
+                "drained": manifest.drained,
+                "origin": manifest.origin,
+            }
+        )
     return result
 
 
@@ -85,8 +92,15 @@ def describe_component(component: ComponentManifest) -> dict:
     for key_group in sorted(component.chains):
         links = chain_links(component, key_group)
         last = links[-1][1]
-        per_group.append({"key_group": key_group, "entries": len(links), "rows": sum(e.rows for _, e in links),
-                          "bytes": sum(e.length for _, e in links), "kinds": [e.kind for _, e in links]})
+        per_group.append(
+            {
+                "key_group": key_group,
+                "entries": len(links),
+                "rows": sum(e.rows for _, e in links),
+                "bytes": sum(e.length for _, e in links),
+                "kinds": [e.kind for _, e in links],
+            }
+        )
         if last.earliest is not None and any(t is not None for t in last.earliest):
             groups_with_timers += 1
             earliest = earlier(earliest, last.earliest)
@@ -94,11 +108,16 @@ def describe_component(component: ComponentManifest) -> dict:
     for instance in range(component.parallelism):
         owned = key_group_range(instance, component.parallelism, component.max_parallelism)
         mine = [g for g in per_group if g["key_group"] in owned]
-        instances.append({"instance": instance, "key_groups": [owned.start, owned.end],
-                          "key_groups_with_state": len(mine), "entries": sum(g["entries"] for g in mine),
-                          "bytes": sum(g["bytes"] for g in mine),
-                          "items_bytes": component.instance_items[instance].size
-                          if instance in component.instance_items else 0})
+        instances.append(
+            {
+                "instance": instance,
+                "key_groups": [owned.start, owned.end],
+                "key_groups_with_state": len(mine),
+                "entries": sum(g["entries"] for g in mine),
+                "bytes": sum(g["bytes"] for g in mine),
+                "items_bytes": component.instance_items[instance].size if instance in component.instance_items else 0,
+            }
+        )
     lengths = Counter(g["entries"] for g in per_group)
     return {
         "name": component.name,
@@ -108,8 +127,13 @@ def describe_component(component: ComponentManifest) -> dict:
         "format_version": component.format_version,
         "schema": {
             "keys": [{"name": f.name, "type": str(f.type)} for f in schema.keys],
-            "variables": [{"name": v.name, "columns": [{"name": f.name, "type": str(f.type), "nullable": f.nullable}
-                                                      for f in v.fields]} for v in schema.variables],
+            "variables": [
+                {
+                    "name": v.name,
+                    "columns": [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in v.fields],
+                }
+                for v in schema.variables
+            ],
             "older_schemas_in_use": len(component.schemas),
         },
         "blobs": len(component.blobs),
@@ -135,8 +159,9 @@ def describe(manifest: Manifest, component: str | None = None) -> dict:
     names = [component] if component is not None else sorted(manifest.components)
     missing = [n for n in names if n not in manifest.components]
     if missing:
-        raise NoCheckpointError(f"checkpoint {manifest.checkpoint_id} has no component {missing[0]!r}; it has "
-                                f"{sorted(manifest.components)}")
+        raise NoCheckpointError(
+            f"checkpoint {manifest.checkpoint_id} has no component {missing[0]!r}; it has {sorted(manifest.components)}"
+        )
     return {
         "checkpoint_id": manifest.checkpoint_id,
         "committed_at": iso(manifest.committed_at),
@@ -149,14 +174,19 @@ def describe(manifest: Manifest, component: str | None = None) -> dict:
 
 
 def _plan_json(plans: tuple[InstanceRestorePlan, ...]) -> list[dict]:
-    return [{
-        "instance": p.instance,
-        "key_groups": [p.key_group_range.start, p.key_group_range.end],
-        "key_groups_with_state": len(p.chains),
-        "requests": len(p.reads),
-        "bytes": p.bytes_to_read,
-        "reads": [{"path": r.path, "offset": r.offset, "length": r.length, "entries": len(r.entries)} for r in p.reads],
-    } for p in plans]
+    return [
+        {
+            "instance": p.instance,
+            "key_groups": [p.key_group_range.start, p.key_group_range.end],
+            "key_groups_with_state": len(p.chains),
+            "requests": len(p.reads),
+            "bytes": p.bytes_to_read,
+            "reads": [
+                {"path": r.path, "offset": r.offset, "length": r.length, "entries": len(r.entries)} for r in p.reads
+            ],
+        }
+        for p in plans
+    ]
 
 
 def plan_rescale(component: ComponentManifest, parallelism: int) -> dict:
@@ -167,14 +197,22 @@ def plan_rescale(component: ComponentManifest, parallelism: int) -> dict:
     state = sum(e.length for g in component.chains for _, e in chain_links(component, g))
 
     def summary(plans):
-        return {"parallelism": len(plans), "requests": sum(len(p.reads) for p in plans),
-                "bytes": sum(p.bytes_to_read for p in plans),
-                "max_bytes_per_instance": max((p.bytes_to_read for p in plans), default=0),
-                "max_requests_per_instance": max((len(p.reads) for p in plans), default=0),
-                "instances": _plan_json(plans)}
+        return {
+            "parallelism": len(plans),
+            "requests": sum(len(p.reads) for p in plans),
+            "bytes": sum(p.bytes_to_read for p in plans),
+            "max_bytes_per_instance": max((p.bytes_to_read for p in plans), default=0),
+            "max_requests_per_instance": max((len(p.reads) for p in plans), default=0),
+            "instances": _plan_json(plans),
+        }
 
-    return {"component": component.name, "max_parallelism": component.max_parallelism,
-            "state_bytes": state, "target": summary(target), "current": summary(current)}
+    return {
+        "component": component.name,
+        "max_parallelism": component.max_parallelism,
+        "state_bytes": state,
+        "target": summary(target),
+        "current": summary(current),
+    }
 
 
 # --------------------------------------------------------------------------- verify
@@ -209,7 +247,9 @@ def verify_store(manifests: ManifestReader, *, deep: bool = False, progress: Pro
             break
         except (SparkStateError, ValueError):
             continue
-    wanted: dict[int, str] = {i: "retained by the latest checkpoint" for i in (latest.consistent_checkpoints if latest else ())}
+    wanted: dict[int, str] = {
+        i: "retained by the latest checkpoint" for i in (latest.consistent_checkpoints if latest else ())
+    }
     savepoints = Savepoints(storage).list()
     for name, detail in savepoints.damaged.items():
         problem("savepoint", f"savepoints/{name}.json", detail)
@@ -220,7 +260,9 @@ def verify_store(manifests: ManifestReader, *, deep: bool = False, progress: Pro
         try:
             manifest = manifests.load(checkpoint_id)
         except NoCheckpointError:
-            problem("record", f"checkpoints/{checkpoint_id:020d}.json", f"checkpoint {checkpoint_id} ({why}) is missing")
+            problem(
+                "record", f"checkpoints/{checkpoint_id:020d}.json", f"checkpoint {checkpoint_id} ({why}) is missing"
+            )
             continue
         except (SparkStateError, ValueError):
             continue  # reported above
@@ -240,8 +282,13 @@ def verify_store(manifests: ManifestReader, *, deep: bool = False, progress: Pro
     return {
         "store": storage.uri,
         "ok": not problems,
-        "checked": {"records": len(record_ids), "restorable_checkpoints": len(wanted),
-                    "savepoints": len(savepoints.savepoints), "files": len(files), "bytes": total},
+        "checked": {
+            "records": len(record_ids),
+            "restorable_checkpoints": len(wanted),
+            "savepoints": len(savepoints.savepoints),
+            "files": len(files),
+            "bytes": total,
+        },
         "problems": problems,
     }
 
@@ -255,18 +302,26 @@ def _check_chains(component: ComponentManifest, checkpoint_id: int, problem) -> 
             continue
         kinds = [entry.kind for _, entry in links]
         if kinds[0] != "full":
-            problem("chain", f"checkpoint {checkpoint_id}",
-                    f"component {component.name!r} key group {key_group}: its chain starts with a {kinds[0]} entry")
+            problem(
+                "chain",
+                f"checkpoint {checkpoint_id}",
+                f"component {component.name!r} key group {key_group}: its chain starts with a {kinds[0]} entry",
+            )
         elif "full" in kinds[1:] or "merge" in kinds[2:]:
-            problem("chain", f"checkpoint {checkpoint_id}",
-                    f"component {component.name!r} key group {key_group}: its chain has entries {kinds}; a full "
-                    "entry may only start it and a merge entry may only follow the full one")
+            problem(
+                "chain",
+                f"checkpoint {checkpoint_id}",
+                f"component {component.name!r} key group {key_group}: its chain has entries {kinds}; a full "
+                "entry may only start it and a merge entry may only follow the full one",
+            )
 
 
 def _expect(files, path, size, crc, blob, problem) -> None:
     known = files.get(path)
     if known is not None and (known[0], known[1]) != (size, crc):
-        problem("manifest", path, f"two checkpoints record different sizes or CRC-32s for it ({known[0]} and {size} bytes)")
+        problem(
+            "manifest", path, f"two checkpoints record different sizes or CRC-32s for it ({known[0]} and {size} bytes)"
+        )
     files.setdefault(path, (size, crc, blob))
 
 

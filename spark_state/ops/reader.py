@@ -36,22 +36,23 @@ fold many key groups per Arrow kernel call (``restore.fold_chains``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from spark_state.store.blobstore import BlobStore
 from spark_state.errors import ConfigError, NoCheckpointError
 from spark_state.keyspace import KeyGroupRange, key_groups_for_columns
+from spark_state.model.schema import VALUE, KeyedSchema
+from spark_state.model.timers import TIMERS
+from spark_state.storage.base import Storage
+from spark_state.store.blobstore import BlobStore
 from spark_state.store.manifest import ComponentManifest, Manifest
 from spark_state.store.manifestlog import ManifestReader
 from spark_state.store.restore import InstanceRestorePlan, chain_links, fold_chains, plan_key_groups, plan_links
 from spark_state.store.savepoints import Savepoints
-from spark_state.model.schema import VALUE, KeyedSchema
-from spark_state.storage.base import Storage
-from spark_state.model.timers import TIMERS
 
 CHANGE_TYPE = "change_type"
 CHECKPOINT_ID = "checkpoint_id"
@@ -119,7 +120,11 @@ def flatten(live: pa.Table, schema: KeyedSchema, *, timers: bool = False) -> pa.
     arrays = [live.column(i) for i in range(n_keys)]
     present = None
     for index in _variables(schema, timers):
-        column = live.column(n_keys + index).combine_chunks() if live.num_rows else pa.array([], schema.variables[index].arrow_type)
+        column = (
+            live.column(n_keys + index).combine_chunks()
+            if live.num_rows
+            else pa.array([], schema.variables[index].arrow_type)
+        )
         arrays.extend(column.flatten())
         valid = column.is_valid()
         present = valid if present is None else pc.or_(present, valid)
@@ -144,8 +149,14 @@ class ReadPart:
         return self.plan.bytes_to_read
 
 
-def split_key_groups(component: ComponentManifest, parts: int | None = None, *,
-                     part_bytes: int = PART_BYTES, spread: int = 1, min_part_bytes: int = 1 << 20) -> list[ReadPart]:
+def split_key_groups(
+    component: ComponentManifest,
+    parts: int | None = None,
+    *,
+    part_bytes: int = PART_BYTES,
+    spread: int = 1,
+    min_part_bytes: int = 1 << 20,
+) -> list[ReadPart]:
     """Contiguous key-group ranges covering ``0..max_parallelism - 1`` with about equal bytes of entries.
 
     ``parts`` (>= 1) fixes the number of ranges; else about ``part_bytes``
@@ -178,21 +189,35 @@ def split_key_groups(component: ComponentManifest, parts: int | None = None, *,
     return result
 
 
-def read_part(blobs: BlobStore, component: ComponentManifest, plan: InstanceRestorePlan, *,
-              timers: bool = False, schema: KeyedSchema | None = None, batch_key_groups: int = 256) -> Iterator[pa.Table]:
+def read_part(
+    blobs: BlobStore,
+    component: ComponentManifest,
+    plan: InstanceRestorePlan,
+    *,
+    timers: bool = False,
+    schema: KeyedSchema | None = None,
+    batch_key_groups: int = 256,
+) -> Iterator[pa.Table]:
     """The state of ``plan``'s key groups as output tables, folding ``batch_key_groups`` key groups per call."""
     schema = schema or component.keyed_schema
     key_groups = sorted(plan.chains)
     for i in range(0, len(key_groups), batch_key_groups):
-        chunk = key_groups[i:i + batch_key_groups]
+        chunk = key_groups[i : i + batch_key_groups]
         sub = plan_links({g: plan.chains[g] for g in chunk}, max_gap_bytes=1 << 20)
         entries, _ = blobs.fetch(component, sub, schema)
         live = fold_chains([entries[g] for g in chunk], schema.key_columns)
         yield flatten(live, schema, timers=timers)
 
 
-def read_state(store: str | Storage, component: str, checkpoint: int | str | None = None, *,
-               key: Sequence[Any] | None = None, timers: bool = False, progress: Progress | None = None) -> pa.Table:
+def read_state(
+    store: str | Storage,
+    component: str,
+    checkpoint: int | str | None = None,
+    *,
+    key: Sequence[Any] | None = None,
+    timers: bool = False,
+    progress: Progress | None = None,
+) -> pa.Table:
     """The keys and values of ``component`` at ``checkpoint`` (an id, a savepoint name, or None: the latest).
 
     ``key`` (a tuple of key column values, or a single value for one key
@@ -220,16 +245,24 @@ def read_state(store: str | Storage, component: str, checkpoint: int | str | Non
     return pa.concat_tables(tables)
 
 
-def read_key(blobs: BlobStore, component: ComponentManifest, key: Sequence[Any] | Any, *, timers: bool = False) -> pa.Table:
+def read_key(
+    blobs: BlobStore, component: ComponentManifest, key: Sequence[Any] | Any, *, timers: bool = False
+) -> pa.Table:
     """The row of one key (empty if it has no state); ``key`` converts to the key columns' types."""
     schema = component.keyed_schema
     values = tuple(key) if isinstance(key, (tuple, list)) else (key,)
     if len(values) != len(schema.keys):
-        raise ConfigError(f"a key of {component.name!r} has {len(schema.keys)} column(s) {list(schema.key_columns)}, "
-                          f"got {len(values)} value(s)")
+        raise ConfigError(
+            f"a key of {component.name!r} has {len(schema.keys)} column(s) {list(schema.key_columns)}, "
+            f"got {len(values)} value(s)"
+        )
     try:
-        columns = [pa.array([v], f.type) if not isinstance(v, str) or pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
-                   else pa.array([v]).cast(f.type) for v, f in zip(values, schema.keys)]
+        columns = [
+            pa.array([v], f.type)
+            if not isinstance(v, str) or pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+            else pa.array([v]).cast(f.type)
+            for v, f in zip(values, schema.keys)
+        ]
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise ConfigError(f"key {values!r} does not convert to the key columns {schema.keys}: {exc}") from exc
     key_group = int(key_groups_for_columns(columns, component.max_parallelism)[0])
@@ -260,7 +293,10 @@ def change_fields(schema: KeyedSchema, *, timers: bool = False) -> list[pa.Field
     fields = output_fields(schema, timers=timers)
     if {CHANGE_TYPE, CHECKPOINT_ID} & {f.name for f in fields}:
         raise ConfigError(f"a state column is named {CHANGE_TYPE!r} or {CHECKPOINT_ID!r}, which the change feed uses")
-    return [pa.field(CHANGE_TYPE, pa.string(), nullable=False), pa.field(CHECKPOINT_ID, pa.int64(), nullable=False)] + fields
+    return [
+        pa.field(CHANGE_TYPE, pa.string(), nullable=False),
+        pa.field(CHECKPOINT_ID, pa.int64(), nullable=False),
+    ] + fields
 
 
 def waypoints(manifests: ManifestReader, start: int | str, end: int | str | None) -> list[Manifest]:
@@ -268,14 +304,23 @@ def waypoints(manifests: ManifestReader, start: int | str, end: int | str | None
     first = resolve_checkpoint(manifests, start)
     last = resolve_checkpoint(manifests, end)
     if first.checkpoint_id >= last.checkpoint_id:
-        raise ConfigError(f"the change feed needs a start checkpoint before its end; got {first.checkpoint_id} "
-                          f"and {last.checkpoint_id}")
+        raise ConfigError(
+            f"the change feed needs a start checkpoint before its end; got {first.checkpoint_id} "
+            f"and {last.checkpoint_id}"
+        )
     between = [i for i in manifests.restorable() if first.checkpoint_id < i < last.checkpoint_id]
     return [first] + [manifests.load(i) for i in sorted(between)] + [last]
 
 
-def read_changes(store: str | Storage, component: str, start: int | str, end: int | str | None = None, *,
-                 timers: bool = False, key_groups: KeyGroupRange | None = None) -> pa.Table:
+def read_changes(
+    store: str | Storage,
+    component: str,
+    start: int | str,
+    end: int | str | None = None,
+    *,
+    timers: bool = False,
+    key_groups: KeyGroupRange | None = None,
+) -> pa.Table:
     """One row per change of ``component`` after checkpoint ``start`` up to ``end`` (None: the latest).
 
     See the module docstring. ``key_groups`` restricts the feed to a range
@@ -298,11 +343,21 @@ def read_changes(store: str | Storage, component: str, start: int | str, end: in
     return pa.Table.from_arrays([pa.array(list(c), t) for c, t in zip(columns, flat_types)], schema=pa.schema(fields))
 
 
-def _pair_changes(blobs: BlobStore, old: ComponentManifest | None, new: ComponentManifest, checkpoint_id: int,
-                  schema: KeyedSchema, chosen: list[int], key_groups: KeyGroupRange | None) -> list[tuple]:
+def _pair_changes(
+    blobs: BlobStore,
+    old: ComponentManifest | None,
+    new: ComponentManifest,
+    checkpoint_id: int,
+    schema: KeyedSchema,
+    chosen: list[int],
+    key_groups: KeyGroupRange | None,
+) -> list[tuple]:
     old_chains = old.chains if old is not None else {}
-    changed = sorted(g for g in set(old_chains) | set(new.chains)
-                     if old_chains.get(g) != new.chains.get(g) and (key_groups is None or g in key_groups))
+    changed = sorted(
+        g
+        for g in set(old_chains) | set(new.chains)
+        if old_chains.get(g) != new.chains.get(g) and (key_groups is None or g in key_groups)
+    )
     if not changed:
         return []
     steps: dict[int, tuple[int, ...]] = {}  # key group -> positions of new.chains[g] to apply

@@ -26,7 +26,8 @@ import copy
 import json
 import logging
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from spark_state.errors import CheckpointLocationError
 
@@ -233,7 +234,8 @@ class SparkCheckpoint:
             _LOG.warning(
                 "removed %s from %s/offsets: the leftovers of a driver killed while writing the first "
                 "micro-batch's offsets, which would stop Spark from starting the query",
-                ", ".join(doomed), self.uri,
+                ", ".join(doomed),
+                self.uri,
             )
         return doomed
 

@@ -40,27 +40,28 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 from pyspark.accumulators import AccumulatorParam
 
 from spark_state.driver.conf import StateConf, check_store_reachable, default_store
 from spark_state.driver.coordinator import Coordinator, SparkBatch, check_reports
-from spark_state.executor.report import InstanceReport
-from spark_state.store.drain import finish_request, pending_requests
 from spark_state.errors import CheckpointError
-from spark_state.hosts.worker import run_hosted
-from spark_state.store.manifest import ComponentManifest, ComponentSpec, check_compatible
-from spark_state.store.manifestlog import open_manifest_log
+from spark_state.executor.report import InstanceReport
 from spark_state.executor.task import META_COLUMN, TaskSpec, report_from_meta, run_instance
+from spark_state.hosts.worker import run_hosted
+from spark_state.model.timers import TIMERS
+from spark_state.spark.checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.spark.plan import TaskPlan, in_thread, joined, task_output_schema
 from spark_state.spark.sinks import BatchSink
-from spark_state.spark.checkpoint import SparkCheckpoint, batch_start_offsets
-from spark_state.store.stops import record_stop
 from spark_state.spark.stop_watch import unwatch as unwatch_stops
-from spark_state.model.timers import TIMERS
+from spark_state.store.drain import finish_request, pending_requests
+from spark_state.store.manifest import ComponentManifest, ComponentSpec, check_compatible
+from spark_state.store.manifestlog import open_manifest_log
+from spark_state.store.stops import record_stop
 
 _LOG = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ RUN_ID_PROPERTY = "spark.jobGroup.id"
 
 def location_name(uri: str) -> str:
     """How a checkpoint location is named in state checkpoints and sink ids: a local path as a path."""
-    return uri[len("file:"):] if uri.startswith("file:/") and not uri.startswith("file://") else uri
+    return uri[len("file:") :] if uri.startswith("file:/") and not uri.startswith("file://") else uri
 
 
 def _requests_since(storage, before: dict | None) -> int | None:
@@ -132,7 +133,7 @@ class MicroBatch:
     key_space: int | None = None  # the store's key space, once known (``StateConf.key_space``)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _coordinators: dict[tuple[str, int], Coordinator] = field(default_factory=dict)
-    _task_plans: dict[tuple[int, int], "TaskPlan"] = field(default_factory=dict)
+    _task_plans: dict[tuple[int, int], TaskPlan] = field(default_factory=dict)
     _preparing: dict[tuple[int, int], tuple[threading.Thread, list]] = field(default_factory=dict)
     _reports: Any = None  # the accumulator the tasks send their reports through (``_Reports``)
     _stopper: threading.Thread | None = None
@@ -162,8 +163,13 @@ class MicroBatch:
         stream = self.stream
         event_time = stream.keyed.event_time
         key_space = conf.key_space(stored.max_parallelism if stored is not None else None)
-        return ComponentSpec(stream.keyed.name, key_space, conf.parallelism, stream.schema,
-                             event_time.delay_ms if event_time is not None else None)
+        return ComponentSpec(
+            stream.keyed.name,
+            key_space,
+            conf.parallelism,
+            stream.schema,
+            event_time.delay_ms if event_time is not None else None,
+        )
 
     def continuing(self, conf: StateConf, stored: ComponentManifest | None) -> ComponentSpec:
         """``component_spec``, refused unless it can continue ``stored`` (``check_compatible``); remembers the
@@ -319,8 +325,13 @@ class MicroBatch:
                 try:
                     record_stop(storage, run_id)
                 except Exception as error:  # noqa: BLE001  (the query is stopped either way)
-                    _LOG.warning("spark-state: could not record in %s that run %s stopped (%s); its instance "
-                                 "hosts keep its state until they idle out", storage.uri, run_id, error)
+                    _LOG.warning(
+                        "spark-state: could not record in %s that run %s stopped (%s); its instance "
+                        "hosts keep its state until they idle out",
+                        storage.uri,
+                        run_id,
+                        error,
+                    )
 
     def _run_tasks(self, batch_df, task: TaskSpec, hosted: bool, attempt: str):
         """Step 3: the output DataFrame, whose every action routes the rows to the instances and runs their tasks.
@@ -347,11 +358,13 @@ class MicroBatch:
         has_timers = self.stream.schema.has_variable(TIMERS.name)
         if conf.resident_memory is not None and has_timers and not self._warned_unbounded:
             self._warned_unbounded = True
-            _LOG.warning("spark.state.residentMemory does not bound component %r: it has timers or a time to live, "
-                         "and its state stays in memory whole; its batch reports say bounded=false",
-                         self.stream.keyed.name)
+            _LOG.warning(
+                "spark.state.residentMemory does not bound component %r: it has timers or a time to live, "
+                "and its state stays in memory whole; its batch reports say bounded=false",
+                self.stream.keyed.name,
+            )
 
-    def _task_plan(self, task: TaskSpec) -> "TaskPlan":
+    def _task_plan(self, task: TaskSpec) -> TaskPlan:
         """The Spark expressions of step 3 for ``task``'s parallelism, built once (each costs JVM round trips):
         by ``prepare_plan``'s thread when it was asked for, else now."""
         key = (task.parallelism, task.max_parallelism)
@@ -377,14 +390,14 @@ class MicroBatch:
             return
         stream, context = self.stream, self.session.sparkContext
 
-        def build() -> "TaskPlan":
+        def build() -> TaskPlan:
             plan = TaskPlan.build(stream, parallelism, max_parallelism)
             plan.java(context).prepare_first(stream.keyed.df, parallelism)
             return plan
 
         self._preparing[key] = in_thread("spark-state plan", build)
 
-    def _prepared(self, key: tuple[int, int]) -> "TaskPlan | None":
+    def _prepared(self, key: tuple[int, int]) -> TaskPlan | None:
         """The plan ``prepare_plan`` built for ``key`` (waiting for its thread), or None."""
         preparing = self._preparing.pop(key, None)
         if preparing is None:

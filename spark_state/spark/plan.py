@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.executor.aggregates import PARTIAL_OPS, PARTIAL_PREFIX, ROWS_COLUMN, Aggregate
+from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.executor.task import INSTANCE_COLUMN
 
 _LOG = logging.getLogger(__name__)
@@ -63,14 +64,14 @@ class TaskPlan:
     partials: tuple | None
     _java: list = field(default_factory=list, compare=False)  # its ``_JavaPlan``, built at first use
 
-    def java(self, context) -> "_JavaPlan":
+    def java(self, context) -> _JavaPlan:
         """This plan's JVM objects (see ``_JavaPlan``), built once in ``context`` (the ``SparkContext``)."""
         if not self._java:
             self._java.append(_JavaPlan.build(self, context))
         return self._java[0]
 
     @classmethod
-    def build(cls, stream, parallelism: int, max_parallelism: int) -> "TaskPlan":
+    def build(cls, stream, parallelism: int, max_parallelism: int) -> TaskPlan:
         """The plan of ``stream`` (a ``streaming.StatefulStream``, whose schema, function and event time every
         ``TaskSpec`` of the query repeats) at ``parallelism`` instances of ``max_parallelism`` key groups."""
         from spark_state.spark.routing import routing_columns
@@ -93,7 +94,8 @@ class TaskPlan:
             by=jf.col(INSTANCE_COLUMN),
             output_schema=to_spark_schema(task_output_schema(stream.output_schema)),
             partials_keys=tuple(map(jf.col, (INSTANCE_COLUMN, KEY_GROUP_COLUMN, *key_columns)))
-            if partials is not None else None,
+            if partials is not None
+            else None,
             partials=partials,
         )
 
@@ -160,7 +162,7 @@ class _JavaPlan:
     schema, which a stream keeps.
     """
 
-    def __init__(self, plan: "TaskPlan", context, routed, by, keys, first, rest):
+    def __init__(self, plan: TaskPlan, context, routed, by, keys, first, rest):
         self.plan, self.context = plan, context
         self.routed, self.by, self.keys, self.first, self.rest = routed, by, keys, first, rest
         self.inputs = None  # mapInArrow's input columns, as a Java sequence (``tasks``)
@@ -170,7 +172,7 @@ class _JavaPlan:
         self.declined = False  # whether the template declined a batch's function (``_PlanTemplate.rebase``)
 
     @classmethod
-    def build(cls, plan: "TaskPlan", context) -> "_JavaPlan":
+    def build(cls, plan: TaskPlan, context) -> _JavaPlan:
         from pyspark.sql.classic.column import _to_java_column, _to_seq
 
         keys = first = rest = None
@@ -182,8 +184,6 @@ class _JavaPlan:
     def tasks(self, batch_df, parallelism: int, process: Callable):
         """``batch_df`` routed to ``parallelism`` instances, each running ``process`` (``MicroBatch._run_tasks``)."""
         from pyspark.sql.classic.dataframe import DataFrame
-        from pyspark.sql.pandas.functions import pandas_udf
-        from pyspark.util import PythonEvalType
 
         session = batch_df.sparkSession
         rows = batch_df._jdf.queryExecution().analyzed()
@@ -210,8 +210,9 @@ class _JavaPlan:
 
         if self.inputs is None:
             self._name_inputs(DataFrame(routed, session).columns)
-        udf = pandas_udf(process, returnType=self.plan.output_schema,
-                         functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped
+        udf = pandas_udf(
+            process, returnType=self.plan.output_schema, functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF
+        )._unwrapped
         return routed.mapInArrow(udf._judf.apply(self.inputs), False, None), udf.returnType
 
     def _routed(self, frame, parallelism: int):
@@ -239,14 +240,16 @@ class _JavaPlan:
         batch's function in place of a placeholder. The first batch then
         costs a dozen py4j calls instead of Spark's analysis of each step.
         """
+
         def process(batches):  # named as the batches' own function (``MicroBatch._run_tasks``): the plan names it
             raise AssertionError("a plan made for no batch ran (a defect of spark-state, please report it)")
 
         session = stream_df.sparkSession
         mapped, return_type = self._mapped(self._routed(stream_df._jdf, parallelism), session, process)
         rows = stream_df._jdf.queryExecution().analyzed()
-        self.template = _PlanTemplate.build(self.context, session, rows, mapped, return_type,
-                                            _PlanTemplate.settings_of(self.context))
+        self.template = _PlanTemplate.build(
+            self.context, session, rows, mapped, return_type, _PlanTemplate.settings_of(self.context)
+        )
 
     def prepare(self) -> None:
         """Start making the template of the plan ``tasks`` made last, if any, in a thread (``_built`` waits)."""
@@ -255,11 +258,12 @@ class _JavaPlan:
         arguments, self.pending = (self.context, *self.pending), None
         self.building = in_thread("spark-state plan template", lambda: _PlanTemplate.build(*arguments))
 
-    def _built(self) -> "_PlanTemplate | None":
+    def _built(self) -> _PlanTemplate | None:
         """The template the thread ``prepare`` started made (waiting for it), or None."""
         building, self.building = self.building, None
-        return joined(building, "make the plan template of the last batch",
-                       "this batch's plan is made by PySpark's calls")
+        return joined(
+            building, "make the plan template of the last batch", "this batch's plan is made by PySpark's calls"
+        )
 
 
 def in_thread(name: str, make: Callable[[], Any]) -> tuple[threading.Thread, list]:
@@ -325,8 +329,9 @@ class _PlanTemplate:
     ``keyed``, are released as Spark releases them.
     """
 
-    def __init__(self, context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type,
-                 settings):
+    def __init__(
+        self, context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type, settings
+    ):
         self.context, self.session, self.return_type = context, session._jsparkSession, return_type
         self.rows_output = rows.output()
         self.chain = chain  # (node, its elements, the index of its child), from the top down to the rows
@@ -338,7 +343,7 @@ class _PlanTemplate:
         self.settings = settings
 
     @classmethod
-    def build(cls, context, session, rows, mapped, return_type, settings) -> "_PlanTemplate | None":
+    def build(cls, context, session, rows, mapped, return_type, settings) -> _PlanTemplate | None:
         """The template of ``mapped`` (a Java ``Dataset``) over ``rows`` (the batch's analysed plan), built in
         the context's ``settings`` (``settings_of``), if its plan is a chain of one-child nodes down to ``rows``
         whose top node's first element is the Python UDF."""
@@ -363,8 +368,7 @@ class _PlanTemplate:
         if function_index is None:
             return None
         function_parts = _elements(function, first=1)
-        return cls(context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type,
-                   settings)
+        return cls(context, session, rows, chain, udf, udf_parts, function_index, function_parts, return_type, settings)
 
     @staticmethod
     def settings_of(context) -> tuple:

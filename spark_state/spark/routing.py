@@ -113,9 +113,7 @@ def _key_group(df: DataFrame, key_cols: Sequence[str | Column], max_parallelism:
     """``key_group_column``'s checks and Column, with its SQL text when it has one (``_key_group_sql``)."""
     m = check_max_parallelism(max_parallelism)
     if isinstance(key_cols, (str, Column)) or not key_cols:
-        raise UnsupportedKeyError(
-            "key_cols must be a non-empty list of column names or Columns, e.g. ['user_id']"
-        )
+        raise UnsupportedKeyError("key_cols must be a non-empty list of column names or Columns, e.g. ['user_id']")
     sql = _key_group_sql(df, key_cols, m)
     if sql is not None:
         return sql, F.expr(sql)
@@ -145,8 +143,9 @@ def quoted_identifier(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def instance_column(key_group_col: str | Column, parallelism: int, max_parallelism: int, *,
-                    in_range: bool = False) -> Column:
+def instance_column(
+    key_group_col: str | Column, parallelism: int, max_parallelism: int, *, in_range: bool = False
+) -> Column:
     """Return an int Column with the instance that owns each row's key group.
 
     Equals ``keygroups.instance_for_key_group(g, parallelism, max_parallelism)``.
@@ -204,8 +203,9 @@ def instance_sql(key_group: str, parallelism: int, max_parallelism: int, *, in_r
     return f"CAST(CASE WHEN ({key_group} < 0) OR ({key_group} >= {m}) THEN {error} ELSE {instance} END AS INT)"
 
 
-def routing_columns(df: DataFrame, key_cols: Sequence[str], parallelism: int, max_parallelism: int
-                    ) -> tuple[Column, Column]:
+def routing_columns(
+    df: DataFrame, key_cols: Sequence[str], parallelism: int, max_parallelism: int
+) -> tuple[Column, Column]:
     """The key group and instance Columns of ``df``'s rows keyed by ``key_cols`` (names of its columns).
 
     As ``key_group_column`` and ``instance_column(..., in_range=True)`` over

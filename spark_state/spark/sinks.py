@@ -21,9 +21,10 @@ sink must leave the same result however often it is called for one id:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from spark_state.errors import ConfigError
 

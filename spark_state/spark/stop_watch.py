@@ -78,8 +78,10 @@ def record_ended() -> int:
     returns only once a run the thread took off the watch is written.
     """
     if not _RECORDING.acquire(timeout=RECORDING_WAIT_SECONDS):
-        _LOG.warning("spark-state: the record of a stopped run took over %s s; recording the other stopped runs "
-                     "without it", RECORDING_WAIT_SECONDS)
+        _LOG.warning(
+            "spark-state: the record of a stopped run took over %s s; recording the other stopped runs without it",
+            RECORDING_WAIT_SECONDS,
+        )
         return _record_ended()
     try:
         return _record_ended()

@@ -23,29 +23,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from spark_state.driver.conf import PARALLELISM
 from spark_state.driver.coordinator import check_query_start
 from spark_state.errors import ConfigError
+from spark_state.executor.aggregates import AGGREGATES, Aggregate, AggregateDef, on_register
+from spark_state.executor.columns import EVENT_MS_COLUMN
+from spark_state.executor.functions import PythonFunction, TimeToLive
+from spark_state.executor.timed import deduplicate_function, session_fields, session_function
 from spark_state.model.eventtime import EventTime, check_event_time_type, parse_duration
 from spark_state.model.evolution import with_default
-from spark_state.executor.columns import EVENT_MS_COLUMN
-from spark_state.executor.aggregates import AGGREGATES, Aggregate, AggregateDef, on_register
-from spark_state.executor.functions import PythonFunction, TimeToLive
-from spark_state.store.manifest import check_component_name
-from spark_state.spark.microbatch import MicroBatch, location_name
 from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.model.timers import EVENT, PROCESSING, TIMERS
-from spark_state.spark.sinks import open_sink
 from spark_state.spark.checkpoint import SparkCheckpoint
-from spark_state.store.startfrom import start_from_savepoint
+from spark_state.spark.microbatch import MicroBatch, location_name
+from spark_state.spark.sinks import open_sink
 from spark_state.spark.stop_watch import watch as watch_stops
-from spark_state.executor.timed import deduplicate_function, session_fields, session_function
-
+from spark_state.store.manifest import check_component_name
+from spark_state.store.startfrom import start_from_savepoint
 
 _LOG = logging.getLogger(__name__)
 
@@ -71,13 +71,17 @@ def advise_unix_sockets(session) -> bool:
     if _advised or python_on_unix_sockets(session):
         return False
     _advised.append(True)
-    _LOG.warning("%s is off: each Python task of a keyed query may wait about 40 ms on TCP. Set it to true when "
-                 "you build the SparkSession (SparkSession.builder.config(%r, 'true')) unless your platform "
-                 "has no Unix sockets", UNIX_SOCKETS, UNIX_SOCKETS)
+    _LOG.warning(
+        "%s is off: each Python task of a keyed query may wait about 40 ms on TCP. Set it to true when "
+        "you build the SparkSession (SparkSession.builder.config(%r, 'true')) unless your platform "
+        "has no Unix sockets",
+        UNIX_SOCKETS,
+        UNIX_SOCKETS,
+    )
     return True
 
 
-def keyed(df, *key_columns: str, name: str) -> "KeyedStream":
+def keyed(df, *key_columns: str, name: str) -> KeyedStream:
     """Key a streaming DataFrame by ``key_columns`` for rescalable state stored as component ``name``."""
     if not key_columns:
         raise ConfigError("keyed() needs at least one key column")
@@ -99,7 +103,9 @@ def _to_arrow_schema(schema) -> pa.Schema:
     if isinstance(schema, str):
         schema = StructType.fromDDL(schema)
     if not isinstance(schema, StructType):
-        raise ConfigError(f"a schema must be a DDL string, a StructType or a pyarrow.Schema, got {type(schema).__name__}")
+        raise ConfigError(
+            f"a schema must be a DDL string, a StructType or a pyarrow.Schema, got {type(schema).__name__}"
+        )
     return to_arrow_schema(schema, timezone="UTC")
 
 
@@ -112,7 +118,7 @@ class KeyedStream:
     name: str
     event_time: EventTime | None = None
 
-    def withWatermark(self, column: str, delay, *, late: str = "drop") -> "KeyedStream":
+    def withWatermark(self, column: str, delay, *, late: str = "drop") -> KeyedStream:
         """Give the stream event time: ``column`` (a timestamp, or a long of milliseconds) and an allowed delay.
 
         Like Spark's ``withWatermark``: each batch runs with watermark
@@ -130,7 +136,7 @@ class KeyedStream:
         schema = _to_arrow_schema(self.df.schema)
         return [schema.field(c) for c in self.key_columns]
 
-    def aggregate(self, kind: str, column: str | None = None, output: str | None = None) -> "StatefulStream":
+    def aggregate(self, kind: str, column: str | None = None, output: str | None = None) -> StatefulStream:
         """The built-in aggregate ``kind`` (``executor.aggregates.AGGREGATES``) of ``column`` per key, emitted as
         ``output`` (default ``<kind>`` without a column, ``<kind>_<column>`` with one). Each aggregate is also a
         method of its name: ``count()``, ``sum(column)``, ``min``, ``max``, ``mean``."""
@@ -153,7 +159,8 @@ class KeyedStream:
         return StatefulStream(self, function, schema, outputs, () if column is None else (column,))
 
     if TYPE_CHECKING:  # each aggregate's method, made from its definition (``_aggregate_method``)
-        def __getattr__(self, name: str) -> Callable[..., "StatefulStream"]: ...
+
+        def __getattr__(self, name: str) -> Callable[..., StatefulStream]: ...
 
     def apply(
         self,
@@ -166,7 +173,7 @@ class KeyedStream:
         ttl=None,
         ttl_kind: str = PROCESSING,
         state_defaults: dict[str, Any] | None = None,
-    ) -> "StatefulStream":
+    ) -> StatefulStream:
         """Call ``fn(key, rows, state)`` once per key and batch; see ``functions.PythonFunction``.
 
         ``state_schema`` holds the value columns of the per-key state (DDL
@@ -193,15 +200,20 @@ class KeyedStream:
         if time_to_live is not None and ttl_kind == EVENT and self.event_time is None:
             raise ConfigError("ttl_kind='event' needs event time: key the stream with .withWatermark(column, delay)")
         function = PythonFunction(fn, style, on_timer, time_to_live)
-        return StatefulStream(self, function, self._schema(list(values), function.uses_timers),
-                              _to_arrow_schema(output_schema), tuple(self.df.columns))
+        return StatefulStream(
+            self,
+            function,
+            self._schema(list(values), function.uses_timers),
+            _to_arrow_schema(output_schema),
+            tuple(self.df.columns),
+        )
 
     def _require_event_time(self, what: str) -> EventTime:
         if self.event_time is None:
             raise ConfigError(f"{what} needs event time: key the stream with .withWatermark(column, delay) first")
         return self.event_time
 
-    def deduplicate(self, horizon) -> "StatefulStream":
+    def deduplicate(self, horizon) -> StatefulStream:
         """Emit the first row of each key; drop repeats until the watermark passes its event time + ``horizon``.
 
         The output has the input's columns. A key's state expires after the
@@ -216,7 +228,7 @@ class KeyedStream:
         outputs = _to_arrow_schema(self.df.schema)
         return StatefulStream(self, function, schema, outputs, tuple(self.df.columns) + (EVENT_MS_COLUMN,))
 
-    def session_window(self, gap, column: str | None = None) -> "StatefulStream":
+    def session_window(self, gap, column: str | None = None) -> StatefulStream:
         """Per key, sessions of rows at most ``gap`` apart in event time; one row per session when it closes.
 
         A session ``[first event, last event + gap)`` closes when the
@@ -231,7 +243,9 @@ class KeyedStream:
         value_type = None
         if column is not None:
             if column not in self.df.columns:
-                raise ConfigError(f"session_window column {column!r}: no such column; the DataFrame has {self.df.columns}")
+                raise ConfigError(
+                    f"session_window column {column!r}: no such column; the DataFrame has {self.df.columns}"
+                )
             value_type = _to_arrow_schema(self.df.schema).field(column).type
         state_fields, output_fields = session_fields(column, value_type)
         function = session_function(gap_ms, column, self.key_columns)
@@ -249,11 +263,14 @@ def _aggregate_method(definition: AggregateDef) -> None:
     ``name(column, output=None)`` for one with a column; its docstring is the definition's ``doc``."""
     name = definition.name
     if definition.needs_column:
-        def method(self, column: str, output: str | None = None) -> "StatefulStream":
+
+        def method(self, column: str, output: str | None = None) -> StatefulStream:
             return self.aggregate(name, column, output)
     else:
-        def method(self, output: str | None = None) -> "StatefulStream":
+
+        def method(self, output: str | None = None) -> StatefulStream:
             return self.aggregate(name, None, output)
+
     method.__name__ = method.__qualname__ = name
     method.__doc__ = definition.doc or f"The built-in aggregate {name!r} per key."
     setattr(KeyedStream, name, method)
@@ -273,7 +290,7 @@ class StatefulStream:
     input_columns: tuple[str, ...]
 
     @property
-    def writeStream(self) -> "StatefulStreamWriter":
+    def writeStream(self) -> StatefulStreamWriter:
         return StatefulStreamWriter(self)
 
 
@@ -298,32 +315,32 @@ class StatefulStreamWriter:
         self._foreach_batch: Callable | None = None
         self._savepoint: tuple[str, bool] | None = None
 
-    def format(self, source: str) -> "StatefulStreamWriter":
+    def format(self, source: str) -> StatefulStreamWriter:
         self._format = source
         return self
 
-    def option(self, key: str, value: Any) -> "StatefulStreamWriter":
+    def option(self, key: str, value: Any) -> StatefulStreamWriter:
         self._options[key] = str(value)
         return self
 
-    def options(self, **options: Any) -> "StatefulStreamWriter":
+    def options(self, **options: Any) -> StatefulStreamWriter:
         for key, value in options.items():
             self.option(key, value)
         return self
 
-    def trigger(self, **trigger: Any) -> "StatefulStreamWriter":
+    def trigger(self, **trigger: Any) -> StatefulStreamWriter:
         self._trigger = trigger
         return self
 
-    def queryName(self, name: str) -> "StatefulStreamWriter":
+    def queryName(self, name: str) -> StatefulStreamWriter:
         self._query_name = name
         return self
 
-    def foreachBatch(self, fn: Callable) -> "StatefulStreamWriter":
+    def foreachBatch(self, fn: Callable) -> StatefulStreamWriter:
         self._foreach_batch = fn
         return self
 
-    def fromSavepoint(self, savepoint: str, *, allow_non_restored_state: bool = False) -> "StatefulStreamWriter":
+    def fromSavepoint(self, savepoint: str, *, allow_non_restored_state: bool = False) -> StatefulStreamWriter:
         """Start the query's (empty) state store from ``savepoint`` (``<store>/savepoints/<name>``).
 
         See ``spark_state.store.startfrom``: the savepoint must fit the query (else
@@ -337,7 +354,7 @@ class StatefulStreamWriter:
         self._savepoint = (savepoint, allow_non_restored_state)
         return self
 
-    def start(self, path: str | None = None) -> "StatefulQuery":
+    def start(self, path: str | None = None) -> StatefulQuery:
         if path is not None:
             self._options["path"] = path
         options = dict(self._options)
@@ -368,8 +385,13 @@ class StatefulStreamWriter:
                 "state this query starts from; set one of them"
             )
         if savepoint:
-            start_from_savepoint(manifests, savepoint, batch.component_spec(conf), allow_non_restored=allow,
-                                 key_space_set=conf.max_parallelism is not None)
+            start_from_savepoint(
+                manifests,
+                savepoint,
+                batch.component_spec(conf),
+                allow_non_restored=allow,
+                key_space_set=conf.max_parallelism is not None,
+            )
         query_id = spark_checkpoint.query_id()
         if conf.restore_from is None or query_id is not None:  # restoring: the latest record may be the damaged one
             latest = manifests.latest()
@@ -410,8 +432,7 @@ class StatefulQuery:
         """Use ``parallelism`` instances from the next micro-batch on (no restart needed)."""
         if not isinstance(parallelism, int) or isinstance(parallelism, bool):
             raise ConfigError(
-                f"set_parallelism({parallelism!r}): the parallelism must be a whole number (an int), "
-                f"like {PARALLELISM}"
+                f"set_parallelism({parallelism!r}): the parallelism must be a whole number (an int), like {PARALLELISM}"
             )
         conf = self._batch.conf()
         key_space = replace(conf, parallelism=parallelism).key_space(self._batch.key_space)

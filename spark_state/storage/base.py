@@ -50,8 +50,8 @@ Guarantees (checked by ``tests/test_storage_contract.py`` for every backend):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from spark_state.errors import ConfigError, InvalidPathError
 

@@ -96,7 +96,7 @@ class FaultPlan:
     protect_session: int | None = None
 
     @classmethod
-    def load(cls, path: str) -> "FaultPlan":
+    def load(cls, path: str) -> FaultPlan:
         try:
             body = json.loads(Path(path).read_text())
             rules = tuple(FaultRule(**rule) for rule in body.get("rules", ()))
@@ -133,8 +133,14 @@ class FaultPlan:
         chosen = None
         for index, rule in enumerate(self.rules):
             if rule.matches(op, where) and self._count(index) == rule.nth and chosen is None:
-                record = {"rule": index, "fault": rule.fault, "op": op, "path": where, "pid": os.getpid(),
-                          "at": time.time()}
+                record = {
+                    "rule": index,
+                    "fault": rule.fault,
+                    "op": op,
+                    "path": where,
+                    "pid": os.getpid(),
+                    "at": time.time(),
+                }
                 Path(self.counters, f"fired-{index}").write_text(json.dumps(record))
                 chosen = rule
         return chosen

@@ -66,9 +66,7 @@ from spark_state.storage.base import TEMP_PREFIX, Backend, Storage, check_path, 
 _MISSING = frozenset({"FileNotFoundException", "ParentNotDirectoryException"})
 """RemoteExceptions meaning "no such path" when reading (a blob as a parent also means absent)."""
 
-_CONFLICT = frozenset(
-    {"FileAlreadyExistsException", "ParentNotDirectoryException", "PathIsNotEmptyDirectoryException"}
-)
+_CONFLICT = frozenset({"FileAlreadyExistsException", "ParentNotDirectoryException", "PathIsNotEmptyDirectoryException"})
 """RemoteExceptions meaning "a blob or directory is in the way" when writing."""
 
 _OUT_OF_RANGE = frozenset({"IOException", "EOFException"})
@@ -175,8 +173,7 @@ class WebHdfsStorage(Storage):
         statuses = response.json()["FileStatuses"]["FileStatus"]
         # A file lists as itself, with an empty pathSuffix: it has no children.
         return sorted(
-            name for name in (status["pathSuffix"] for status in statuses)
-            if name and not name.startswith(TEMP_PREFIX)
+            name for name in (status["pathSuffix"] for status in statuses) if name and not name.startswith(TEMP_PREFIX)
         )
 
     def delete(self, path: str) -> None:
@@ -234,8 +231,7 @@ class WebHdfsStorage(Storage):
     def _exists_error(self, path: str, final: str, status: dict) -> BlobExistsError:
         what = "is a directory" if status["type"] == "DIRECTORY" else "already exists"
         return BlobExistsError(
-            f"blob {path!r} {what} in {self.uri} (HDFS path {final}); "
-            "delete it or, for a blob, pass overwrite=True"
+            f"blob {path!r} {what} in {self.uri} (HDFS path {final}); delete it or, for a blob, pass overwrite=True"
         )
 
     def _discard(self, tmp: str) -> None:
@@ -249,8 +245,7 @@ class WebHdfsStorage(Storage):
         end = size if length is None else offset + length
         if offset > size or end > size:
             raise ShortReadError(
-                f"read at offset {offset}, length {length}, of {path!r} in {self.uri} is past its end "
-                f"({size} bytes)"
+                f"read at offset {offset}, length {length}, of {path!r} in {self.uri} is past its end ({size} bytes)"
             ) from cause
         if cause is not None and offset < size:
             raise cause  # the range fits: OPEN failed for another reason
@@ -278,9 +273,7 @@ class WebHdfsStorage(Storage):
             exception = err.exception or "error"
             detail = f"{op} of {path!r} in {self.uri} failed: {exception}: {err.message}"
             if writing and exception in _CONFLICT:
-                raise BlobExistsError(
-                    f"{detail}; a blob or a directory is in the way (a path is never both)"
-                ) from err
+                raise BlobExistsError(f"{detail}; a blob or a directory is in the way (a path is never both)") from err
             if not writing and exception in _MISSING:
                 raise BlobNotFoundError(f"{path!r} does not exist in {self.uri} ({exception})") from err
             raise StorageError(detail) from err
@@ -353,5 +346,8 @@ def open_webhdfs(uri: str) -> WebHdfsStorage:
         raise ConfigError(f"invalid HDFS URI {uri!r}: {err}") from err
 
 
-BACKEND = Backend(("webhdfs", "hdfs"), open_webhdfs,
-                  "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME)")
+BACKEND = Backend(
+    ("webhdfs", "hdfs"),
+    open_webhdfs,
+    "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME)",
+)

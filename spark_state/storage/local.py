@@ -43,7 +43,12 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from spark_state.errors import (
-    BlobExistsError, BlobNotFoundError, ConfigError, ShortReadError, StorageError, StoreLinkError,
+    BlobExistsError,
+    BlobNotFoundError,
+    ConfigError,
+    ShortReadError,
+    StorageError,
+    StoreLinkError,
 )
 from spark_state.storage.base import TEMP_PREFIX, Backend, Storage, check_path, check_range
 
@@ -170,9 +175,12 @@ class LocalStorage(Storage):
                     if entry.name.startswith(TEMP_PREFIX):
                         continue
                     if entry.is_symlink():
-                        _LOG.warning("%s holds a symbolic link at %r, which spark-state did not write and never "
-                                     "follows: it is left out of the listing; remove it", self.uri,
-                                     f"{path}/{entry.name}" if path else entry.name)
+                        _LOG.warning(
+                            "%s holds a symbolic link at %r, which spark-state did not write and never "
+                            "follows: it is left out of the listing; remove it",
+                            self.uri,
+                            f"{path}/{entry.name}" if path else entry.name,
+                        )
                         continue
                     names.append(entry.name)
         except OSError as err:
@@ -269,8 +277,9 @@ class LocalStorage(Storage):
             os.close(directory)
 
     def _link(self, path: str, link: str) -> StoreLinkError:
-        _LOG.warning("%s holds a symbolic link at %r, which spark-state did not write and never follows", self.uri,
-                     link)
+        _LOG.warning(
+            "%s holds a symbolic link at %r, which spark-state did not write and never follows", self.uri, link
+        )
         return StoreLinkError(
             f"{path!r} in {self.uri} leads through the symbolic link {link!r}: a store never follows links inside "
             "it (one there may point anywhere). Nothing was read or changed; remove the link"

@@ -16,10 +16,9 @@ import re
 import threading
 import uuid
 import weakref
-
-from spark_state.errors import BlobExistsError, BlobNotFoundError, ConfigError, ShortReadError
 from urllib.parse import urlsplit
 
+from spark_state.errors import BlobExistsError, BlobNotFoundError, ConfigError, ShortReadError
 from spark_state.storage.base import Backend, Storage, check_path, check_range
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -38,9 +37,7 @@ class MemoryStorage(Storage):
     def __init__(self, name: str | None = None) -> None:
         name = f"anonymous-{uuid.uuid4().hex}" if name is None else name
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ConfigError(
-                f"invalid memory storage name {name!r}: use letters, digits, '.', '_' or '-'"
-            )
+            raise ConfigError(f"invalid memory storage name {name!r}: use letters, digits, '.', '_' or '-'")
         self.name = name
         self.uri = f"memory://{name}"
         self._lock = threading.Lock()
@@ -72,9 +69,7 @@ class MemoryStorage(Storage):
         with self._lock:
             self._check_no_conflict(path)
             if path in self._blobs and not overwrite:
-                raise BlobExistsError(
-                    f"blob {path!r} already exists in {self.uri}; pass overwrite=True to replace it"
-                )
+                raise BlobExistsError(f"blob {path!r} already exists in {self.uri}; pass overwrite=True to replace it")
             self._blobs[path] = blob
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -102,9 +97,7 @@ class MemoryStorage(Storage):
         check_path(path, allow_root=True)
         prefix = f"{path}/" if path else ""
         with self._lock:
-            return sorted(
-                {key[len(prefix):].split("/", 1)[0] for key in self._blobs if key.startswith(prefix)}
-            )
+            return sorted({key[len(prefix) :].split("/", 1)[0] for key in self._blobs if key.startswith(prefix)})
 
     def delete(self, path: str) -> None:
         check_path(path)
@@ -133,9 +126,7 @@ class MemoryStorage(Storage):
         for depth in range(1, len(parts)):
             parent = "/".join(parts[:depth])
             if parent in self._blobs:
-                raise BlobExistsError(
-                    f"cannot create blob {path!r} in {self.uri}: its parent {parent!r} is a blob"
-                )
+                raise BlobExistsError(f"cannot create blob {path!r} in {self.uri}: its parent {parent!r} is a blob")
 
 
 def open_memory(uri: str) -> MemoryStorage:

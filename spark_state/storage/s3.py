@@ -51,7 +51,8 @@ import random
 import threading
 import time
 from collections import Counter
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import boto3
 import botocore.exceptions
@@ -73,15 +74,36 @@ from spark_state.storage.s3_location import DEFAULT_RETRY_SECONDS, S3Location
 
 T = TypeVar("T")
 
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-    "RequestLimitExceeded", "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
-    "InternalError", "ServiceUnavailable", "PriorRequestNotComplete", "BandwidthLimitExceeded",
-})
-_ACCESS_CODES = frozenset({
-    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken",
-    "TokenRefreshRequired", "InvalidClientTokenId", "AuthorizationHeaderMalformed", "AllAccessDisabled",
-})
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "PriorRequestNotComplete",
+        "BandwidthLimitExceeded",
+    }
+)
+_ACCESS_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidClientTokenId",
+        "AuthorizationHeaderMalformed",
+        "AllAccessDisabled",
+    }
+)
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _DELETE_BATCH = 1000
 _BACKOFF_FIRST = 0.05
@@ -159,8 +181,9 @@ class S3Storage(Storage):
         def put() -> None:
             extra = {} if overwrite else {"IfNoneMatch": "*"}
             try:
-                self._request("PutObject", lambda c: c.put_object(Bucket=self.location.bucket, Key=key, Body=body,
-                                                                  **extra))
+                self._request(
+                    "PutObject", lambda c: c.put_object(Bucket=self.location.bucket, Key=key, Body=body, **extra)
+                )
             except _Transient as transient:
                 unanswered.append(transient)
                 raise
@@ -225,8 +248,8 @@ class S3Storage(Storage):
             keys, directories, token = self._retrying(
                 "list", path or "<root>", lambda token=token: self._list_page(prefix, "/", token, 1000)
             )
-            names.update(key[len(prefix):] for key in keys)
-            names.update(directory[len(prefix):].rstrip("/") for directory in directories)
+            names.update(key[len(prefix) :] for key in keys)
+            names.update(directory[len(prefix) :].rstrip("/") for directory in directories)
             if token is None:
                 break
         return sorted(name for name in names if name and not name.startswith(TEMP_PREFIX))
@@ -236,8 +259,9 @@ class S3Storage(Storage):
         subtree = f"{self._key(path)}/"
         first, token = True, None
         while True:  # the subtree's objects; the first batch also holds the key itself and its folder marker
-            keys, _, token = self._retrying("delete", path, lambda token=token: self._list_page(subtree, None, token,
-                                                                                                _DELETE_BATCH - 2))
+            keys, _, token = self._retrying(
+                "delete", path, lambda token=token: self._list_page(subtree, None, token, _DELETE_BATCH - 2)
+            )
             if first:
                 keys += [self._key(path), subtree]
             if keys:
@@ -246,8 +270,7 @@ class S3Storage(Storage):
             if token is None:
                 break
         with self._counter_lock:
-            self._known_directories = {d for d in self._known_directories if d != path and
-                                       not d.startswith(f"{path}/")}
+            self._known_directories = {d for d in self._known_directories if d != path and not d.startswith(f"{path}/")}
         self._prune_empty_parents(path)
 
     def _prune_empty_parents(self, path: str) -> None:
@@ -264,16 +287,24 @@ class S3Storage(Storage):
             directory = f"{self._key('/'.join(parts[:depth]))}/"
             if self._retrying("delete", path, lambda d=directory: self._list_page(d, None, None, 1)[0]):
                 return
-            self._retrying("delete", path, lambda d=directory: self._request(
-                "DeleteObject", lambda c: c.delete_object(Bucket=self.location.bucket, Key=d)))
+            self._retrying(
+                "delete",
+                path,
+                lambda d=directory: self._request(
+                    "DeleteObject", lambda c: c.delete_object(Bucket=self.location.bucket, Key=d)
+                ),
+            )
 
     # --- measurement -------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
         """Requests made so far (every attempt, ``requests`` in total and per operation) and bytes received."""
         with self._counter_lock:
-            return {"requests": sum(self._requests.values()), "bytes_read": self._bytes_received,
-                    **{f"requests.{op}": n for op, n in sorted(self._requests.items())}}
+            return {
+                "requests": sum(self._requests.values()),
+                "bytes_read": self._bytes_received,
+                **{f"requests.{op}": n for op, n in sorted(self._requests.items())},
+            }
 
     def check_access(self) -> None:
         """Make one listing request, so that a missing bucket or refused credentials fail now, with their error."""
@@ -315,8 +346,9 @@ class S3Storage(Storage):
     def _head(self, path: str) -> dict | None:
         """HeadObject of ``path``; None if no object has that key."""
         try:
-            return self._request("HeadObject", lambda c: c.head_object(Bucket=self.location.bucket,
-                                                                       Key=self._key(path)))
+            return self._request(
+                "HeadObject", lambda c: c.head_object(Bucket=self.location.bucket, Key=self._key(path))
+            )
         except BlobNotFoundError:
             return None
 
@@ -334,8 +366,12 @@ class S3Storage(Storage):
         return keys, directories, answer.get("NextContinuationToken") if more else None
 
     def _delete_batch(self, path: str, keys: list[str]) -> None:
-        answer = self._request("DeleteObjects", lambda c: c.delete_objects(
-            Bucket=self.location.bucket, Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True}))
+        answer = self._request(
+            "DeleteObjects",
+            lambda c: c.delete_objects(
+                Bucket=self.location.bucket, Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True}
+            ),
+        )
         errors = [e for e in answer.get("Errors", []) if e.get("Code") != "NoSuchKey"]
         if errors:
             first = errors[0]
@@ -370,8 +406,9 @@ class S3Storage(Storage):
                 "credentials files of this process; add it there on the driver and every executor, or drop profile="
             ) from None
         self._session = session
-        s3_options = {} if location.path_style is None else {
-            "addressing_style": "path" if location.path_style else "virtual"}
+        s3_options = (
+            {} if location.path_style is None else {"addressing_style": "path" if location.path_style else "virtual"}
+        )
         config = Config(
             s3=s3_options or None,
             retries={"total_max_attempts": 1},  # retried here, with a time bound and typed errors
@@ -380,7 +417,9 @@ class S3Storage(Storage):
             max_pool_connections=32,
         )
         return session.client(
-            "s3", endpoint_url=location.endpoint, region_name=location.region or session.region_name or "us-east-1",
+            "s3",
+            endpoint_url=location.endpoint,
+            region_name=location.region or session.region_name or "us-east-1",
             config=config,
         )
 

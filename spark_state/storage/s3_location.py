@@ -90,7 +90,8 @@ class S3Location:
         if self.profile is not None and not _PROFILE.fullmatch(self.profile):
             raise ConfigError(f"invalid AWS profile name {self.profile!r}")
         if self.retry_seconds is not None and not (
-            isinstance(self.retry_seconds, (int, float)) and math.isfinite(self.retry_seconds)
+            isinstance(self.retry_seconds, (int, float))
+            and math.isfinite(self.retry_seconds)
             and 0 <= self.retry_seconds <= 3600
         ):
             raise ConfigError(f"invalid S3 retry_seconds {self.retry_seconds!r}: use a number of seconds in [0, 3600]")
@@ -118,7 +119,7 @@ class S3Location:
         where = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
         return where + (f" at {self.endpoint}" if self.endpoint else "")
 
-    def with_settings(self, settings: dict[str, str | None]) -> "S3Location":
+    def with_settings(self, settings: dict[str, str | None]) -> S3Location:
         """This location with ``settings`` (URI parameter -> text, None: unset) filled in.
 
         A parameter the URI already carries with another value is a
@@ -244,5 +245,9 @@ def preload_s3(uri: str) -> None:
     open_s3(uri).client()
 
 
-BACKEND = Backend(SCHEMES, open_s3, "s3://BUCKET/PREFIX (optional ?endpoint=URL&region=R&path_style=true"
-                  "&profile=NAME&retry_seconds=N)", preload=preload_s3)
+BACKEND = Backend(
+    SCHEMES,
+    open_s3,
+    "s3://BUCKET/PREFIX (optional ?endpoint=URL&region=R&path_style=true&profile=NAME&retry_seconds=N)",
+    preload=preload_s3,
+)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from spark_state.errors import StorageTimeoutError
 from spark_state.storage.base import ForwardingStorage, Storage
@@ -60,7 +61,7 @@ class _Pool:
             call, outcome, done = self._calls.get()
             try:
                 outcome[0] = call()
-            except BaseException as exc:  # handed to the caller
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
                 outcome[1] = exc
             finally:
                 done.set()

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, NamedTuple
+from typing import Literal, NamedTuple
 
 import pyarrow as pa
 
@@ -113,7 +114,7 @@ class BlobIndex:
         return obj
 
     @classmethod
-    def from_json(cls, obj: dict) -> "BlobIndex":
+    def from_json(cls, obj: dict) -> BlobIndex:
         lengths = obj["length"]
         if "offset" in obj:
             offsets = obj["offset"]
@@ -122,8 +123,11 @@ class BlobIndex:
             for length in lengths:
                 offsets.append(position)
                 position += length
-        earliest = ([tuple(e) if e is not None else None for e in obj["earliest"]] if "earliest" in obj
-                    else [None] * len(lengths))
+        earliest = (
+            [tuple(e) if e is not None else None for e in obj["earliest"]]
+            if "earliest" in obj
+            else [None] * len(lengths)
+        )
         kinds = [ENTRY_KINDS[k] for k in obj["kind"]]
         live = obj["live"] if "live" in obj else [None] * len(lengths)
         columns = [obj["key_group"], kinds, offsets, lengths, obj["rows"], obj["crc32"], earliest, live]
@@ -193,8 +197,9 @@ def encode_blob(
     earliest, live = earliest or {}, live or {}
     view = memoryview(data)
     entries_out = tuple(
-        BlobEntry(key_group, kind, s, end - s, rows, zlib.crc32(view[s:end]), earliest.get(key_group),
-                  live.get(key_group))
+        BlobEntry(
+            key_group, kind, s, end - s, rows, zlib.crc32(view[s:end]), earliest.get(key_group), live.get(key_group)
+        )
         for (key_group, kind, rows), s, end in zip(index, starts, ends)
     )
     if entries_out:
@@ -218,7 +223,9 @@ def _as_single_batch(rows: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.R
     return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
 
 
-def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, *, where: str = "blob") -> pa.RecordBatch:
+def decode_entry(
+    data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, *, where: str = "blob"
+) -> pa.RecordBatch:
     """Decode one entry's bytes (exactly ``entry.length`` of them) after checking its CRC-32."""
     if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
         raise CorruptBlobError(
@@ -227,7 +234,9 @@ def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, 
             "(spark.state.restoreFrom=<id>)"
         )
     if not 0 <= entry.rows <= MAX_ENTRY_ROWS:
-        raise CorruptBlobError(f"key group {entry.key_group} in {where} claims {entry.rows} rows; no entry has that many")
+        raise CorruptBlobError(
+            f"key group {entry.key_group} in {where} claims {entry.rows} rows; no entry has that many"
+        )
     try:
         message = pa.ipc.read_message(pa.py_buffer(data))
         batch = pa.ipc.read_record_batch(message, schema)
@@ -241,7 +250,9 @@ def decode_entry(data: bytes | memoryview, schema: pa.Schema, entry: BlobEntry, 
     return batch
 
 
-def read_blob_file(data: bytes, index: BlobIndex | None = None) -> tuple[pa.Schema, list[tuple[int, str, pa.RecordBatch]]]:
+def read_blob_file(
+    data: bytes, index: BlobIndex | None = None
+) -> tuple[pa.Schema, list[tuple[int, str, pa.RecordBatch]]]:
     """Read a whole blob without a manifest (offline inspection).
 
     Returns the schema (with the blob's metadata) and ``(key_group, kind,

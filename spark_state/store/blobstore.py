@@ -24,22 +24,25 @@ import re
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import pyarrow as pa
 
-from spark_state.store.blob import EntryKind, decode_entry, encode_blob
 from spark_state.errors import BlobNotFoundError, CorruptBlobError, MissingFileError, ShortReadError
-from spark_state.model.evolution import cached_evolution
 from spark_state.keyspace import KeyGroupRange
-from spark_state.store.manifest import BlobRef, ComponentManifest, ItemsRef, check_component_name
-from spark_state.store.restore import InstanceRestorePlan
+from spark_state.model.evolution import cached_evolution
 from spark_state.model.schema import KeyedSchema
 from spark_state.storage.base import Storage, join
+from spark_state.store.blob import EntryKind, decode_entry, encode_blob
+from spark_state.store.manifest import BlobRef, ComponentManifest, ItemsRef, check_component_name
+from spark_state.store.restore import InstanceRestorePlan
 
-RECOVERY = ("start a new checkpointLocation from an older retained checkpoint (spark.state.restoreFrom=<id>; see "
-            "'Guarantees and failure handling' in the README)")
+RECOVERY = (
+    "start a new checkpointLocation from an older retained checkpoint (spark.state.restoreFrom=<id>; see "
+    "'Guarantees and failure handling' in the README)"
+)
 """What to do about a damaged or missing file of a committed checkpoint, for messages."""
 BLOBS_DIR = "blobs"
 ITEMS_DIR = "instance-items"
@@ -171,8 +174,9 @@ class BlobStore:
             raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not a JSON list")
         return items
 
-    def fetch(self, component: ComponentManifest, plan: InstanceRestorePlan,
-              schema: KeyedSchema | None = None) -> tuple[FetchedEntries, FetchStats]:
+    def fetch(
+        self, component: ComponentManifest, plan: InstanceRestorePlan, schema: KeyedSchema | None = None
+    ) -> tuple[FetchedEntries, FetchStats]:
         """Execute ``plan``'s reads, verifying every entry's checksum; the entries per key group and the cost.
 
         Entries come in ``schema`` (the component's current one when None):

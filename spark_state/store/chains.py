@@ -48,12 +48,13 @@ went to; if that never happens, the next catch-up reloads them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections import Counter
-from typing import Any, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from spark_state.store.blob import EntryKind
 from spark_state.errors import ConfigError
+from spark_state.store.blob import EntryKind
 
 Chain = tuple[str, ...]
 DEFAULT_MAX_CHAIN_LENGTH = 8
@@ -144,8 +145,9 @@ class ChainTracker:
             self._chains[key_group] = None
             self._since_full.pop(key_group, None)
 
-    def plan(self, changes: Mapping[int, Collection[Any]], size: Callable[[int], int],
-             max_chain_length: int) -> list[PlannedEntry]:
+    def plan(
+        self, changes: Mapping[int, Collection[Any]], size: Callable[[int], int], max_chain_length: int
+    ) -> list[PlannedEntry]:
         """The entries to write for the changed key groups (``changes``: key group -> the keys changed).
 
         ``size(g)`` is the number of keys key group ``g`` holds now, or an
@@ -186,9 +188,11 @@ class ChainTracker:
         lengths = {g: len(chain) for g in changes if (chain := self._chains.get(g))}
         forced = {g for g, length in lengths.items() if length >= max_chain_length}
         room = compaction_budget(list(lengths.values()), max_chain_length) - len(forced)
-        due = sorted((g for g, length in lengths.items() if due_length <= length < max_chain_length),
-                     key=lambda g: (-lengths[g], g))
-        return forced | set(due[:max(room, 0)])
+        due = sorted(
+            (g for g, length in lengths.items() if due_length <= length < max_chain_length),
+            key=lambda g: (-lengths[g], g),
+        )
+        return forced | set(due[: max(room, 0)])
 
     def record(self, path: str) -> None:
         """The last plan's entries were written to blob ``path``: their chains now end with it."""

@@ -55,7 +55,9 @@ def decode_record(data: bytes, where: str, *, accept_unframed: bool = False) -> 
         raise CorruptBlobError(f"{where} is not a readable record (truncated or overwritten?): {exc}") from exc
     if isinstance(outer, dict) and ("crc32" in outer or "body" in outer):
         if set(outer) != {"crc32", "body"}:
-            raise CorruptBlobError(f"{where} has a damaged frame (keys {sorted(outer)}); it was changed after it was written")
+            raise CorruptBlobError(
+                f"{where} has a damaged frame (keys {sorted(outer)}); it was changed after it was written"
+            )
         text = outer["body"]
         if not isinstance(text, str) or zlib.crc32(text.encode()) != outer["crc32"]:
             raise CorruptBlobError(f"{where} fails its checksum: it was changed or damaged after it was written")

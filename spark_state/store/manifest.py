@@ -35,11 +35,11 @@ on top of its base.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
-from spark_state.store.blob import FORMAT_VERSION, MAX_ENTRY_ROWS, BlobIndex
 from spark_state.errors import (
     CheckpointError,
     ConfigError,
@@ -52,6 +52,7 @@ from spark_state.keyspace import HASH_VERSION, UPPER_BOUND_MAX_PARALLELISM, KeyG
 from spark_state.model.eventtime import next_watermark
 from spark_state.model.evolution import plan_evolution
 from spark_state.model.schema import KeyedSchema
+from spark_state.store.blob import FORMAT_VERSION, MAX_ENTRY_ROWS, BlobIndex
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,31 @@ class BlobRef:
         """Compact: ``[path, checkpoint_id, instance, key_group_start, key_group_end, size, crc32, index]``,
         then the schema fingerprint when there is one."""
         kgr = self.key_group_range
-        obj = [self.path, self.checkpoint_id, self.instance, kgr.start, kgr.end, self.size, self.crc32,
-               self.index.to_json()]
+        obj = [
+            self.path,
+            self.checkpoint_id,
+            self.instance,
+            kgr.start,
+            kgr.end,
+            self.size,
+            self.crc32,
+            self.index.to_json(),
+        ]
         return obj if self.schema is None else obj + [self.schema]
 
     @classmethod
-    def from_json(cls, obj: list) -> "BlobRef":
+    def from_json(cls, obj: list) -> BlobRef:
         path, checkpoint_id, instance, start, end, size, crc32, index, *schema = obj
-        return cls(path, checkpoint_id, instance, KeyGroupRange(start, end), size, crc32, BlobIndex.from_json(index),
-                   schema[0] if schema else None)
+        return cls(
+            path,
+            checkpoint_id,
+            instance,
+            KeyGroupRange(start, end),
+            size,
+            crc32,
+            BlobIndex.from_json(index),
+            schema[0] if schema else None,
+        )
 
 
 def schema_fingerprint(schema: str) -> str:
@@ -125,7 +142,7 @@ class ItemsRef:
         return {"path": self.path, "size": self.size, "crc32": self.crc32}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "ItemsRef":
+    def from_json(cls, obj: dict) -> ItemsRef:
         return cls(obj["path"], obj["size"], obj["crc32"])
 
 
@@ -216,13 +233,16 @@ class ComponentManifest:
     def to_json(self) -> dict:
         """The whole component (a full record)."""
         paths = sorted(self.blobs)
-        obj = {**self._header(), "blobs": [self.blobs[p].to_json() for p in paths],
-               "chains": _chains_json(self.chains, sorted(self.chains))}
+        obj = {
+            **self._header(),
+            "blobs": [self.blobs[p].to_json() for p in paths],
+            "chains": _chains_json(self.chains, sorted(self.chains)),
+        }
         if self.schemas:
             obj["schemas"] = dict(sorted(self.schemas.items()))
         return obj
 
-    def delta_json(self, previous: "ComponentManifest") -> dict:
+    def delta_json(self, previous: ComponentManifest) -> dict:
         """What changed since ``previous`` (a delta record): the new blobs, the key groups that became empty,
         and the blobs no chain needs any more.
 
@@ -240,15 +260,18 @@ class ComponentManifest:
         }
 
     @classmethod
-    def from_json(cls, name: str, obj: dict, previous: "ComponentManifest | None" = None) -> "ComponentManifest":
+    def from_json(cls, name: str, obj: dict, previous: ComponentManifest | None = None) -> ComponentManifest:
         """Read a full record's component, or (with ``previous``) apply a delta record's to it (``delta_json``)."""
         if previous is not None:
             obj = {**previous._header(), **obj}  # a delta repeats only the header fields that changed
         schema, key_columns = obj["schema"], obj["key_columns"]
-        if not isinstance(schema, str) or not (isinstance(key_columns, list) and key_columns
-                                               and all(isinstance(c, str) for c in key_columns)):
-            raise ValueError(f"component {name!r} claims the state schema {str(schema)[:40]!r} and key columns "
-                             f"{str(key_columns)[:80]}")  # made CorruptBlobError by the reader
+        if not isinstance(schema, str) or not (
+            isinstance(key_columns, list) and key_columns and all(isinstance(c, str) for c in key_columns)
+        ):
+            raise ValueError(
+                f"component {name!r} claims the state schema {str(schema)[:40]!r} and key columns "
+                f"{str(key_columns)[:80]}"
+            )  # made CorruptBlobError by the reader
         new_blobs = None
         if previous is None:
             blobs = {b.path: b for b in map(BlobRef.from_json, obj["blobs"])}
@@ -267,9 +290,12 @@ class ComponentManifest:
                 ref.path for ref in dropped for e in ref.index.entries if ref.path in chains.get(e.key_group, ())
             }
         if missing:
-            raise CorruptBlobError(f"component {name!r}: chains name blobs the manifest does not list: {sorted(missing)[:3]}")
-        _check_plausible(name, obj, blobs if previous is None else new_blobs,
-                         chains if previous is None else obj.get("cleared", ()))
+            raise CorruptBlobError(
+                f"component {name!r}: chains name blobs the manifest does not list: {sorted(missing)[:3]}"
+            )
+        _check_plausible(
+            name, obj, blobs if previous is None else new_blobs, chains if previous is None else obj.get("cleared", ())
+        )
         return cls(
             name=name,
             max_parallelism=obj["max_parallelism"],
@@ -305,13 +331,18 @@ def _check_plausible(name: str, header: dict, blobs, key_groups) -> None:
         raise ValueError(f"component {name!r} claims parallelism {parallelism!r} of {max_parallelism}")
     if any(not isinstance(g, int) or not 0 <= g < max_parallelism for g in key_groups):
         raise ValueError(f"component {name!r} names key groups outside 0..{max_parallelism - 1}")
-    for blob in (blobs.values() if isinstance(blobs, Mapping) else blobs):
+    for blob in blobs.values() if isinstance(blobs, Mapping) else blobs:
         kgr = blob.key_group_range
         if not (0 <= kgr.start <= kgr.end < max_parallelism and blob.size >= 0 and blob.checkpoint_id >= 0):
             raise ValueError(f"blob {blob.path!r} claims key groups {kgr}, {blob.size} bytes")
         for entry in blob.index.entries:
-            if (not kgr.start <= entry.key_group <= kgr.end or entry.offset < 0 or entry.length < 0
-                    or entry.offset + entry.length > blob.size or not 0 <= entry.rows <= MAX_ENTRY_ROWS):
+            if (
+                not kgr.start <= entry.key_group <= kgr.end
+                or entry.offset < 0
+                or entry.length < 0
+                or entry.offset + entry.length > blob.size
+                or not 0 <= entry.rows <= MAX_ENTRY_ROWS
+            ):
                 raise ValueError(f"blob {blob.path!r} has an impossible entry {entry}")
 
 
@@ -319,7 +350,11 @@ def _chains_json(chains: Mapping[int, tuple[str, ...]], key_groups: Sequence[int
     """Chains of ``key_groups`` as columns: key groups, and per key group its blobs as indexes into ``paths``."""
     paths = sorted({path for g in key_groups for path in chains[g]})
     position = {path: i for i, path in enumerate(paths)}
-    return {"key_group": list(key_groups), "paths": paths, "blobs": [[position[p] for p in chains[g]] for g in key_groups]}
+    return {
+        "key_group": list(key_groups),
+        "paths": paths,
+        "blobs": [[position[p] for p in chains[g]] for g in key_groups],
+    }
 
 
 def _chains_from_json(obj: dict) -> dict[int, tuple[str, ...]]:
@@ -362,7 +397,7 @@ class QueryBinding:
         }
 
     @classmethod
-    def from_json(cls, obj: dict) -> "QueryBinding":
+    def from_json(cls, obj: dict) -> QueryBinding:
         return cls(obj["query_id"], obj["run_id"], obj["batch_id"], obj["checkpoint_location"], obj["start"])
 
 
@@ -382,7 +417,7 @@ class Manifest:
     """The savepoint this store's state started from (``startfrom``): ``store``, ``savepoint``,
     ``checkpoint_id``; carried into every later checkpoint. None for a store started empty."""
 
-    def to_json(self, previous: "Manifest | None" = None) -> dict:
+    def to_json(self, previous: Manifest | None = None) -> dict:
         """The record committing this manifest: the whole of it, or (given ``previous``) a delta on it.
 
         A delta names its base (``previous.checkpoint_id``) and holds, per
@@ -424,7 +459,7 @@ class Manifest:
             raise CorruptBlobError(f"{where} is not a manifest record: {exc!r}") from exc
 
     @classmethod
-    def from_json(cls, body: Any, *, where: str = "manifest", base: "Manifest | None" = None) -> "Manifest":
+    def from_json(cls, body: Any, *, where: str = "manifest", base: Manifest | None = None) -> Manifest:
         """Read a record; a delta record needs its ``base`` manifest (the one ``base_of`` names)."""
         try:
             version = body["format_version"]
@@ -496,8 +531,9 @@ class StoredComponent(Protocol):
     def key_columns(self) -> Sequence[str]: ...
 
 
-def continuation_problems(stored: StoredComponent, spec: ComponentSpec, *, written: str = "the checkpoints were"
-                          ) -> tuple[list[str], IncompatibleSchemaError | None]:
+def continuation_problems(
+    stored: StoredComponent, spec: ComponentSpec, *, written: str = "the checkpoints were"
+) -> tuple[list[str], IncompatibleSchemaError | None]:
     """Why ``spec`` cannot continue ``stored``: the one compatibility rule of a state (checkpoints, savepoints).
 
     The key space (``max_parallelism``), the hash and the key columns never
@@ -573,7 +609,9 @@ def next_component(
     referenced = {path for chain in chains.values() for path in chain}
     watermark = max_event_time = None
     if spec.delay_ms is not None:
-        seen = [t for t in (previous.max_event_time_ms if previous else None, update.max_event_time_ms) if t is not None]
+        seen = [
+            t for t in (previous.max_event_time_ms if previous else None, update.max_event_time_ms) if t is not None
+        ]
         max_event_time = max(seen) if seen else None
         watermark = next_watermark(previous.watermark_ms if previous else None, max_event_time, spec.delay_ms)
     kept = {p: b for p, b in blobs.items() if p in referenced}

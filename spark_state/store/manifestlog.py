@@ -53,12 +53,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from spark_state.errors import (
+    BlobExistsError,
+    BlobNotFoundError,
+    CheckpointError,
+    ConfigError,
+    CorruptBlobError,
+    NoCheckpointError,
+)
+from spark_state.storage.base import Storage, join
 from spark_state.store.blobstore import BLOBS_DIR, ITEMS_DIR, written_ms
 from spark_state.store.commitlog import CommitLog
-from spark_state.errors import BlobExistsError, BlobNotFoundError, CheckpointError, ConfigError, CorruptBlobError, NoCheckpointError
 from spark_state.store.manifest import Manifest, with_retention
 from spark_state.store.savepoints import Savepoints
-from spark_state.storage.base import Storage, join
 
 _LOG = logging.getLogger(__name__)
 
@@ -192,7 +199,9 @@ class ManifestReader:
         if base is None:
             return _Lineage(None, checkpoint_id, 0, 0, size)
         parent = self._lineage[base.checkpoint_id]
-        return _Lineage(base.checkpoint_id, parent.full, parent.deltas + 1, parent.delta_bytes + size, parent.full_bytes)
+        return _Lineage(
+            base.checkpoint_id, parent.full, parent.deltas + 1, parent.delta_bytes + size, parent.full_bytes
+        )
 
     def records_needed(self, checkpoint_ids) -> set[int]:
         """The records the given checkpoints are read from: each one's chain back to a full record."""
@@ -251,7 +260,8 @@ class ManifestLog(ManifestReader):
             latest_id = self._log.latest_id()
             if latest_id is not None and checkpoint_id <= latest_id:
                 raise CheckpointExistsError(
-                    f"checkpoint {checkpoint_id} is not above the latest id {latest_id}", restored_from)
+                    f"checkpoint {checkpoint_id} is not above the latest id {latest_id}", restored_from
+                )
             return self._create(manifest, restored_from)
         return self._create(manifest, self.latest())
 
@@ -279,8 +289,14 @@ class ManifestLog(ManifestReader):
 
     # Step 5 -----------------------------------------------------------------
 
-    def plan_cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
-                     now_ms: int | None = None, files: bool = True) -> CleanupPlan:
+    def plan_cleanup(
+        self,
+        manifest: Manifest,
+        *,
+        grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
+        now_ms: int | None = None,
+        files: bool = True,
+    ) -> CleanupPlan:
         """What ``cleanup(manifest)`` deletes, without deleting anything (``spark-state cleanup --dry-run``).
 
         Kept: the checkpoints ``manifest`` retains and those savepoints pin
@@ -322,8 +338,14 @@ class ManifestLog(ManifestReader):
                             doomed.append(path)
         return CleanupPlan(manifest.checkpoint_id, tuple(doomed_records), tuple(doomed))
 
-    def cleanup(self, manifest: Manifest, *, grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
-                now_ms: int | None = None, files: bool = True) -> list[str]:
+    def cleanup(
+        self,
+        manifest: Manifest,
+        *,
+        grace_seconds: float = DEFAULT_ORPHAN_GRACE_SECONDS,
+        now_ms: int | None = None,
+        files: bool = True,
+    ) -> list[str]:
         """Delete what no retained checkpoint and no savepoint needs (step 5); return the deleted paths.
 
         Records first, then files, one by one (``plan_cleanup`` says which):

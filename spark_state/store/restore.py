@@ -20,17 +20,18 @@ is pure; the reads are ``blobstore.BlobStore.fetch``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import AbstractSet, Mapping, Sequence
+from typing import AbstractSet
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from spark_state.store.blob import BlobEntry
 from spark_state.errors import CheckpointError, CorruptBlobError
 from spark_state.keyspace import KeyGroupRange, check_parallelism, key_group_range
-from spark_state.store.manifest import ComponentManifest
 from spark_state.model.schema import DELETED_COLUMN, Key, KeyedSchema, Value
+from spark_state.store.blob import BlobEntry
+from spark_state.store.manifest import ComponentManifest
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,7 @@ def plan_restore(
     """
     check_parallelism(parallelism, component.max_parallelism)
     return tuple(
-        plan_instance_restore(component, j, parallelism, max_gap_bytes=max_gap_bytes)
-        for j in range(parallelism)
+        plan_instance_restore(component, j, parallelism, max_gap_bytes=max_gap_bytes) for j in range(parallelism)
     )
 
 
@@ -127,7 +127,9 @@ def plan_instance_restore(
     return replace(plan, instance=instance, appends=frozenset(appends), clear=clear)
 
 
-def plan_key_groups(component: ComponentManifest, key_groups: KeyGroupRange, *, max_gap_bytes: int = 0) -> InstanceRestorePlan:
+def plan_key_groups(
+    component: ComponentManifest, key_groups: KeyGroupRange, *, max_gap_bytes: int = 0
+) -> InstanceRestorePlan:
     """Plan reading the whole chains of the key groups in ``key_groups`` (inclusive) that hold state.
 
     The plan of no instance (``instance`` is None): readers of a checkpoint
@@ -151,8 +153,12 @@ def chain_links(component: ComponentManifest, key_group: int, start: int = 0) ->
     return tuple(links)
 
 
-def plan_links(chains: Mapping[int, tuple[tuple[str, BlobEntry], ...]], *, max_gap_bytes: int = 0,
-               key_group_range: KeyGroupRange | None = None) -> InstanceRestorePlan:
+def plan_links(
+    chains: Mapping[int, tuple[tuple[str, BlobEntry], ...]],
+    *,
+    max_gap_bytes: int = 0,
+    key_group_range: KeyGroupRange | None = None,
+) -> InstanceRestorePlan:
     """The coalesced reads of the given entries (per key group, ``(path, entry)`` oldest first)."""
     per_blob: dict[str, list[BlobEntry]] = {}
     for links in chains.values():
@@ -228,8 +234,9 @@ def fold_chain(batches: Sequence[tuple[str, pa.RecordBatch]], key_columns: Seque
     newer: pa.Array | None = None
     for _, batch in reversed(batches):
         keys = batch.column(key)
-        kept.append(batch if newer is None else batch.filter(pc.invert(pc.is_in(keys, value_set=newer,
-                                                                                  skip_nulls=False))))
+        kept.append(
+            batch if newer is None else batch.filter(pc.invert(pc.is_in(keys, value_set=newer, skip_nulls=False)))
+        )
         newer = keys if newer is None else pa.concat_arrays([newer, keys])
     table = pa.Table.from_batches(list(reversed(kept)))
     deleted = table.column(DELETED_COLUMN)
@@ -268,7 +275,9 @@ def fold_chains(chains: Sequence[Sequence[tuple[str, pa.RecordBatch]]], key_colu
     if not parts:
         raise CheckpointError("fold_chains: no chain to fold")
     table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-    live = table.filter(pc.invert(table.column(DELETED_COLUMN))) if pc.any(table.column(DELETED_COLUMN)).as_py() else table
+    live = (
+        table.filter(pc.invert(table.column(DELETED_COLUMN))) if pc.any(table.column(DELETED_COLUMN)).as_py() else table
+    )
     return live.drop_columns([DELETED_COLUMN])
 
 

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
-from spark_state.store.commitlog import decode_record, encode_record
 from spark_state.errors import (
     BlobExistsError,
     BlobNotFoundError,
@@ -48,9 +48,9 @@ from spark_state.errors import (
     SavepointExistsError,
     SavepointNotFoundError,
 )
-from spark_state.store.manifest import ComponentManifest, Manifest, QueryBinding
 from spark_state.storage.base import Storage, join
-
+from spark_state.store.commitlog import decode_record, encode_record
+from spark_state.store.manifest import ComponentManifest, Manifest, QueryBinding
 
 
 class CheckpointSource(Protocol):
@@ -62,6 +62,7 @@ class CheckpointSource(Protocol):
     def latest(self) -> Manifest | None: ...
 
     def load(self, checkpoint_id: int) -> Manifest: ...
+
 
 SAVEPOINTS_DIR = "savepoints"
 SUFFIX = ".json"
@@ -96,19 +97,38 @@ class ComponentPlan:
     format_version: int
 
     @classmethod
-    def of(cls, component: ComponentManifest) -> "ComponentPlan":
-        return cls(component.name, component.max_parallelism, component.parallelism, tuple(component.key_columns),
-                   component.schema, component.hash_version, component.format_version)
+    def of(cls, component: ComponentManifest) -> ComponentPlan:
+        return cls(
+            component.name,
+            component.max_parallelism,
+            component.parallelism,
+            tuple(component.key_columns),
+            component.schema,
+            component.hash_version,
+            component.format_version,
+        )
 
     def to_json(self) -> dict:
-        return {"max_parallelism": self.max_parallelism, "parallelism": self.parallelism,
-                "key_columns": list(self.key_columns), "schema": self.schema,
-                "hash_version": self.hash_version, "format_version": self.format_version}
+        return {
+            "max_parallelism": self.max_parallelism,
+            "parallelism": self.parallelism,
+            "key_columns": list(self.key_columns),
+            "schema": self.schema,
+            "hash_version": self.hash_version,
+            "format_version": self.format_version,
+        }
 
     @classmethod
-    def from_json(cls, name: str, obj: dict) -> "ComponentPlan":
-        return cls(name, obj["max_parallelism"], obj["parallelism"], tuple(obj["key_columns"]), obj["schema"],
-                   obj["hash_version"], obj["format_version"])
+    def from_json(cls, name: str, obj: dict) -> ComponentPlan:
+        return cls(
+            name,
+            obj["max_parallelism"],
+            obj["parallelism"],
+            tuple(obj["key_columns"]),
+            obj["schema"],
+            obj["hash_version"],
+            obj["format_version"],
+        )
 
 
 @dataclass(frozen=True)
@@ -147,7 +167,7 @@ class Savepoint:
         }
 
     @classmethod
-    def from_json(cls, obj: Any, *, where: str) -> "Savepoint":
+    def from_json(cls, obj: Any, *, where: str) -> Savepoint:
         try:
             binding = obj["binding"]
             return cls(
@@ -165,7 +185,9 @@ class Savepoint:
             raise CorruptBlobError(f"{where} has a checksum but not the fields of a savepoint: {exc!r}") from exc
 
     @classmethod
-    def of(cls, name: str, manifest: Manifest, *, store: str, reason: str = "", created_at: float | None = None) -> "Savepoint":
+    def of(
+        cls, name: str, manifest: Manifest, *, store: str, reason: str = "", created_at: float | None = None
+    ) -> Savepoint:
         return cls(
             name=check_savepoint_name(name),
             checkpoint_id=manifest.checkpoint_id,
@@ -257,8 +279,9 @@ class Savepoints:
         return savepoint
 
 
-def create_savepoint(manifests: CheckpointSource, name: str, checkpoint_id: int | None = None, *,
-                     reason: str = "") -> Savepoint:
+def create_savepoint(
+    manifests: CheckpointSource, name: str, checkpoint_id: int | None = None, *, reason: str = ""
+) -> Savepoint:
     """Pin ``checkpoint_id`` (the latest when None) as savepoint ``name``; see the module docstring's steps.
 
     ``NoCheckpointError`` if the store has no checkpoint or the checkpoint is

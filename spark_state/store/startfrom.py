@@ -45,8 +45,8 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from spark_state.errors import (
     BlobExistsError,
@@ -56,10 +56,10 @@ from spark_state.errors import (
     SavepointMismatchError,
     SavepointNotFoundError,
 )
+from spark_state.storage.base import Storage
 from spark_state.store.manifest import ComponentManifest, ComponentSpec, Manifest, continuation_problems
 from spark_state.store.manifestlog import ManifestLog, ManifestReader
 from spark_state.store.savepoints import ComponentPlan, Savepoint, Savepoints, parse_savepoint_uri
-from spark_state.storage.base import Storage
 
 _LOG = logging.getLogger(__name__)
 
@@ -115,10 +115,16 @@ def _plan_problems(plan: ComponentPlan, spec: ComponentSpec) -> list[str]:
     return problems + ([str(schema_error)] if schema_error is not None else [])
 
 
-def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: ComponentSpec, *,
-                         allow_non_restored: bool = False, key_space_set: bool = True,
-                         open_storage: Callable[[str], Storage] | None = None,
-                         progress: Callable[[int, int], None] | None = None) -> StartReport:
+def start_from_savepoint(
+    target: ManifestLog,
+    savepoint_uri: str,
+    spec: ComponentSpec,
+    *,
+    allow_non_restored: bool = False,
+    key_space_set: bool = True,
+    open_storage: Callable[[str], Storage] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> StartReport:
     """Give ``target`` (the query's store) its first checkpoint from the savepoint; see the module docstring.
 
     ``progress(bytes_done, bytes_total)`` is called after each copied file.
@@ -133,8 +139,11 @@ def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: Componen
     try:
         savepoint = Savepoints(source).get(name)
     except SavepointNotFoundError:
-        if latest is not None and latest.origin is not None and (
-                latest.origin.get("store"), latest.origin.get("savepoint")) == (source.uri, name):
+        if (
+            latest is not None
+            and latest.origin is not None
+            and (latest.origin.get("store"), latest.origin.get("savepoint")) == (source.uri, name)
+        ):
             # A restart of the query this savepoint started, deleted since (as the copy allows): the state
             # is in the query's own store.
             return StartReport(None, None, 0, 0, (), ())
@@ -156,24 +165,43 @@ def start_from_savepoint(target: ManifestLog, savepoint_uri: str, spec: Componen
     components = {n: manifest.components[n] for n in restored}
     files, copied, present = _copy_files(source, target.storage, list(components.values()), progress)
     first = Manifest(
-        checkpoint_id=savepoint.checkpoint_id, consistent_checkpoints=(), sources=dict(savepoint.sources),
-        components=components, committed_at=time.time(), binding=None, drained=manifest.drained,
+        checkpoint_id=savepoint.checkpoint_id,
+        consistent_checkpoints=(),
+        sources=dict(savepoint.sources),
+        components=components,
+        committed_at=time.time(),
+        binding=None,
+        drained=manifest.drained,
         origin=origin_of(savepoint),
     )
     committed = target.commit(first)
     dropped = tuple(sorted(set(savepoint.components) - set(restored)))
-    _LOG.warning("started %s from savepoint %s: checkpoint %d, %d files (%d bytes) copied, %d there already, "
-                 "components %s, dropped %s", target.storage.uri, savepoint.uri, committed.checkpoint_id, files, copied,
-                 present, list(restored), list(dropped))
+    _LOG.warning(
+        "started %s from savepoint %s: checkpoint %d, %d files (%d bytes) copied, %d there already, "
+        "components %s, dropped %s",
+        target.storage.uri,
+        savepoint.uri,
+        committed.checkpoint_id,
+        files,
+        copied,
+        present,
+        list(restored),
+        list(dropped),
+    )
     return StartReport(savepoint, committed.checkpoint_id, files, copied, restored, dropped, present)
 
 
 def _same(a, b) -> bool:
-    return (a.get("savepoint"), a.get("checkpoint_id"), a.get("store")) == (b["savepoint"], b["checkpoint_id"], b["store"])
+    return (a.get("savepoint"), a.get("checkpoint_id"), a.get("store")) == (
+        b["savepoint"],
+        b["checkpoint_id"],
+        b["store"],
+    )
 
 
-def _copy_files(source: Storage, target: Storage, components: list[ComponentManifest],
-                progress: Callable[[int, int], None] | None) -> tuple[int, int, int]:
+def _copy_files(
+    source: Storage, target: Storage, components: list[ComponentManifest], progress: Callable[[int, int], None] | None
+) -> tuple[int, int, int]:
     """Copy what ``components`` reference; (files and bytes copied, files already there intact)."""
     wanted = [(ref.path, ref.size, ref.crc32) for c in components for ref in c.blobs.values()]
     wanted += [(ref.path, ref.size, ref.crc32) for c in components for ref in c.instance_items.values()]

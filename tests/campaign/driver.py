@@ -66,16 +66,24 @@ def build(shape: str, events):
     if shape == "sum":
         return stream.sum("value")
     if shape == "apply":
-        return stream.apply(count_fn, state_schema="n long, total long, top long",
-                            output_schema="key string, n long, total long, top long")
+        return stream.apply(
+            count_fn,
+            state_schema="n long, total long, top long",
+            output_schema="key string, n long, total long, top long",
+        )
     if shape == "sessions":
         return stream.withWatermark("event_time", delay).session_window(f"{GAP_MS} ms", "value")
     if shape == "dedup":
         return stream.withWatermark("event_time", delay).deduplicate(f"{HORIZON_MS} ms")
     if shape == "timers":
         return stream.withWatermark("event_time", delay).apply(
-            timed_fn, state_schema="n long", output_schema="key string, n long, t long", style="arrow",
-            on_timer=on_timer, ttl=f"{TTL_MS} ms")
+            timed_fn,
+            state_schema="n long",
+            output_schema="key string, n long, t long",
+            style="arrow",
+            on_timer=on_timer,
+            ttl=f"{TTL_MS} ms",
+        )
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -93,20 +101,27 @@ def run(spec: dict) -> int:
     datasources.register(spark)  # the source's tasks in the instances' worker pool: one cold start, not two
     query = None
     try:
-        reader = (spark.readStream.format("replayable").option("path", spec["events"])
-                  .option("maxRecordsPerBatch", spec["max_records_per_batch"]))
+        reader = (
+            spark.readStream.format("replayable")
+            .option("path", spec["events"])
+            .option("maxRecordsPerBatch", spec["max_records_per_batch"])
+        )
         if spec["starting_offsets"] == "checkpoint":  # a fork: where its store's first checkpoint says
-            reader = reader.option("startingOffsets", "checkpoint").option("stateStore",
-                                                                           spec["conf"]["spark.state.store"])
+            reader = reader.option("startingOffsets", "checkpoint").option(
+                "stateStore", spec["conf"]["spark.state.store"]
+            )
         else:
             reader = reader.option("startingOffsets", json.dumps(spec["starting_offsets"]))
-        events = (
-            reader.load()
-            .selectExpr("key", "value", "event_time", "seq", "split AS src_split", "offset AS src_offset")
+        events = reader.load().selectExpr(
+            "key", "value", "event_time", "seq", "split AS src_split", "offset AS src_offset"
         )
         query = (
-            build(spec["shape"], events).writeStream.format("replayable").option("path", spec["out"])
-            .option("keyColumn", "key").option("checkpointLocation", spec["checkpoint"]).start()
+            build(spec["shape"], events)
+            .writeStream.format("replayable")
+            .option("path", spec["out"])
+            .option("keyColumn", "key")
+            .option("checkpointLocation", spec["checkpoint"])
+            .start()
         )
         (control / "started").write_text(str(query.run_id))
         changed = spec.get("live_change") is None
@@ -138,11 +153,15 @@ def run(spec: dict) -> int:
         return EXIT_ERROR
     finally:
         if query is not None:
-            batches = [{k: b[k] for k in ("batch_id", "checkpoint_id", "replayed", "parallelism", "drained")}
-                       | {"repairs": sum(i.get("repairs", 0) for i in b["instances"]),
-                          "evicted": sum(i.get("memory", {}).get("evicted_key_groups", 0) for i in b["instances"]),
-                          "loaded": sum(i["restore"].get("loaded", {}).get("key_groups", 0) for i in b["instances"])}
-                       for b in query.batches]
+            batches = [
+                {k: b[k] for k in ("batch_id", "checkpoint_id", "replayed", "parallelism", "drained")}
+                | {
+                    "repairs": sum(i.get("repairs", 0) for i in b["instances"]),
+                    "evicted": sum(i.get("memory", {}).get("evicted_key_groups", 0) for i in b["instances"]),
+                    "loaded": sum(i["restore"].get("loaded", {}).get("key_groups", 0) for i in b["instances"]),
+                }
+                for b in query.batches
+            ]
             (control / "report.json").write_text(json.dumps({"batches": batches}))
         try:
             spark.stop()

@@ -27,12 +27,14 @@ from datasources.logindex import Commit, LogMeta, SinkMark
 from datasources.routing import splits_of_keys
 from spark_state.storage import open_storage
 
-SCHEMA = pa.schema([
-    pa.field("key", pa.string()),
-    pa.field("value", pa.int64()),
-    pa.field("event_time", pa.timestamp("us", tz="UTC")),
-    pa.field("seq", pa.int64()),
-])
+SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string()),
+        pa.field("value", pa.int64()),
+        pa.field("event_time", pa.timestamp("us", tz="UTC")),
+        pa.field("seq", pa.int64()),
+    ]
+)
 NUM_SPLITS = 4
 BASE_MS = 1_700_000_000_000
 ODD_KEYS = ("", "x" * 5000, "ключ-ü-鍵-🔑", "a\x00b", "\x00", "tab\tnew\nline", " space ", "ÅÆØ" * 40)
@@ -87,7 +89,7 @@ class EventLog:
         """The events of ``[start, end)``, split by split, in offset order (the order a batch holds them)."""
         out: list[Event] = []
         for split in range(NUM_SPLITS):
-            out.extend(self.splits[split][start.get(split, 0):end.get(split, 0)])
+            out.extend(self.splits[split][start.get(split, 0) : end.get(split, 0)])
         return out
 
     def _generate(self, n: int) -> list[tuple[str, int, int, int]]:
@@ -103,12 +105,15 @@ class EventLog:
     def append(self, n: int) -> int:
         """Append ``n`` new events in one commit (retried until it lands, exactly once); returns ``n``."""
         rows = self._generate(n)
-        table = pa.table({
-            "key": [r[0] for r in rows],
-            "value": [r[1] for r in rows],
-            "event_time": [dt.datetime.fromtimestamp(r[2] / 1000, dt.timezone.utc) for r in rows],
-            "seq": [r[3] for r in rows],
-        }, schema=SCHEMA)
+        table = pa.table(
+            {
+                "key": [r[0] for r in rows],
+                "value": [r[1] for r in rows],
+                "event_time": [dt.datetime.fromtimestamp(r[2] / 1000, dt.timezone.utc) for r in rows],
+                "seq": [r[3] for r in rows],
+            },
+            schema=SCHEMA,
+        )
         splits = splits_of_keys(table.column("key"), NUM_SPLITS)
         mark = SinkMark(SINK_ID, self.appends)
         self.appends += 1
@@ -147,9 +152,14 @@ class EventLog:
                     raise AssertionError(f"append {batch} does not continue split {ref.split} where the record ends")
                 table = log.load_segment(ref)
                 times = table.column("event_time").cast(pa.int64()).to_pylist()
-                for i, (key, value, micros, seq) in enumerate(zip(table.column("key").to_pylist(),
-                                                                  table.column("value").to_pylist(), times,
-                                                                  table.column("seq").to_pylist())):
+                for i, (key, value, micros, seq) in enumerate(
+                    zip(
+                        table.column("key").to_pylist(),
+                        table.column("value").to_pylist(),
+                        times,
+                        table.column("seq").to_pylist(),
+                    )
+                ):
                     self.splits[ref.split].append(Event(key, value, micros // 1000, seq, ref.split, ref.start + i))
                     self.seq = max(self.seq, seq)
             self.appends += 1
@@ -172,7 +182,8 @@ class EventLog:
             offsets = batch.column("offset").to_pylist()
             for seq, split, offset in zip(seqs, splits, offsets):
                 if self.splits[split][offset].seq != seq:
-                    problems.append(f"split {split} offset {offset} holds seq {seq}, the record "
-                                    f"{self.splits[split][offset].seq}")
+                    problems.append(
+                        f"split {split} offset {offset} holds seq {seq}, the record {self.splits[split][offset].seq}"
+                    )
                     return problems
         return problems

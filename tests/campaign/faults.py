@@ -25,9 +25,10 @@ import os
 import random
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from spark_state.storage.faults import kill_session
 
@@ -56,8 +57,17 @@ DESCRIPTIONS = {
     "savepoint": "a savepoint created with the CLI while the query runs",
     "fork": "a new query started from a savepoint, sometimes killed while it copies",
 }
-KILLS = ("kill_random", "kill_after_blob", "kill_after_manifest", "kill_after_offsets", "kill_after_commit",
-         "kill_first_offsets", "kill_after_sink_commit", "kill_worker", "kill_host")
+KILLS = (
+    "kill_random",
+    "kill_after_blob",
+    "kill_after_manifest",
+    "kill_after_offsets",
+    "kill_after_commit",
+    "kill_first_offsets",
+    "kill_after_sink_commit",
+    "kill_worker",
+    "kill_host",
+)
 STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
 REFUSALS = ("delete_newest_record", "second_checkpoint")
 FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + REFUSALS
@@ -150,19 +160,33 @@ def storage_rule(kind: str, rng: random.Random, *, store: str, events: str, out:
     writes = [f"{store}/blobs/", f"{store}/checkpoints/", f"{out}/data/", f"{out}/_commits/"]
     reads = [f"{store}/checkpoints/", f"{events}/data/", f"{events}/_commits/"]
     if kind in ("fail_write", "enospc"):
-        return {"op": "create", "path": rng.choice(writes), "nth": rng.randint(1, 3),
-                "fault": "error" if kind == "fail_write" else "enospc"}
+        return {
+            "op": "create",
+            "path": rng.choice(writes),
+            "nth": rng.randint(1, 3),
+            "fault": "error" if kind == "fail_write" else "enospc",
+        }
     if kind == "fail_read":  # paths read in every run: a cold store's records, the log's commits and segments
         path, nth = rng.choice([(reads[0], 1), (reads[1], rng.randint(1, 3)), (reads[2], rng.randint(1, 6))])
         return {"op": "read", "path": path, "nth": nth, "fault": "error"}
     if kind == "stall":
-        return {"op": rng.choice(["create", "read", "list"]), "path": rng.choice([store, events, out]),
-                "nth": rng.randint(1, 6), "fault": "stall", "stall_seconds": 120}
+        return {
+            "op": rng.choice(["create", "read", "list"]),
+            "path": rng.choice([store, events, out]),
+            "nth": rng.randint(1, 6),
+            "fault": "stall",
+            "stall_seconds": 120,
+        }
     if kind == "truncate":
-        return {"op": "create", "path": rng.choice([f"{store}/checkpoints/", f"{out}/_commits/"]),
-                "nth": rng.randint(1, 2), "fault": "truncate"}
+        return {
+            "op": "create",
+            "path": rng.choice([f"{store}/checkpoints/", f"{out}/_commits/"]),
+            "nth": rng.randint(1, 2),
+            "fault": "truncate",
+        }
     target = {"blobs": f"{store}/blobs/", "checkpoints": f"{store}/checkpoints/", "sink": f"{out}/_commits/"}[
-        KILLED_AT_WRITE[kind]]
+        KILLED_AT_WRITE[kind]
+    ]
     return {"op": "create", "path": target, "nth": rng.randint(1, 3), "fault": "kill"}
 
 

@@ -231,5 +231,11 @@ class TimersModel(Model):
         return {k: (e.n,) for k, e in self.keys.items() if e.n is not None}
 
 
-MODELS = {"count": CountModel, "sum": SumModel, "apply": ApplyModel, "sessions": SessionsModel,
-          "dedup": DedupModel, "timers": TimersModel}
+MODELS = {
+    "count": CountModel,
+    "sum": SumModel,
+    "apply": ApplyModel,
+    "sessions": SessionsModel,
+    "dedup": DedupModel,
+    "timers": TimersModel,
+}

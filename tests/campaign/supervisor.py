@@ -70,7 +70,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -85,15 +84,22 @@ import pyarrow as pa
 
 from datasources.log import ReplayableLog
 from datasources.logindex import Commit
-from spark_state.store.blobstore import BlobStore
-from spark_state.store.manifestlog import ManifestReader, manifest_path
 from spark_state.executor.resident import restore_instance
-from spark_state.store.savepoints import Savepoints, parse_savepoint_uri
 from spark_state.storage import open_storage
 from spark_state.storage.faults import FAULT_PLAN_ENV, kill_session, session_members
-from tests.campaign.events import NUM_SPLITS, EventLog
+from spark_state.store.blobstore import BlobStore
+from spark_state.store.manifestlog import ManifestReader, manifest_path
+from spark_state.store.savepoints import Savepoints, parse_savepoint_uri
+from tests.campaign.events import EventLog
 from tests.campaign.faults import (
-    FAULT_KINDS, PATTERNS, SAVEPOINT_KINDS, STORAGE, TIMED, Moment, storage_rule, uses_storage_plan,
+    FAULT_KINDS,
+    PATTERNS,
+    SAVEPOINT_KINDS,
+    STORAGE,
+    TIMED,
+    Moment,
+    storage_rule,
+    uses_storage_plan,
 )
 from tests.campaign.model import MODELS, SHAPES, Model
 from tests.jvm import driver_jvm_options
@@ -107,8 +113,16 @@ S3_BUCKET = "campaign"
 FINAL_DRAIN_RECORDS = 4000  # records per batch of the final drains
 FINAL_DRAIN_EVENTS_PER_S = 500  # the final drain's bound: the cycle's, plus a second per this many events of backlog
 AWS_FILES = ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
-PROBLEM_COUNTS = ("wrong", "lost", "duplicated", "hangs", "untyped_faults", "unexplained_failures",
-                  "corrupt_commits", "log_problems")
+PROBLEM_COUNTS = (
+    "wrong",
+    "lost",
+    "duplicated",
+    "hangs",
+    "untyped_faults",
+    "unexplained_failures",
+    "corrupt_commits",
+    "log_problems",
+)
 """The summary's counters of what went wrong: a run is clean when all are 0 and it lists no problem."""
 TYPED_ERRORS = ("InjectedStorageError", "StorageError", "StorageTimeoutError", "CommitFailedError")
 
@@ -177,9 +191,16 @@ def sink_rows(shape: str, table: pa.Table) -> list[tuple]:
         start = table.column("session_start").cast(pa.int64()).to_pylist()
         end = table.column("session_end").cast(pa.int64()).to_pylist()
         rest = [table.column(c).to_pylist() for c in ("count", "sum_value", "min_value", "max_value")]
-        return [(k, s // 1000, e // 1000, *r) for k, s, e, *r in zip(table.column("key").to_pylist(), start, end, *rest)]
-    columns = {"count": ("key", "count"), "sum": ("key", "sum_value"), "apply": ("key", "n", "total", "top"),
-               "dedup": ("key", "seq"), "timers": ("key", "n", "t")}[shape]
+        return [
+            (k, s // 1000, e // 1000, *r) for k, s, e, *r in zip(table.column("key").to_pylist(), start, end, *rest)
+        ]
+    columns = {
+        "count": ("key", "count"),
+        "sum": ("key", "sum_value"),
+        "apply": ("key", "n", "total", "top"),
+        "dedup": ("key", "seq"),
+        "timers": ("key", "n", "t"),
+    }[shape]
     return list(zip(*[table.column(c).to_pylist() for c in columns]))
 
 
@@ -228,15 +249,29 @@ def python_roles(parents: dict[int, int], members: set[int]) -> dict[str, list[i
     """Spark's Python processes of a session by role (``Campaign.python_process``): ``parents`` maps each
     process forked from the daemon's command line to its parent, ``members`` are the session's processes."""
     daemons = {pid for pid, parent in parents.items() if parent not in parents and parent in members}
-    return {"daemon": sorted(daemons),
-            "worker": sorted(pid for pid, parent in parents.items() if parent in daemons),
-            "host": sorted(pid for pid, parent in parents.items() if pid not in daemons and parent not in daemons)}
+    return {
+        "daemon": sorted(daemons),
+        "worker": sorted(pid for pid, parent in parents.items() if parent in daemons),
+        "host": sorted(pid for pid, parent in parents.items() if pid not in daemons and parent not in daemons),
+    }
 
 
 class Campaign:
-    def __init__(self, root: Path, seed: int, cycles: int, cycle_timeout: float, *, cluster_cycles: bool = True,
-                 max_parallelism: int = 9, shapes: tuple[str, ...] = SHAPES, kinds: list[str] | None = None,
-                 s3: bool = False, savepoints: bool = False, memory_bound: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        seed: int,
+        cycles: int,
+        cycle_timeout: float,
+        *,
+        cluster_cycles: bool = True,
+        max_parallelism: int = 9,
+        shapes: tuple[str, ...] = SHAPES,
+        kinds: list[str] | None = None,
+        s3: bool = False,
+        savepoints: bool = False,
+        memory_bound: str | None = None,
+    ):
         self.root = root
         self.memory_bound = memory_bound
         self.use_s3 = s3
@@ -264,8 +299,11 @@ class Campaign:
         self.elapsed = 0.0
         self.stop_requested = False
         self.shapes = shapes
-        self.schedule = self._schedule() if kinds is None else (
-            [None if k == "none" else k for k in kinds] + [None] * cycles)[:cycles]
+        self.schedule = (
+            self._schedule()
+            if kinds is None
+            else ([None if k == "none" else k for k in kinds] + [None] * cycles)[:cycles]
+        )
         self.explicit_kinds = kinds
         self.owed: list[str] = []
         """Scheduled kinds a cycle could not inject (a refusal needs a committed batch, a kill its moment):
@@ -295,12 +333,21 @@ class Campaign:
             shape = parent.shape
             model, starting = self.model_at(parent, fork["batch"], fork["drained"])
         else:
-            shape = shapes[len(self.queries) % len(shapes)] if len(self.queries) < len(shapes) else self.rng.choice(shapes)
+            shape = (
+                shapes[len(self.queries) % len(shapes)] if len(self.queries) < len(shapes) else self.rng.choice(shapes)
+            )
             model, starting = MODELS[shape](), self.events.end_offsets()
         name = f"q{len(self.queries):02d}-{shape}"
-        query = Query(name, shape, self.root / name, starting, model,
-                      retained=self.rng.randint(2, 5), max_chain=self.rng.randint(2, 6),
-                      s3_prefix=f"{S3_BUCKET}/{name}/state" if self.use_s3 and len(self.queries) % 2 else None)
+        query = Query(
+            name,
+            shape,
+            self.root / name,
+            starting,
+            model,
+            retained=self.rng.randint(2, 5),
+            max_chain=self.rng.randint(2, 6),
+            s3_prefix=f"{S3_BUCKET}/{name}/state" if self.use_s3 and len(self.queries) % 2 else None,
+        )
         # Half the queries leave the key space to the default rule (two in a row, so that local and S3 stores both do).
         query.key_space = None if (len(self.queries) // 2) % 2 == 0 else MAX_PARALLELISM
         if fork is not None:
@@ -319,15 +366,26 @@ class Campaign:
         offsets, start = read_offsets(query.checkpoint), query.starting
         for b in range(0 if batch is None else batch + 1):
             end, processing_ms = offsets[b]
-            model.batch(self.events.events_between(start, end), processing_ms,
-                        b in query.drained or (b == batch and drained))
+            model.batch(
+                self.events.events_between(start, end), processing_ms, b in query.drained or (b == batch and drained)
+            )
             start = end
         return model, start
 
     # -- the driver ----------------------------------------------------------------------------
 
-    def spec(self, query: Query, cycle_dir: Path, parallelism: int, *, live_change=None, checkpoint=None,
-             out=None, cluster=None, max_records: int | None = None) -> Path:
+    def spec(
+        self,
+        query: Query,
+        cycle_dir: Path,
+        parallelism: int,
+        *,
+        live_change=None,
+        checkpoint=None,
+        out=None,
+        cluster=None,
+        max_records: int | None = None,
+    ) -> Path:
         conf = {
             "spark.master": "local[2,4]",
             "spark.ui.enabled": "false",
@@ -347,13 +405,15 @@ class Campaign:
             conf.update(cluster.driver_conf())
             conf["spark.task.maxFailures"] = "4"
             conf["spark.state.sharedLocalStore"] = "true"  # the cluster's workers run on this machine
-        conf.update({
-            "spark.state.parallelism": str(parallelism),
-            "spark.state.store": self.store_uri(query),
-            "spark.state.checkpointsRetained": str(query.retained),
-            "spark.state.maxChainLength": str(query.max_chain),
-            "spark.state.orphanGraceSeconds": "60",
-        })
+        conf.update(
+            {
+                "spark.state.parallelism": str(parallelism),
+                "spark.state.store": self.store_uri(query),
+                "spark.state.checkpointsRetained": str(query.retained),
+                "spark.state.maxChainLength": str(query.max_chain),
+                "spark.state.orphanGraceSeconds": "60",
+            }
+        )
         key_space = getattr(query, "key_space", MAX_PARALLELISM)  # a query of a campaign resumed from before it
         if key_space is not None:
             conf["spark.state.maxParallelism"] = str(key_space)
@@ -381,7 +441,9 @@ class Campaign:
 
     def start_driver(self, spec: Path, cycle_dir: Path, plan: Path | None = None, cluster=None) -> subprocess.Popen:
         env = dict(cluster.process_env() if cluster is not None else os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(SITE), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
         env["PYSPARK_PYTHON"] = sys.executable
         env["PYSPARK_DRIVER_PYTHON"] = sys.executable
         env.pop(FAULT_PLAN_ENV, None)
@@ -389,9 +451,15 @@ class Campaign:
             env[FAULT_PLAN_ENV] = str(plan)
         log = open(cycle_dir / "driver.log", "ab")
         try:
-            return subprocess.Popen([sys.executable, "-m", "tests.campaign.driver", str(spec)], cwd=REPO, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            return subprocess.Popen(
+                [sys.executable, "-m", "tests.campaign.driver", str(spec)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
 
@@ -429,8 +497,11 @@ class Campaign:
             kind = None  # owed until a savepoint cycle made one
         if kind == "fork":
             query = self.new_query(self.pending.pop(self.rng.randrange(len(self.pending))))
-        elif kind == "kill_first_offsets" or not self.queries or (
-                len(self.queries) < len(self.shapes) and number % 2 == 0):
+        elif (
+            kind == "kill_first_offsets"
+            or not self.queries
+            or (len(self.queries) < len(self.shapes) and number % 2 == 0)
+        ):
             query = self.new_query()
         elif kind == "savepoint" and any(q.runs for q in self.queries):
             query = self.rng.choice([q for q in self.queries if q.runs])
@@ -491,8 +562,13 @@ class Campaign:
             # whose state is not there at all (a different error, as typed).
             expected = "StateBehindQueryError" if ManifestReader(storage).latest() is not None else "StateMissingError"
         else:
-            spec = self.spec(query, cycle_dir, self.rng.randint(1, self.max_parallelism),
-                             checkpoint=cycle_dir / "second-chk", out=cycle_dir / "second-out")
+            spec = self.spec(
+                query,
+                cycle_dir,
+                self.rng.randint(1, self.max_parallelism),
+                checkpoint=cycle_dir / "second-chk",
+                out=cycle_dir / "second-out",
+            )
             expected = "StateOfAnotherQueryError"
         (cycle_dir / "control" / "finish").write_text("")  # a start that is not refused ends by itself
         process = self.start_driver(spec, cycle_dir)
@@ -513,14 +589,17 @@ class Campaign:
             self.faults[kind] += 1
         files_after = store_files(storage)
         if kind == "second_checkpoint" and files_after != files_before:
-            self.problems.append(f"{cycle_dir.name}: the refused query changed the store: "
-                                 f"{sorted(set(files_after) ^ set(files_before))[:5]}")
+            self.problems.append(
+                f"{cycle_dir.name}: the refused query changed the store: "
+                f"{sorted(set(files_after) ^ set(files_before))[:5]}"
+            )
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         """``spark-state ARGS`` in a new process, as an operator runs it (beside a running query)."""
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        return subprocess.run([sys.executable, "-m", "spark_state", *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "spark_state", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
 
     def make_savepoint(self, query: Query, cycle_dir: Path) -> str | None:
         """``spark-state savepoint create`` on the query's store while it runs; the savepoint joins ``pending``.
@@ -535,8 +614,14 @@ class Campaign:
                 created = json.loads(result.stdout)
                 binding = created["binding"]
                 manifest = ManifestReader(self.storage(query)).load(created["checkpoint_id"])
-                self.pending.append({"parent": query.name, "uri": created["uri"], "drained": manifest.drained,
-                                     "batch": binding["batch_id"] if binding is not None else None})
+                self.pending.append(
+                    {
+                        "parent": query.name,
+                        "uri": created["uri"],
+                        "drained": manifest.drained,
+                        "batch": binding["batch_id"] if binding is not None else None,
+                    }
+                )
                 return created["uri"]
             if "holds no checkpoint" in result.stderr:
                 return None
@@ -567,15 +652,28 @@ class Campaign:
 
     def storage_plan(self, query: Query, cycle_dir: Path, kind: str) -> Path:
         """The fault plan of storage kind ``kind`` (``faults.storage_rule``) over this query's paths."""
-        rule = storage_rule(kind, self.rng, store=re.escape(query.store_location()), out=re.escape(str(query.out)),
-                            events=re.escape(str(self.root / "events")))
+        rule = storage_rule(
+            kind,
+            self.rng,
+            store=re.escape(query.store_location()),
+            out=re.escape(str(query.out)),
+            events=re.escape(str(self.root / "events")),
+        )
         plan = cycle_dir / "faults.json"
-        plan.write_text(json.dumps({"timeout_seconds": STORAGE_TIMEOUT_S, "rules": [rule],
-                                    "protect_session": os.getsid(0)}))
+        plan.write_text(
+            json.dumps({"timeout_seconds": STORAGE_TIMEOUT_S, "rules": [rule], "protect_session": os.getsid(0)})
+        )
         return plan
 
-    def run_driver(self, query: Query, cycle_dir: Path, kind: str | None, *, max_records: int | None = None,
-                   bound: float | None = None) -> None:
+    def run_driver(
+        self,
+        query: Query,
+        cycle_dir: Path,
+        kind: str | None,
+        *,
+        max_records: int | None = None,
+        bound: float | None = None,
+    ) -> None:
         parallelism = self.rng.randint(1, self.max_parallelism)
         live = None
         if self.rng.random() < 0.3:
@@ -638,12 +736,27 @@ class Campaign:
                 base = started + first_commit[0] if first_commit else None
             due = base is not None and now >= base + fault_delay and not injected
             if due and kind in TIMED:
-                what = TIMED[kind](Moment(self, process, query, cycle_dir, control, cluster, now - base - fault_delay,
-                                          query_started is not None))
+                what = TIMED[kind](
+                    Moment(
+                        self,
+                        process,
+                        query,
+                        cycle_dir,
+                        control,
+                        cluster,
+                        now - base - fault_delay,
+                        query_started is not None,
+                    )
+                )
                 if what is not None:
                     injected.append(what)
-            if not finished and query_started is not None and base is not None and now >= query_started + run_for and (
-                    kind not in TIMED or injected or now >= max(query_started, base) + run_for + fault_delay + 3):
+            if (
+                not finished
+                and query_started is not None
+                and base is not None
+                and now >= query_started + run_for
+                and (kind not in TIMED or injected or now >= max(query_started, base) + run_for + fault_delay + 3)
+            ):
                 done.set()
                 threads[0].join()
                 if kind == "drain":
@@ -659,8 +772,10 @@ class Campaign:
             time.sleep(0.1)
         if process.poll() is None:
             self.counts["hangs"] += 1
-            self.problems.append(f"{cycle_dir.name}: past the cycle bound of {self.cycle_timeout} s; stacks in "
-                                 f"{cycle_dir}/stacks and driver.log")
+            self.problems.append(
+                f"{cycle_dir.name}: past the cycle bound of {self.cycle_timeout} s; stacks in "
+                f"{cycle_dir}/stacks and driver.log"
+            )
             self.dump_and_kill(process, cycle_dir)
         done.set()
         for thread in threads:
@@ -688,13 +803,24 @@ class Campaign:
             self.faults[kind] += 1
         elif process.returncode not in (0, None, -signal.SIGKILL):
             self.counts["unexplained_failures"] += 1
-            self.problems.append(f"{cycle_dir.name}: the driver stopped with exit {process.returncode} and no "
-                                 f"injected fault explains it: {self.driver_error(cycle_dir)}")
+            self.problems.append(
+                f"{cycle_dir.name}: the driver stopped with exit {process.returncode} and no "
+                f"injected fault explains it: {self.driver_error(cycle_dir)}"
+            )
         if first_commit and query.runs > 0:
             self.recoveries.append(first_commit[0])
-        (cycle_dir / "cycle.json").write_text(json.dumps({
-            "kind": kind, "injected": injected, "parallelism": parallelism, "live_change": live,
-            "exit": process.returncode, "first_commit_s": first_commit[0] if first_commit else None}))
+        (cycle_dir / "cycle.json").write_text(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "injected": injected,
+                    "parallelism": parallelism,
+                    "live_change": live,
+                    "exit": process.returncode,
+                    "first_commit_s": first_commit[0] if first_commit else None,
+                }
+            )
+        )
 
     def _fired(self, plan: Path) -> list[dict]:
         counters = Path(f"{plan}.d")
@@ -707,11 +833,14 @@ class Campaign:
         text = (cycle_dir / "driver.log").read_text(errors="replace")
         relative = fired["path"].rsplit("/state/", 1)[-1].rsplit("/out/", 1)[-1].rsplit("/events/", 1)[-1]
         typed = any(f"{name}: " in text for name in TYPED_ERRORS) or any(
-            phrase in text for phrase in ("injected fault", "did not finish within", "No space left on device"))
+            phrase in text for phrase in ("injected fault", "did not finish within", "No space left on device")
+        )
         if not typed or relative not in text:
             self.counts["untyped_faults"] += 1
-            self.problems.append(f"{cycle_dir.name}: fault {fired} did not surface as a typed error naming "
-                                 f"{relative!r} (driver exit {code})")
+            self.problems.append(
+                f"{cycle_dir.name}: fault {fired} did not surface as a typed error naming "
+                f"{relative!r} (driver exit {code})"
+            )
 
     def python_process(self, session: int, role: str) -> int | None:
         """A random Python ``worker`` or instance ``host`` of the driver's session running now, if any.
@@ -764,7 +893,9 @@ class Campaign:
             self.s3.start()
             self.s3_state = {k: v for k, v in self.s3.__dict__.items() if k != "_proc"}
             os.environ.update({name: str(self.root / "s3" / f"aws-{name.lower()}") for name in AWS_FILES})
-            self.s3.write_aws_files(Path(os.environ["AWS_CONFIG_FILE"]), Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"]))
+            self.s3.write_aws_files(
+                Path(os.environ["AWS_CONFIG_FILE"]), Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"])
+            )
             self.s3.create_bucket(S3_BUCKET)
         return self.s3
 
@@ -791,8 +922,11 @@ class Campaign:
     # -- checks --------------------------------------------------------------------------------
 
     def check(self, query: Query, cycle_dir: Path) -> None:
-        problems = self.events.verify(since=None if len(self.queries) and self.counts["cycles"] % 10 == 0 else
-                                      {s: max(0, n - 2000) for s, n in self.events.end_offsets().items()})
+        problems = self.events.verify(
+            since=None
+            if len(self.queries) and self.counts["cycles"] % 10 == 0
+            else {s: max(0, n - 2000) for s, n in self.events.end_offsets().items()}
+        )
         self.problems.extend(f"{cycle_dir.name}: events log: {p}" for p in problems)
         self.counts["log_problems"] += len(problems)
         self.counts["cycles"] += 1
@@ -811,7 +945,11 @@ class Campaign:
             return
         for checkpoint_id in latest.consistent_checkpoints:
             manifest = reader.load(checkpoint_id)
-            if manifest.drained and manifest.binding is not None and manifest.binding.checkpoint_location == str(query.checkpoint):
+            if (
+                manifest.drained
+                and manifest.binding is not None
+                and manifest.binding.checkpoint_location == str(query.checkpoint)
+            ):
                 query.drained.add(manifest.binding.batch_id)
 
     def read_sink(self, query: Query, where: str) -> None:
@@ -836,8 +974,9 @@ class Campaign:
                 continue
             if commit.sink.batch < query.next_batch:  # checked as empty, written later
                 self.counts["wrong"] += 1
-                self.problems.append(f"{where}: {query.name} sink wrote batch {commit.sink.batch} after Spark "
-                                     "committed it")
+                self.problems.append(
+                    f"{where}: {query.name} sink wrote batch {commit.sink.batch} after Spark committed it"
+                )
                 continue
             query.sink[commit.sink.batch] = sorted(rows)
 
@@ -874,7 +1013,8 @@ class Campaign:
                     self.counts["wrong"] += 1
                 self.problems.append(
                     f"{where}: {query.name} batch {batch}: {len(missing)} rows missing "
-                    f"(e.g. {list(missing)[:2]}), {len(extra)} unexpected (e.g. {list(extra)[:2]})")
+                    f"(e.g. {list(missing)[:2]}), {len(extra)} unexpected (e.g. {list(extra)[:2]})"
+                )
             query.next_batch += 1
 
     def check_store(self, query: Query, where: str) -> None:
@@ -893,15 +1033,18 @@ class Campaign:
                     data = storage.read(path)
                     if len(data) != size or zlib.crc32(data) != crc:
                         self.counts["corrupt_commits"] += 1
-                        self.problems.append(f"{where}: {query.name} checkpoint {checkpoint_id} references {path}, "
-                                             "which does not match its recorded size and CRC-32")
+                        self.problems.append(
+                            f"{where}: {query.name} checkpoint {checkpoint_id} references {path}, "
+                            "which does not match its recorded size and CRC-32"
+                        )
 
     def final_state(self, query: Query) -> dict:
         storage = self.storage(query)
         latest = ManifestReader(storage).latest()
         component = latest.components[query.shape]
-        state, _ = restore_instance(BlobStore(storage), component, component.keyed_schema, 0, 1,
-                                    component.max_parallelism)
+        state, _ = restore_instance(
+            BlobStore(storage), component, component.keyed_schema, 0, 1, component.max_parallelism
+        )
         return {key[0]: value for _, key, value in state.table.items(0)}
 
     # -- the whole campaign --------------------------------------------------------------------
@@ -919,7 +1062,7 @@ class Campaign:
         os.replace(tmp, path)
 
     @classmethod
-    def resume(cls, root: Path) -> "Campaign":
+    def resume(cls, root: Path) -> Campaign:
         """The run saved in ``root``; appends of a cycle interrupted after the save are taken into the record
         (that cycle runs again, with fresh choices)."""
         campaign = pickle.loads((root / cls.STATE).read_bytes())
@@ -954,8 +1097,12 @@ class Campaign:
                 if self.stop_requested:
                     print(f"stopped after cycle {number}: continue with --resume {self.root}", file=sys.stderr)
                     return {**self.summary(_now() - started), "complete": False}
-                print(f"cycle {number}: {kind or 'none'}; faults so far {sum(self.faults.values())}, "
-                      f"problems {len(self.problems)}", file=sys.stderr, flush=True)
+                print(
+                    f"cycle {number}: {kind or 'none'}; faults so far {sum(self.faults.values())}, "
+                    f"problems {len(self.problems)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if progress is not None:
                     progress.write_text(json.dumps({**self.summary(_now() - started), "complete": False}) + "\n")
             for query in self.queries:
@@ -977,8 +1124,13 @@ class Campaign:
             offsets = read_offsets(query.checkpoint)
             done = offsets[query.next_batch - 1][0] if query.next_batch - 1 in offsets else query.starting
             backlog = sum(self.events.end_offsets().values()) - sum(done.values())
-            self.run_driver(query, cycle_dir, "drain", max_records=FINAL_DRAIN_RECORDS,
-                            bound=self.cycle_timeout + backlog / FINAL_DRAIN_EVENTS_PER_S)
+            self.run_driver(
+                query,
+                cycle_dir,
+                "drain",
+                max_records=FINAL_DRAIN_RECORDS,
+                bound=self.cycle_timeout + backlog / FINAL_DRAIN_EVENTS_PER_S,
+            )
             self.faults["drain"] -= 1 if json.loads((cycle_dir / "cycle.json").read_text())["injected"] else 0
             query.runs += 1
             self.check(query, cycle_dir)
@@ -987,8 +1139,10 @@ class Campaign:
         else:
             self.problems.append(f"{query.name}: the final drain did not happen")
             return
-        if query.next_batch - 1 not in query.drained or self.events.end_offsets() != read_offsets(
-                query.checkpoint)[query.next_batch - 1][0]:
+        if (
+            query.next_batch - 1 not in query.drained
+            or self.events.end_offsets() != read_offsets(query.checkpoint)[query.next_batch - 1][0]
+        ):
             self.problems.append(f"{query.name}: the drained batch does not end at the end of the log")
             return
         stored = self.final_state(query)
@@ -1000,8 +1154,9 @@ class Campaign:
         if stored != expected:
             self.counts["wrong"] += 1
             diff = sorted(set(stored.items()) ^ set(expected.items()), key=repr)[:4]
-            self.problems.append(f"{query.name}: final state differs from the model ({len(stored)} vs "
-                                 f"{len(expected)} keys), e.g. {diff}")
+            self.problems.append(
+                f"{query.name}: final state differs from the model ({len(stored)} vs {len(expected)} keys), e.g. {diff}"
+            )
 
     def kinds(self) -> list[str]:
         """The fault kinds this run may inject."""
@@ -1032,8 +1187,9 @@ class Campaign:
             "queries": len(self.queries),
             "queries_on_s3": sum(1 for q in self.queries if getattr(q, "s3_prefix", None)),
             "queries_forked": sum(1 for q in self.queries if getattr(q, "origin", None)),
-            "queries_default_key_space": sum(1 for q in self.queries
-                                             if getattr(q, "key_space", MAX_PARALLELISM) is None),
+            "queries_default_key_space": sum(
+                1 for q in self.queries if getattr(q, "key_space", MAX_PARALLELISM) is None
+            ),
             "memory_bound": getattr(self, "memory_bound", None),
             "key_groups_evicted": self.counts["key_groups_evicted"],
             "key_groups_loaded_back": self.counts["key_groups_loaded"],
@@ -1067,16 +1223,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-parallelism", type=int, default=9)
     parser.add_argument("--no-cluster", action="store_true", help="skip the executor kills on a standalone cluster")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"query shapes to use, of {','.join(SHAPES)}")
-    parser.add_argument("--kinds", default=None,
-                        help="the fault kind of each cycle, comma-separated ('none' for none); default: random")
-    parser.add_argument("--s3", action="store_true",
-                        help="keep every other new query's state store on a SeaweedFS S3 server on loopback")
-    parser.add_argument("--savepoints", action="store_true",
-                        help="also create savepoints while queries run and fork new queries from them")
-    parser.add_argument("--memory-bound", default=None, metavar="SIZE",
-                        help="run every query with spark.state.residentMemory=SIZE (e.g. 1m: constant evictions)")
-    parser.add_argument("--resume", type=Path, default=None, metavar="ROOT",
-                        help="continue the run whose working directory is ROOT after its last finished cycle")
+    parser.add_argument(
+        "--kinds", default=None, help="the fault kind of each cycle, comma-separated ('none' for none); default: random"
+    )
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="keep every other new query's state store on a SeaweedFS S3 server on loopback",
+    )
+    parser.add_argument(
+        "--savepoints",
+        action="store_true",
+        help="also create savepoints while queries run and fork new queries from them",
+    )
+    parser.add_argument(
+        "--memory-bound",
+        default=None,
+        metavar="SIZE",
+        help="run every query with spark.state.residentMemory=SIZE (e.g. 1m: constant evictions)",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="ROOT",
+        help="continue the run whose working directory is ROOT after its last finished cycle",
+    )
     args = parser.parse_args(argv)
     if args.resume is not None:
         campaign = Campaign.resume(args.resume.resolve())
@@ -1085,10 +1257,20 @@ def main(argv: list[str] | None = None) -> int:
             import tempfile
 
             args.root = Path(tempfile.mkdtemp(prefix="campaign-"))
-        campaign = Campaign(args.root.resolve(), args.seed, args.cycles, args.cycle_timeout,
-                            cluster_cycles=not args.no_cluster, max_parallelism=args.max_parallelism,
-                            shapes=tuple(args.shapes.split(",")), kinds=args.kinds.split(",") if args.kinds else None,
-                            s3=args.s3, savepoints=args.savepoints, memory_bound=args.memory_bound)
+        campaign = Campaign(
+            args.root.resolve(),
+            args.seed,
+            args.cycles,
+            args.cycle_timeout,
+            cluster_cycles=not args.no_cluster,
+            max_parallelism=args.max_parallelism,
+            shapes=tuple(args.shapes.split(",")),
+            kinds=args.kinds.split(",") if args.kinds else None,
+            s3=args.s3,
+            savepoints=args.savepoints,
+            memory_bound=args.memory_bound,
+        )
+
     def stop(*_) -> None:
         """First SIGTERM: finish the cycle, save, stop (resumable). Second: stop now (the cluster too)."""
         if campaign.stop_requested:
