@@ -32,7 +32,7 @@ BASE_MTIME = 1_700_000_000
 
 def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
     """A ``local[cores]`` session with the UI and AQE off; the Python workers run this interpreter and talk
-    to the JVM over Unix sockets (``spark.python.unix.domain.socket.enabled``, as the README advises: every
+    to the JVM over Unix sockets (``spark.python.unix.domain.socket.enabled``, as the README's settings advise: every
     system with Python tasks, ours and Spark's Python APIs alike, gains; the JVM's own state stores have none).
 
     ``spark.sql.shuffle.partitions`` starts at 2; set it to the parallelism

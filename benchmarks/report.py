@@ -1,8 +1,8 @@
-"""Write the README's results section from ``benchmarks/results/*.json``: no number in it is typed by hand.
+"""Write the benchmarks page's results section (``docs/benchmarks.md``) from ``benchmarks/results/*.json``: no number in it is typed by hand.
 
-Run: ``./run bench report`` rewrites the part of README.md between
+Run: ``./run bench report`` rewrites the part of docs/benchmarks.md between
 ``<!-- results:begin -->`` and ``<!-- results:end -->``; ``./run bench report
---check`` exits 1 if the README is out of date with the results (the test
+--check`` exits 1 if the page is out of date with the results (the test
 suite runs it). For each benchmark the full-mode results are used when they
 exist, the quick ones otherwise; every table names the file and the command
 it comes from.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "benchmarks.md"
+"""The page whose results section this writes (the documentation, built by ``mkdocs``)."""
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
@@ -125,7 +126,7 @@ def _source_line(data: dict, file: str) -> str:
 
 def rescale_section(data: dict, file: str) -> list[str]:
     out = [
-        "### Rescale: stop, change parallelism, first batch done",
+        "## Rescale: stop, change parallelism, first batch done",
         "",
         _source_line(data, file),
         "",
@@ -172,12 +173,12 @@ def rescale_section(data: dict, file: str) -> list[str]:
         out += [
             "",
             f"Our new instances, over all pairs and sizes (the median repeats): {hosts[0]} took an idle "
-            f"instance host that an earlier run left (`hosts._adopt`), {hosts[1]} forked a new one.",
+            f"instance host that an earlier run left (`hosts.adoption.adopt`), {hosts[1]} forked a new one.",
         ]
     restart = [t for t in data.get("targets", []) if t.get("kind") == "restart"]
     if restart:
         out += ["", _targets(restart)]
-    out += ["", f"![rescale](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    out += ["", f"![rescale](../benchmarks/results/{file.replace('.json', '.png')})", ""]
     if data.get("live"):
         out += live_rescale_lines(data)
     return out
@@ -211,7 +212,7 @@ def live_rescale_lines(data: dict) -> list[str]:
     """The live rescales: a running query's first batch at each new parallelism against its steady batches."""
     first = data["live"][0]
     out = [
-        "#### Live rescale: the parallelism of a running query changed between batches",
+        "## Live rescale: the parallelism of a running query changed between batches",
         "",
         f"One running count per size, batches of {first['rows_per_batch']:,} rows over all keys, parallelism "
         f"walking {' → '.join(map(str, first['chain']))} ({len(first['batches']) - 1} batches after the "
@@ -233,7 +234,7 @@ def live_rescale_lines(data: dict) -> list[str]:
 
 def rescale_s3_section(data: dict, file: str) -> list[str]:
     out = [
-        "### Rescale with the state on S3",
+        "## Rescale with the state on S3",
         "",
         _source_line(data, file),
         "",
@@ -263,7 +264,7 @@ def rescale_s3_section(data: dict, file: str) -> list[str]:
         "",
         _targets(data["targets"]),
         "",
-        f"![rescale on S3](benchmarks/results/{file.replace('.json', '.png')})",
+        f"![rescale on S3](../benchmarks/results/{file.replace('.json', '.png')})",
         "",
     ]
     return out
@@ -279,7 +280,7 @@ def commit_section(data: dict, file: str) -> list[str]:
     }
     local, s3 = data["runs"]["local"], data["runs"]["s3"]
     out = [
-        "### Checkpoint cost on S3 vs local disk",
+        "## Checkpoint cost on S3 vs local disk",
         "",
         _source_line(data, file),
         "",
@@ -305,7 +306,7 @@ def commit_section(data: dict, file: str) -> list[str]:
         "Loopback answers in a few milliseconds; against a real region, budget each request's latency "
         "(tens of milliseconds) times these counts per checkpoint.",
         "",
-        f"![commit](benchmarks/results/{file.replace('.json', '.png')})",
+        f"![commit](../benchmarks/results/{file.replace('.json', '.png')})",
         "",
     ]
     return out
@@ -345,7 +346,7 @@ def throughput_section(data: dict, file: str) -> list[str]:
     t = data["throughput"]
     systems = list(next(iter(t["by_parallelism"].values()))["rows_per_s"])
     out = [
-        "### Throughput and state size",
+        "## Throughput and state size",
         "",
         _source_line(data, file),
         "",
@@ -444,7 +445,7 @@ def throughput_section(data: dict, file: str) -> list[str]:
                 ]
             ),
         ]
-    out += ["", f"![keyed](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    out += ["", f"![keyed](../benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
 
@@ -452,7 +453,7 @@ def memory_section(data: dict, file: str) -> list[str]:
     """``bench_memory``: the state kept under each bound, the peak of a batch, the hosts' RSS, the batch cost."""
     runs, mib = data["runs"], 1 << 20
     out = [
-        "### Memory bound",
+        "## Memory bound",
         "",
         _source_line(data, file),
         "",
@@ -497,7 +498,7 @@ def memory_section(data: dict, file: str) -> list[str]:
         "",
         _targets(data["targets"]),
         "",
-        f"![memory](benchmarks/results/{file.replace('.json', '.png')})",
+        f"![memory](../benchmarks/results/{file.replace('.json', '.png')})",
         "",
     ]
     return out
@@ -506,7 +507,7 @@ def memory_section(data: dict, file: str) -> list[str]:
 def checkpoint_section(data: dict, file: str) -> list[str]:
     runs = data["runs"]
     out = [
-        "### Checkpoint cost",
+        "## Checkpoint cost",
         "",
         _source_line(data, file),
         "",
@@ -539,7 +540,7 @@ def checkpoint_section(data: dict, file: str) -> list[str]:
         f"{runs['no_compaction']['bytes_model']['bytes_per_entry']:.0f} B per key group touched + "
         f"{runs['no_compaction']['bytes_model']['bytes_per_row']:.1f} B per changed key.",
         "",
-        f"![checkpoint](benchmarks/results/{file.replace('.json', '.png')})",
+        f"![checkpoint](../benchmarks/results/{file.replace('.json', '.png')})",
         "",
     ]
     return out
@@ -555,7 +556,7 @@ def time_section(data: dict, file: str) -> list[str]:
     }
     first, last = t["compared_batches"]
     out = [
-        "### Time: sessions, time to live, timers",
+        "## Time: sessions, time to live, timers",
         "",
         _source_line(data, file),
         "",
@@ -583,7 +584,7 @@ def time_section(data: dict, file: str) -> list[str]:
         *_timer_checkpoint_lines(data.get("timer_checkpoint")),
         _targets(data["targets"]),
         "",
-        f"![time](benchmarks/results/{file.replace('.json', '.png')})",
+        f"![time](../benchmarks/results/{file.replace('.json', '.png')})",
         "",
     ]
     return out
@@ -607,7 +608,7 @@ def _timer_checkpoint_lines(k: dict | None) -> list[str]:
 
 def manifest_section(data: dict, file: str) -> list[str]:
     out = [
-        "### Manifest per checkpoint",
+        "## Manifest per checkpoint",
         "",
         f"From `benchmarks/results/{file}` (`{data['command']}`, load average "
         f"{data['environment']['load_average_1m']} at start).",
@@ -629,14 +630,14 @@ def manifest_section(data: dict, file: str) -> list[str]:
             f"{f['warm_load_seconds']['median']:.4f} | {d['cold_load_seconds']['median']:.3f} / "
             f"{f['cold_load_seconds']['median']:.3f} |"
         )
-    out += ["", _targets(data["targets"]), "", f"![manifest](benchmarks/results/{file.replace('.json', '.png')})", ""]
+    out += ["", _targets(data["targets"]), "", f"![manifest](../benchmarks/results/{file.replace('.json', '.png')})", ""]
     return out
 
 
 def reader_section(data: dict, file: str) -> list[str]:
     store, rates, cli = data["store"], data["rows_per_s"], data["cli"]
     out = [
-        "### Reading state out: the `spark-state` source and the CLI",
+        "## Reading state out: the `spark-state` source and the CLI",
         "",
         _source_line(data, file),
         "",
@@ -662,7 +663,7 @@ def reader_section(data: dict, file: str) -> list[str]:
         "",
         _targets(data["targets"]),
         "",
-        f"![reader](benchmarks/results/{file.replace('.json', '.png')})",
+        f"![reader](../benchmarks/results/{file.replace('.json', '.png')})",
         "",
     ]
     return out
@@ -677,7 +678,7 @@ def parts_section(keygroups: tuple[dict, str], source: tuple[dict, str], restore
     whole = [p["whole_blob_amplification"] for p in r["pairs"]]
     pairs = ", ".join(f"{p['old_parallelism']}→{p['new_parallelism']}" for p in r["pairs"])
     return [
-        "### Key-group math, restore planning and the source",
+        "## Key-group math, restore planning and the source",
         "",
         "| what | command | result |",
         "| --- | --- | --- |",
@@ -738,7 +739,7 @@ def behind_section(
     rescale_long: dict | None = None,
 ) -> list[str]:
     """Every place the numbers show us behind what a user would use instead, with by how much."""
-    out = ["### Where we are behind", ""]
+    out = ["## Where we are behind", ""]
     for target in rescale.get("targets", []):
         if not target["met"]:
             out.append(f"- Rescale, target missed: {target['target']}: {target['value']}.")
@@ -953,7 +954,7 @@ def campaign_section(data: dict, file: str) -> list[str]:
         f"final drains yet; `./run campaign --resume DIR` continues it), {data['queries']} queries,"
     )
     out = [
-        "### Fault campaign",
+        "## Fault campaign",
         "",
         f"From `benchmarks/results/{file}` (`{data.get('command', 'seed ' + str(data['seed']))}`"
         + (f", stopped and resumed {resumed} time{'s' if resumed > 1 else ''} with `--resume`" if resumed else "")
@@ -1148,9 +1149,9 @@ def render(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def updated_readme(readme: str, section: str) -> str:
+def updated_page(readme: str, section: str) -> str:
     if readme.count(BEGIN) != 1 or readme.count(END) != 1:
-        raise MissingResults(f"README.md must contain {BEGIN} and {END} once each")
+        raise MissingResults(f"{PAGE} must contain {BEGIN} and {END} once each")
     head, rest = readme.split(BEGIN)
     _, tail = rest.split(END)
     return head + section + tail
@@ -1158,17 +1159,17 @@ def updated_readme(readme: str, section: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the results")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md differs from the results")
     args = parser.parse_args(argv)
-    readme = README.read_text()
-    new = updated_readme(readme, render())
+    readme = PAGE.read_text()
+    new = updated_page(readme, render())
     if args.check:
         if new != readme:
-            print("README.md results section is out of date: run ./run bench report", file=sys.stderr)
+            print(f"the results section of {PAGE} is out of date: run ./run bench report", file=sys.stderr)
             return 1
         return 0
-    README.write_text(new)
-    print(f"wrote the results section of {README}")
+    PAGE.write_text(new)
+    print(f"wrote the results section of {PAGE}")
     return 0
 
 

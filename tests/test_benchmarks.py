@@ -2,8 +2,8 @@
 
 The Spark benchmarks run their ``SMOKE`` configuration in the test session
 (the same code as quick and full mode, smaller sizes), then plot and render
-the README section from what they produced. The last test fails when the
-README's results section is out of date with ``benchmarks/results``.
+the benchmarks page's section from what they produced. The last test fails when the
+page's results section (``docs/benchmarks.md``) is out of date with ``benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def test_manifest_benchmark_runs(tmp_path):
 def test_report_renders_smoke_results(
     results, rescale, keyed, checkpoint, rescale_s3, commit, reader, time_result, memory
 ):
-    """The README section renders from the smoke runs' files (plus the committed others)."""
+    """The results section renders from the smoke runs' files (plus the committed others)."""
     for name in ("keygroups.json", "source.json", "restore.json", "manifest.json", "campaign.json"):
         shutil.copy(report.RESULTS / name, results / name)
     text = report.render(results)
@@ -398,7 +398,7 @@ def test_rescale_with_long_keys_renders_its_restarts_live_rescales_and_missed_ta
 
 
 def test_readme_results_match_the_results_files():
-    assert report.main(["--check"]) == 0, "README.md is out of date with benchmarks/results: ./run bench report"
+    assert report.main(["--check"]) == 0, "docs/benchmarks.md is out of date with benchmarks/results: ./run bench report"
 
 
 def test_report_refuses_missing_results(tmp_path):

@@ -1,6 +1,6 @@
 """A short seeded run of the fault campaign (``tests/campaign``): every cycle's output exact, nothing hangs.
 
-The committed long run is ``benchmarks/results/campaign.json`` (seed 20261123; see the README).
+The committed long run is ``benchmarks/results/campaign.json`` (seed 20261123; see docs/guarantees.md).
 """
 
 from __future__ import annotations

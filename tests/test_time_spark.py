@@ -391,7 +391,7 @@ def test_a_timer_with_a_value_that_is_not_a_time_is_refused_naming_it():
 
 
 def test_the_readme_alert_example_alerts_only_for_the_unconfirmed_order(spark, tmp_path):
-    def on_order(key, rows, state):  # as in the README
+    def on_order(key, rows, state):  # as in docs/time.md
         if (rows["kind"] == "confirmed").any():
             state.remove()
         elif not state.exists:

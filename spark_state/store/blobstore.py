@@ -41,7 +41,7 @@ from spark_state.store.restore import InstanceRestorePlan
 
 RECOVERY = (
     "start a new checkpointLocation from an older retained checkpoint (spark.state.restoreFrom=<id>; see "
-    "'Guarantees and failure handling' in the README)"
+    "docs/guarantees.md)"
 )
 """What to do about a damaged or missing file of a committed checkpoint, for messages."""
 BLOBS_DIR = "blobs"
