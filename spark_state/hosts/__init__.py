@@ -32,8 +32,7 @@ store no longer needs, spares first, to serve the instance instead
 rescaled away from its instance, idle at least ``adoption.ADOPT_IDLE_SECONDS`` and
 holding at most ``adoption.ADOPT_MAX_KEYS`` keys, drops its state and moves to the
 new address; a new host's first task would otherwise copy every page it
-touches from its worker (0.3-0.7 s of CPU in a restart at 100k keys and
-eight new instances). Only when none agrees does the worker fork one
+touches from its worker (a large share of a restart's CPU). Only when none agrees does the worker fork one
 (forking skips an interpreter start-up, which would cost each new instance
 a third of a second; the worker reaps it once it has exited). An obsolete
 host that no worker adopted becomes a spare holding nothing (``adoption.spare``,
@@ -59,14 +58,14 @@ Garbage: a host freezes what it inherits from its worker when it starts,
 and after each task collects the young garbage the task left and freezes
 what survives (``gc.freeze``), so Python's collector never walks the state's
 millions of objects in a later batch: at 5M keys per host, a full collection
-paused whichever batch it fell in by 0.1-0.6 s. Objects are still freed when
+paused whichever batch it fell in. Objects are still freed when
 their last reference goes; only cyclic garbage that aged during a task, or
 among frozen objects, waits for the full collection a host runs once every
 ``policy.FULL_COLLECTION_TASKS`` tasks. A worker freezes its own objects (PySpark,
 pyarrow, pandas: most of its heap) at its first task for a host and before
 each fork (``process.freeze_worker``, as Python's documentation advises before a fork
 without exec): its collector no longer walks them. Those walks cost each
-worker about 55 ms of CPU per task and dirtied the pages it shares with the
+worker CPU in every task and dirtied the pages it shares with the
 hosts it forked (each first write copies the page).
 
 The modules, each one job: ``wire`` (frames), ``trust`` (the private

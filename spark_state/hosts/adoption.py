@@ -35,7 +35,7 @@ ADOPT_ANSWER_SECONDS = 0.25
 
 SPARE_HOSTS = 8
 """At most this many obsolete hosts per executor stay, holding no state, for new instances to adopt (``spare``);
-each keeps 13-22 MB of memory of its own (measured after restarts at 100k keys)."""
+each keeps some memory of its own (tens of megabytes)."""
 
 
 SPARE = "spare"
@@ -52,8 +52,7 @@ def adopt(address: Path) -> bool:
 
     A new instance's host is otherwise a fork of this worker, and its first
     task writes to a few thousand pages it shares with the worker, each
-    copied on that first write: at 100k keys and eight new instances, the
-    new hosts spent 0.3-0.7 s of CPU that way. An idle host of a stopped run,
+    copied on that first write, which costs a restart much of its CPU. An idle host of a stopped run,
     of a deleted store or rescaled away from its instance (``policy.obsolete``), as
     left by a restart at a new parallelism, has all of those pages of its
     own already. The worker asks up to ``ADOPT_CANDIDATES`` hosts: spares

@@ -17,15 +17,11 @@ _WORKER_FROZEN = False
 def freeze_worker() -> None:
     """Freeze the objects this worker holds (``gc.freeze``): at its first task for a host, and before each fork.
 
-    A PySpark worker holds about 95 MB of objects (PySpark, pyarrow,
-    pandas) that live as long as it does, and its collections walked them:
-    measured with ``spark.state.parallelism`` 2 and 100k-row batches, the
-    two workers spent 1.0-1.1 s of CPU in nine batches (about 55 ms a
-    task), against 0.1 s frozen. A walk also writes to every page it
-    crosses, and each page a worker shares with a host it forked is copied
-    on its first write: in a restart at 100k keys, a worker took about
-    7,000 page faults per host it started (its task included), about
-    1,300 frozen.
+    A PySpark worker holds tens of megabytes of objects (PySpark, pyarrow,
+    pandas) that live as long as it does, and its collections walked them
+    in every task. A walk also writes to every page it crosses, and each
+    page a worker shares with a host it forked is copied on its first
+    write: frozen, a worker's forks share most of its pages.
     A worker that carries tasks but never forks (started after the hosts,
     say once PySpark replaced an idle one) freezes at its first task.
     Frozen objects are still freed when their last reference goes; only
@@ -41,9 +37,8 @@ def freeze_worker() -> None:
 def start_host(address: Path, daemon_pid: int, log: Path, store_uri: str) -> int:
     """Fork the host from this worker (its modules are loaded: no interpreter start-up); its pid.
 
-    One fork, not the double fork of a daemon (a quarter of its cost: the
-    second fork copied the page tables of a worker's heap again, about 9 ms
-    per new host): the host is this worker's child, which the worker reaps
+    One fork, not the double fork of a daemon (the second fork would copy
+    the page tables of a worker's heap again): the host is this worker's child, which the worker reaps
     once it exits (``reap_hosts``, at its next connection); a host whose
     worker is gone is an orphan, reaped by the system like any other.
     In the host, standard input is ``/dev/null``, output goes to ``log`` and
@@ -89,11 +84,10 @@ _PRELOADED: set[str] = set()
 def load_host_modules(store_uri: str) -> None:
     """Import what a host's first task would: the operator and the storage backends with what they import
     lazily (a thread pool for timeouts, fault injection), pandas and pyarrow's pandas layer, which pyarrow
-    imports on its first conversion to NumPy (a quarter of a second, paid by every new host on its first
-    batch otherwise), Acero, which a built-in aggregate whose partials are not Spark's imports on its
-    first ``group_by`` (20-30 ms per new host); and for a remote store its client library and models
-    (``storage.preload``: for S3 a quarter of a second more per new host, every instance of a restart or a
-    rescale)."""
+    imports on its first conversion to NumPy (paid by every new host on its first batch otherwise), Acero,
+    which a built-in aggregate whose partials are not Spark's imports on its first ``group_by``; and for a
+    remote store its client library and models (``storage.preload``: for S3, boto3's models and the
+    credentials), which every instance of a restart or a rescale would load again."""
     import concurrent.futures  # noqa: F401
 
     import pandas  # noqa: F401
