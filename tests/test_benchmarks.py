@@ -398,7 +398,9 @@ def test_rescale_with_long_keys_renders_its_restarts_live_rescales_and_missed_ta
 
 
 def test_readme_results_match_the_results_files():
-    assert report.main(["--check"]) == 0, "docs/benchmarks.md is out of date with benchmarks/results: ./run bench report"
+    assert report.main(["--check"]) == 0, (
+        "docs/benchmarks.md is out of date with benchmarks/results: ./run bench report"
+    )
 
 
 def test_report_refuses_missing_results(tmp_path):

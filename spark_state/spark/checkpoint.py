@@ -222,6 +222,11 @@ class SparkCheckpoint:
         ids = [int(name) for name in self._names("commits") if name.isdigit()]
         return max(ids) if ids else None
 
+    def has_planned_batch(self) -> bool:
+        """Whether Spark wrote any micro-batch's offsets (``offsets/N``) here: a query that has none starts as new,
+        and Spark then requires ``<checkpointLocation>/state`` to be empty."""
+        return any(name.isdigit() for name in self._names("offsets"))
+
     def clear_interrupted_first_batch(self) -> list[str]:
         """Delete the leftovers of a first ``offsets/0`` write that a killed driver interrupted; return them."""
         offsets = self._names("offsets")

@@ -46,6 +46,7 @@ from spark_state.spark.sinks import open_sink
 from spark_state.spark.stop_watch import watch as watch_stops
 from spark_state.store.manifest import check_component_name
 from spark_state.store.startfrom import start_from_savepoint
+from spark_state.store.stops import STOPPED, unneeded_stop_record
 
 _LOG = logging.getLogger(__name__)
 
@@ -378,6 +379,7 @@ class StatefulStreamWriter:
         conf = batch.conf()  # fail now on bad settings, not at the first batch
         spark_checkpoint.clear_interrupted_first_batch()
         manifests = batch.coordinator(conf).manifests
+        _clear_unneeded_stop_record(spark_checkpoint, manifests.storage)
         savepoint, allow = self._savepoint or (conf.from_savepoint, conf.allow_non_restored)
         if savepoint and conf.restore_from is not None:
             raise ConfigError(
@@ -419,6 +421,20 @@ class StatefulStreamWriter:
         # the interpreter from this one for a while.
         batch.prepare_plan(conf.parallelism, conf.key_space(batch.key_space))
         return StatefulQuery(query, batch)
+
+
+def _clear_unneeded_stop_record(spark_checkpoint: SparkCheckpoint, storage) -> None:
+    """Before a query's first batch, delete a stop record that is all its store holds (``stops``): an earlier
+    version recorded a run stopped before its first batch, and in the default store, Spark's
+    ``<checkpointLocation>/state``, it made every later start fail (``STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY``)."""
+    if not spark_checkpoint.has_planned_batch() and unneeded_stop_record(storage):
+        storage.delete(STOPPED)
+        _LOG.warning(
+            "removed %s/%s, the record of a run stopped before its first batch: the store held nothing "
+            "else, and Spark starts a new query only on an empty state directory",
+            storage.uri,
+            STOPPED,
+        )
 
 
 class StatefulQuery:

@@ -19,14 +19,34 @@ import time
 
 from spark_state.errors import BlobNotFoundError
 from spark_state.storage.base import Storage
+from spark_state.store.blobstore import BLOBS_DIR
+from spark_state.store.manifestlog import CHECKPOINTS_DIR
 
 STOPPED = "stopped-run.json"
 
 
-def record_stop(storage: Storage, run_id: str) -> None:
-    """Record in ``storage`` that the run ``run_id`` stopped (replacing the record of an earlier run)."""
+def record_stop(storage: Storage, run_id: str) -> bool:
+    """Record in ``storage`` that the run ``run_id`` stopped (replacing the record of an earlier run); whether it
+    did.
+
+    A store that holds nothing yet (no blob, no checkpoint) gets no record:
+    no task of the run wrote anything (a task writes its blob first), so no
+    host holds its state, and the default store is Spark's
+    ``<checkpointLocation>/state``, which Spark requires to be empty when a
+    query without offsets starts: a record there would stop every later start
+    of the query (``unneeded_stop_record`` removes one an earlier version left).
+    """
+    if not (storage.exists(BLOBS_DIR) or storage.exists(CHECKPOINTS_DIR)):
+        return False
     body = {"run_id": run_id, "stopped_at": time.time()}
     storage.create(STOPPED, json.dumps(body).encode(), overwrite=True)
+    return True
+
+
+def unneeded_stop_record(storage: Storage) -> bool:
+    """Whether ``storage`` holds our stop record and nothing else: a run stopped before any of its tasks wrote
+    (an earlier version recorded it), which the caller may delete so that Spark can start the query."""
+    return storage.list("") == [STOPPED]
 
 
 def stopped_run(storage: Storage) -> str | None:

@@ -124,6 +124,9 @@ def run(spec: dict) -> int:
             .start()
         )
         (control / "started").write_text(str(query.run_id))
+        if spec.get("stop_at_start"):  # a stop before the first batch: every later start must still work
+            query.stop()
+            return 0
         changed = spec.get("live_change") is None
         while query.isActive:
             if not changed and len(query.batches) >= spec["live_change"][1]:

@@ -16,7 +16,7 @@ in ``DESCRIPTIONS``; a cycle's kind is injected by the table of its shape:
 its shape. The checks need no change: whatever the fault, every batch must
 come out exact (``supervisor``). Kinds with a protocol of their own (the
 refusals ``delete_newest_record`` and ``second_checkpoint``, ``drain``,
-``fork``) are driven by the supervisor's ``run_cycle``.
+``fork``, ``stop_before_first_batch``) are driven by the supervisor's ``run_cycle``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ DESCRIPTIONS = {
     "kill_after_offsets": "SIGKILL once Spark wrote an offsets entry",
     "kill_after_commit": "SIGKILL once Spark wrote a commit entry",
     "kill_first_offsets": "SIGKILL while Spark writes a new query's first offsets entry",
+    "stop_before_first_batch": "a new query, its store in its checkpoint location, stopped right after it started",
     "kill_after_sink_commit": "SIGKILL once the replayable sink committed a batch",
     "kill_worker": "SIGKILL of a Python worker",
     "kill_host": "SIGKILL of an instance host, one running a task if any",
@@ -70,7 +71,7 @@ KILLS = (
 )
 STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
 REFUSALS = ("delete_newest_record", "second_checkpoint")
-FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain") + STORAGE + REFUSALS
+FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain", "stop_before_first_batch") + STORAGE + REFUSALS
 SAVEPOINT_KINDS = ("savepoint", "fork")
 """With ``--savepoints``: a savepoint created while the query runs, and a new query forked from one."""
 assert set(DESCRIPTIONS) == set(FAULT_KINDS + SAVEPOINT_KINDS), "every fault kind is described"

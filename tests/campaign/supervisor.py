@@ -159,7 +159,8 @@ class Query:
 
     @property
     def store(self) -> Path:
-        return self.root / "state"
+        """Beside the checkpoint, or (``in_checkpoint``) the default store, ``<checkpointLocation>/state``."""
+        return self.checkpoint / "state" if getattr(self, "in_checkpoint", False) else self.root / "state"
 
     def store_uri(self, s3=None) -> str:
         """Its state store: the local path, or the ``s3://`` URI on ``s3`` (the campaign's ``SeaweedS3``)."""
@@ -325,7 +326,7 @@ class Campaign:
             head += [None] * (self.cycles - len(head))
         return head
 
-    def new_query(self, fork: dict | None = None) -> Query:
+    def new_query(self, fork: dict | None = None, *, in_checkpoint: bool = False) -> Query:
         """A new query of the next shape; with ``fork`` (a pending savepoint), one started from that savepoint."""
         shapes = self.shapes
         if fork is not None:
@@ -353,6 +354,8 @@ class Campaign:
         if fork is not None:
             query.origin, query.base = fork["uri"], copy.deepcopy(model)
             query.key_space = getattr(parent, "key_space", MAX_PARALLELISM)  # the savepoint's, or unset
+        # Every third query (and each stopped before its first batch) keeps its store where a query does by default.
+        query.in_checkpoint = (in_checkpoint or len(self.queries) % 3 == 2) and query.s3_prefix is None and fork is None
         self.queries.append(query)
         return query
 
@@ -498,11 +501,11 @@ class Campaign:
         if kind == "fork":
             query = self.new_query(self.pending.pop(self.rng.randrange(len(self.pending))))
         elif (
-            kind == "kill_first_offsets"
+            kind in ("kill_first_offsets", "stop_before_first_batch")
             or not self.queries
             or (len(self.queries) < len(self.shapes) and number % 2 == 0)
         ):
-            query = self.new_query()
+            query = self.new_query(in_checkpoint=kind == "stop_before_first_batch")
         elif kind == "savepoint" and any(q.runs for q in self.queries):
             query = self.rng.choice([q for q in self.queries if q.runs])
         else:
@@ -685,6 +688,8 @@ class Campaign:
         if kind == "fork" and self.rng.random() < 0.5:  # killed at its store's 1st-3rd file: mostly in the copy
             plan = self.storage_plan(query, cycle_dir, "kill_after_blob")
         spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster, max_records=max_records)
+        if kind == "stop_before_first_batch":
+            spec.write_text(json.dumps({**json.loads(spec.read_text()), "stop_at_start": True}))
         before = committed_batches(query.checkpoint)
         control = cycle_dir / "control"
         started = _now()
@@ -781,6 +786,8 @@ class Campaign:
         for thread in threads:
             thread.join()
         self.kill(process)  # reap anything left of its session
+        if kind == "stop_before_first_batch" and process.returncode == 0 and not read_offsets(query.checkpoint):
+            injected.append("stopped before its first batch")
         if plan is not None:
             fired = json.loads(plan.read_text()) and self._fired(plan)
             if fired:
