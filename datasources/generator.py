@@ -98,13 +98,14 @@ class GeneratorSpec:
     def available(self, base: Mapping[int, int], elapsed_seconds: float) -> dict[int, int]:
         """The end offsets available ``elapsed_seconds`` after a clock started at offsets ``base``."""
         rate = self.rows_per_second
-        if rate is None and self.bounded:
-            return {split: self.rows_per_split for split in range(self.num_splits)}
+        limit = self.rows_per_split  # None: unbounded (``bounded`` is False)
+        if rate is None and limit is not None:
+            return {split: limit for split in range(self.num_splits)}
         grown = int(max(0.0, elapsed_seconds) * (rate or DEFAULT_ROWS_PER_SECOND))
         out = {}
         for split in range(self.num_splits):
             end = base[split] + grown
-            out[split] = end if not self.bounded else max(base[split], min(end, self.rows_per_split))
+            out[split] = end if limit is None else max(base[split], min(end, limit))
         return out
 
 

@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 from urllib.parse import urlparse
 
 from datasources.errors import InvalidOffsetsError, ReplayableOptionError, UnknownOptionError
@@ -73,12 +74,13 @@ ALL_OPTIONS = sorted({name for names in ALLOWED.values() for name in names})
 # ---------------------------------------------------------------------------
 
 
-def normalize_log_uri(path: str) -> str:
+def normalize_log_uri(path: str | None) -> str:
     """The canonical URI of a log location.
 
     A plain path (relative paths resolve against the current directory) and a
     ``file:`` URI become ``file:///absolute/path``; other URIs (``memory://NAME``,
-    ``hdfs://host:port/path``) keep their text. Trailing '/' are dropped.
+    ``hdfs://host:port/path``) keep their text. Trailing '/' are dropped. A missing
+    (None or blank) path raises ``ReplayableOptionError``.
     """
     if not isinstance(path, str) or not path.strip():
         raise ReplayableOptionError("option path is missing: give the log's location with .option('path', ...)")
@@ -303,6 +305,12 @@ class _Options:
     def text(self, name: str) -> str | None:
         return self.values.get(name.lower())
 
+    @overload
+    def integer(self, name: str, default: int, minimum: int) -> int: ...
+
+    @overload
+    def integer(self, name: str, default: None, minimum: int) -> int | None: ...
+
     def integer(self, name: str, default: int | None, minimum: int) -> int | None:
         raw = self.text(name)
         if raw is None:
@@ -346,7 +354,7 @@ def parse_read_options(options: Mapping[str, str], mode: str) -> ReadOptions:
     opts = _Options(options, mode, source)
     generator = None
     uri = None
-    starting_words = ("earliest", "latest")
+    starting_words: tuple[str, ...] = ("earliest", "latest")
     if source == "generator":
         generator = _parse_generator(opts)
     else:
@@ -378,12 +386,13 @@ def parse_read_options(options: Mapping[str, str], mode: str) -> ReadOptions:
 
 
 def _parse_generator(opts: _Options) -> GeneratorSpec:
+    key_prefix = opts.text("keyPrefix")
     return GeneratorSpec(
         kind=opts.choice("generator", "keyed", KINDS),
         num_splits=opts.integer("numSplits", DEFAULT_NUM_SPLITS, 1),
         keys=opts.integer("keys", 1000, 1),
         key_type=opts.choice("keyType", "string", KEY_TYPES),
-        key_prefix=opts.text("keyPrefix") if opts.text("keyPrefix") is not None else "user-",
+        key_prefix=key_prefix if key_prefix is not None else "user-",
         skew=opts.number("skew", 0.0, 0.0),
         seed=opts.integer("seed", 0, -(1 << 63)),
         rows_per_split=opts.integer("rowsPerSplit", None, 0),
@@ -420,12 +429,13 @@ def parse_write_options(options: Mapping[str, str], mode: str) -> WriteOptions:
 
 def _sink_id(opts: _Options) -> str:
     """The sink's identity across restarts: sinkId, else the checkpoint location, else the query name."""
-    if opts.text("sinkId"):
-        return "sink:" + opts.text("sinkId").strip()
-    if opts.text("checkpointLocation"):
-        return "checkpoint:" + normalize_log_uri(opts.text("checkpointLocation"))
-    if opts.text("queryName"):
-        return "query:" + opts.text("queryName").strip()
+    sink_id, checkpoint, query_name = opts.text("sinkId"), opts.text("checkpointLocation"), opts.text("queryName")
+    if sink_id:
+        return "sink:" + sink_id.strip()
+    if checkpoint:
+        return "checkpoint:" + normalize_log_uri(checkpoint)
+    if query_name:
+        return "query:" + query_name.strip()
     raise ReplayableOptionError(
         "the replayable sink needs a stable identity to append each micro-batch exactly once: set "
         "option checkpointLocation (recommended), option sinkId, or a queryName"

@@ -333,7 +333,10 @@ class _BatchWriter(DataSourceArrowWriter):
         segments = _staged(messages)
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
         if any(seg.rows for seg in segments):
-            mark = None if self.options.batch_id is None else SinkMark(self.options.sink_id, self.options.batch_id)
+            mark = None
+            if self.options.batch_id is not None:
+                assert self.options.sink_id is not None, "parse_write_options: batchId comes with sinkId"
+                mark = SinkMark(self.options.sink_id, self.options.batch_id)
             log.append(segments, mark)
         log.collect_garbage_after_commit(self.options.orphan_grace_seconds)
 
@@ -363,6 +366,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         log = ReplayableLog(open_log_storage(self.options.uri), self.meta)
+        assert self.options.sink_id is not None, "parse_write_options gives a stream write a sink id"
         log.append(_staged(messages), SinkMark(self.options.sink_id, batchId))
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:

@@ -79,6 +79,12 @@ def retention_floors(end: Mapping[int, int], retention: int, retained: list[Offs
     return floors
 
 
+def _log_uri(options: ReadOptions) -> str:
+    """The log a read names: set by ``parse_read_options`` for every read that is not a generator's."""
+    assert options.uri is not None, "a log read: parse_read_options set options.uri"
+    return options.uri
+
+
 class LogSource:
     """Reads a replayable log; ``options.uri`` is set."""
 
@@ -92,7 +98,7 @@ class LogSource:
     @classmethod
     def open(cls, options: ReadOptions) -> LogSource:
         """Open the log named by the options (``LogNotFoundError`` if there is none)."""
-        log = ReplayableLog.open(open_log_storage(options.uri))
+        log = ReplayableLog.open(open_log_storage(_log_uri(options)))
         source = cls(options, log.meta)
         source._log = log
         return source
@@ -103,12 +109,12 @@ class LogSource:
     @property
     def log(self) -> ReplayableLog:
         if self._log is None:
-            self._log = ReplayableLog(open_log_storage(self.options.uri), self.meta, _SEGMENT_CACHE)
+            self._log = ReplayableLog(open_log_storage(_log_uri(self.options)), self.meta, _SEGMENT_CACHE)
         return self._log
 
     @property
     def source_id(self) -> str:
-        return log_source_id(self.options.uri)
+        return log_source_id(_log_uri(self.options))
 
     @property
     def num_splits(self) -> int:
@@ -134,7 +140,9 @@ class LogSource:
         spec = self.options.starting
         index = self.log.index()
         if spec.kind == "checkpoint":
-            offsets = checkpoint_offsets(self.options.state_store, self.source_id, spec.checkpoint_id)
+            state_store = self.options.state_store
+            assert state_store, "parse_read_options requires stateStore with startingOffsets=checkpoint"
+            offsets = checkpoint_offsets(state_store, self.source_id, spec.checkpoint_id)
             if offsets is None:
                 return index.earliest_offsets()
             check_offsets(index, offsets, f"the latest checkpoint of state store {self.options.state_store}")
@@ -183,6 +191,7 @@ class GeneratorSource:
     """Generator offsets carry no source id: state checkpoints cannot resume a generator by id."""
 
     def __init__(self, options: ReadOptions) -> None:
+        assert options.generator is not None, "a generator read: parse_read_options set options.generator"
         self.options = options
         self.spec: GeneratorSpec = options.generator
         self._clock: tuple[float, Offsets] | None = None
@@ -210,9 +219,10 @@ class GeneratorSource:
 
     def available_now_target(self) -> Offsets:
         """Where a ``trigger(availableNow=True)`` run stops: every row of a bounded generator."""
-        if not self.spec.bounded:
+        limit = self.spec.rows_per_split
+        if limit is None:  # not ``spec.bounded``
             raise ReplayableOptionError("trigger(availableNow=True) needs a bounded generator: set option rowsPerSplit")
-        return {split: self.spec.rows_per_split for split in range(self.num_splits)}
+        return {split: limit for split in range(self.num_splits)}
 
     def starting_offsets(self) -> Offsets:
         offsets = self.options.starting.resolve(self.earliest(), self.latest())
@@ -234,8 +244,9 @@ class GeneratorSource:
             raise OffsetOutOfRangeError(
                 f"{what} names splits {sorted(offsets)}, the generator has 0..{self.num_splits - 1}"
             )
+        limit = self.spec.rows_per_split  # None: unbounded
         for split, offset in offsets.items():
-            if self.spec.bounded and offset > self.spec.rows_per_split:
+            if limit is not None and offset > limit:
                 raise OffsetOutOfRangeError(
                     f"{what}: offset {offset} of split {split} is past the generator's end {self.spec.rows_per_split} "
                     "(option rowsPerSplit)"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
@@ -44,6 +45,9 @@ from datasources.errors import StateCheckpointGoneError, StateReaderOptionError
 from spark_state.errors import BlobNotFoundError
 from spark_state.keyspace import KeyGroupRange
 from spark_state.store.manifest import ComponentManifest
+
+if TYPE_CHECKING:
+    from spark_state.store.restore import InstanceRestorePlan
 
 OPTIONS = (
     "store",
@@ -173,7 +177,8 @@ class _Part:
 
     key_groups: tuple[int, int]
     component: ComponentManifest | None
-    plan: object | None
+    plan: InstanceRestorePlan | None
+    """With ``component``: both set for a state read's range, both None for a change feed's or an empty read."""
 
 
 class _Reader(DataSourceReader):
@@ -231,6 +236,7 @@ class _Reader(DataSourceReader):
         from spark_state.ops.reader import read_part
         from spark_state.store.blobstore import BlobStore
 
+        assert part.component is not None and part.plan is not None, "partitions() pairs a plan with its component"
         blobs = BlobStore(_storage(self.options.store))
         for table in read_part(blobs, part.component, part.plan, timers=self.options.timers):
             yield from _conform(table, self.arrow_schema)
@@ -238,6 +244,7 @@ class _Reader(DataSourceReader):
     def _changes(self, part: _Part) -> Iterator[pa.RecordBatch]:
         from spark_state.ops.reader import read_changes
 
+        assert self.start_id is not None, "_resolve gives a change feed its start checkpoint"
         table = read_changes(
             _storage(self.options.store),
             self.options.component,

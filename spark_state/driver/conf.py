@@ -248,25 +248,23 @@ class StateConf:
         if compression not in COMPRESSIONS:
             raise ConfigError(f"{COMPRESSION}={compression!r} is not one of {', '.join(COMPRESSIONS)}")
         max_parallelism = (
-            _int(MAX_PARALLELISM, value(MAX_PARALLELISM), 1, UPPER_BOUND_MAX_PARALLELISM)
-            if value(MAX_PARALLELISM)
-            else None
+            _int(MAX_PARALLELISM, text, 1, UPPER_BOUND_MAX_PARALLELISM) if (text := value(MAX_PARALLELISM)) else None
         )
         store = value(STORE) or (default_store() if callable(default_store) else default_store)
         return cls(
             store=_with_s3_settings(store, {parameter: value(key) for key, parameter in S3_KEYS.items()}),
-            parallelism=_int(PARALLELISM, value(PARALLELISM), 1) if value(PARALLELISM) else default_parallelism,
+            parallelism=_int(PARALLELISM, text, 1) if (text := value(PARALLELISM)) else default_parallelism,
             max_parallelism=max_parallelism,
-            checkpoints_retained=_int(RETAINED, value(RETAINED), 2) if value(RETAINED) else 3,
-            max_chain_length=_int(MAX_CHAIN_LENGTH, value(MAX_CHAIN_LENGTH), 1) if value(MAX_CHAIN_LENGTH) else 8,
+            checkpoints_retained=_int(RETAINED, text, 2) if (text := value(RETAINED)) else 3,
+            max_chain_length=_int(MAX_CHAIN_LENGTH, text, 1) if (text := value(MAX_CHAIN_LENGTH)) else 8,
             compression=None if compression == "none" else compression,
             from_savepoint=value(FROM_SAVEPOINT),
             allow_non_restored=flag(ALLOW_NON_RESTORED),
-            orphan_grace_seconds=_int(ORPHAN_GRACE, value(ORPHAN_GRACE), 0) if value(ORPHAN_GRACE) else 3600,
-            restore_from=_int(RESTORE_FROM, value(RESTORE_FROM), 0) if value(RESTORE_FROM) else None,
+            orphan_grace_seconds=_int(ORPHAN_GRACE, text, 0) if (text := value(ORPHAN_GRACE)) else 3600,
+            restore_from=_int(RESTORE_FROM, text, 0) if (text := value(RESTORE_FROM)) else None,
             shared_local_store=flag(SHARED_LOCAL_STORE),
             instance_hosts=flag(INSTANCE_HOSTS, "true"),
-            resident_memory=parse_bytes(RESIDENT_MEMORY, value(RESIDENT_MEMORY)) if value(RESIDENT_MEMORY) else None,
+            resident_memory=parse_bytes(RESIDENT_MEMORY, text) if (text := value(RESIDENT_MEMORY)) else None,
         )
 
     @classmethod

@@ -79,7 +79,8 @@ class SparkBatch:
     from ``start`` has unknown start offsets.
     """
 
-    query_id: str
+    query_id: str | None
+    """None only when Spark names no query id (no local property, no ``metadata`` in its checkpoint)."""
     run_id: str | None
     batch_id: int
     checkpoint_location: str

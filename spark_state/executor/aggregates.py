@@ -368,6 +368,8 @@ class Aggregate:
         ``AggregateOverflowError`` before the state changes, as in Python.
         """
         definition = self.definition
+        finish_arrow = definition.finish_arrow
+        assert finish_arrow is not None, "apply takes the Arrow path only when vectorized()"
         key_groups = totals.column(KEY_GROUP_COLUMN).to_numpy()
         keys = totals.column(key_columns[0]).combine_chunks()
         key_type = table.schema.keys[0].type
@@ -385,7 +387,7 @@ class Aggregate:
                 merged = (pc.min_element_wise if op == "min" else pc.max_element_wise)(old, part, skip_nulls=True)
             columns.append(merged)
         table.put_arrow(key_groups, keys, columns, olds.is_null().to_numpy(zero_copy_only=False))
-        result = definition.finish_arrow(columns)
+        result = finish_arrow(columns)
         return pa.table(
             {**{c: totals.column(c) for c in key_columns}, self.output_name: result.cast(self.output_type())}
         )

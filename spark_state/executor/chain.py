@@ -12,6 +12,7 @@ something needs all of the key group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -46,7 +47,7 @@ class FetchedChain:
         self._live: int | None = live if possible else None
         self._folded: pa.Table | None = None
         self._nbytes: int | None = None
-        self._search: list[tuple[pa.RecordBatch, pa.Array]] | None | bool = False  # False: not checked yet
+        self._search: list[tuple[pa.RecordBatch, pa.Array]] | None | Literal[False] = False  # False: not checked yet
         self.released = False
         self.pending = 0  # the last entries, added by ``add_pending``: changes no checkpoint has written yet
 
@@ -70,13 +71,14 @@ class FetchedChain:
         unchecked = [chain for chain in chains if chain._search is False]
         key = unchecked[0].schema.sorted_key if unchecked else None
         eligible = [chain for chain in unchecked if not chain.released] if key is not None else []
-        flags = iter(keys_ascending_each([batch for chain in eligible for _, batch in chain.batches], key))
+        batches = [batch for chain in eligible for _, batch in chain.batches]
+        flags = iter(keys_ascending_each(batches, key) if key is not None else [])  # key None: none eligible
         for chain in unchecked:
             chain._search = None
         for chain in eligible:
             if all([next(flags) for _ in chain.batches]):  # the sorted key: the blob schema's first column
                 chain._search = [(batch, batch.column(0)) for _, batch in reversed(chain.batches)]
-        return [chain._search for chain in chains]
+        return [None if chain._search is False else chain._search for chain in chains]  # none is False now
 
     def append(self, kind: EntryKind, batch: pa.RecordBatch) -> None:
         """The chain's next entry (a ``full`` one replaces the chain), as a checkpoint wrote it.
@@ -102,6 +104,7 @@ class FetchedChain:
         live = pa.Table.from_batches([batch.filter(pc.invert(deleted)) if pc.any(deleted).as_py() else batch])
         live = live.drop_columns([DELETED_COLUMN])
         if kind != "full":  # a delta, or a merge (the keys changed since the full entry): the rows replace theirs
+            assert previous is not None, "a delta or merge without a fold returned above"
             key = self.schema.key_columns[0]
             kept = previous.filter(
                 pc.invert(pc.is_in(previous.column(key), value_set=batch.column(key), skip_nulls=False))

@@ -145,7 +145,12 @@ class KeyState:
         self._value = value
         self.changed = True
         if self._ttl is not None:
-            start = self._time.processing_ms if self._ttl.kind == PROCESSING else self._event_ms
+            start: int | None
+            if self._ttl.kind == PROCESSING:
+                assert self._time is not None, "a key's state under a time to live is given the batch's time"
+                start = self._time.processing_ms
+            else:
+                start = self._event_ms
             self.expires = None if start is None else start + self._ttl.duration_ms
 
     def remove(self) -> None:

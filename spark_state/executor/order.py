@@ -22,7 +22,7 @@ runs are short (``SHORT_RUN_ROWS``)."""
 SHORT_RUN_ROWS = 1 << 10
 
 
-def key_order(keys: pa.Array | pa.ChunkedArray, sizes: Sequence[int]) -> np.ndarray:
+def key_order(keys: pa.Array | pa.ChunkedArray, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
     """Positions putting ``keys`` (no nulls) in ascending order within each consecutive run of the given sizes
     (each run keeps its place). Integers are sorted by value, strings and binaries by their bytes."""
     runs = len(sizes)

@@ -54,8 +54,9 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import pyarrow as pa
@@ -102,7 +103,7 @@ class ResidentState:
         self.timers = TimerIndex() if self.timers_variable is not None else None
         # Per key group with timers: a lower bound of its earliest timer of each kind, and how many keys changed
         # since the bound was last exact (``timer_bound``).
-        self._timer_bounds: dict[int, tuple[tuple[int | None, int | None, int | None], int]] = {}
+        self._timer_bounds: dict[int, tuple[tuple[int | None, ...], int]] = {}
         self.bounded = bounded and self.timers is None
         self.native = native  # asked for; the table is native when its schema allows (``KeyGroupTable``)
         self.table = KeyGroupTable(
@@ -163,6 +164,7 @@ class ResidentState:
         for key_group, batches in entries.items():
             chain = component.chains[key_group]
             last = component.blobs[chain[-1]].index.entry_for(key_group)
+            assert last is not None, "the plan's chain_links found every entry of the chain"
             if key_group in plan.appends:
                 self.table.apply(key_group, batches)
             else:
@@ -194,18 +196,20 @@ class ResidentState:
         wanted = sorted(g for g in touched if g in cold)
         if not wanted:
             return {}
-        chains = self._component.chains if self._component is not None else {}
+        component = self._component
+        chains = component.chains if component is not None else {}
         for g in wanted:
             if g not in chains:
                 self.table.clear(g)
                 self.chains.set(g, ())
-        stored = {g: chain_links(self._component, g) for g in wanted if g in chains}
+        stored = {g: chain_links(component, g) for g in wanted if g in chains} if component is not None else {}
         info = {"key_groups": len(wanted), "bytes_read": 0, "requests": 0, "seconds": 0.0}
-        if stored:
+        if stored and component is not None:  # ``stored`` is empty without a component
             plan = plan_links(stored, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
-            entries, stats = blobs.fetch(self._component, plan, self.schema)
+            entries, stats = blobs.fetch(component, plan, self.schema)
             for g, batches in entries.items():
-                last = self._component.blobs[chains[g][-1]].index.entry_for(g)
+                last = component.blobs[chains[g][-1]].index.entry_for(g)
+                assert last is not None, "chain_links found every entry of the chain"
                 self.table.install(g, FetchedChain(g, batches, self.schema, live=last.live))
                 self.chains.set(g, chains[g])
             info.update(bytes_read=stats.bytes_read, requests=stats.requests, seconds=round(stats.seconds, 4))
@@ -309,23 +313,23 @@ class ResidentState:
         changes = self.table.take_changes()
         self.earliest: dict[int, tuple] = {}
         planned = self.chains.plan(changes, self.table.key_count, max_chain_length)
-        held = {e.key_group for e in planned if self.table.native and self.table.arrow_held(e.key_group)}
+        arrow_held = {e.key_group for e in planned if self.table.native and self.table.arrow_held(e.key_group)}
         from_store = {
             e.key_group
             for e in planned
             if stored is not None
             and e.kind == "full"
             and not e.empty
-            and e.key_group not in held
+            and e.key_group not in arrow_held
             and (e.compacted or self.table.is_released(e.key_group))
             and stored.holds(e.key_group, e.previous)
         }
         # Only delta entries are written from the Arrow rows: a batch that writes every key group in full (most
         # of their keys changed) does not sort and copy them for nothing.
         wants_fast = changed is not None and any(entry.kind == "delta" for entry in planned)
-        fast = self._changed_batch(changed, changes) if wants_fast else None
+        fast = self._changed_batch(changed, changes) if wants_fast and changed is not None else None
         arrow = self._arrow_entries(
-            [e for e in planned if e.key_group in held and not (fast is not None and e.kind == "delta")]
+            [e for e in planned if e.key_group in arrow_held and not (fast is not None and e.kind == "delta")]
         )
         keys: list = []
         values: list[list] = [[] for _ in self.schema.variables]
@@ -343,6 +347,7 @@ class ResidentState:
                 bounds.append((entry, *arrow[entry.key_group]))
                 continue
             start = len(keys)
+            wanted: Collection | None
             if entry.kind != "full":
                 wanted = entry.keys  # a delta's changed keys, or a merge's keys changed since the full entry
             else:
@@ -371,20 +376,24 @@ class ResidentState:
             return []
         batch = None
         if any(rows is None for _, rows, _, _ in bounds):
+            flags: list[bool] | np.ndarray = deleted
             if single:  # a key is deleted when its one variable has no value (a dict never holds None)
-                deleted = [value is None for value in values[0]] if None in values[0] else np.zeros(len(keys), bool)
-            table = self.schema.rows_to_columns(keys, values, deleted, bare=self.table.bare)
+                flags = [value is None for value in values[0]] if None in values[0] else np.zeros(len(keys), bool)
+            table = self.schema.rows_to_columns(keys, values, flags, bare=self.table.bare)
             batch = pa.RecordBatch.from_arrays(
                 [column.combine_chunks() for column in table.columns], schema=table.schema
             )
             if self.schema.sorted_key is not None:  # each entry's rows by key, entries in place
                 batch = sort_rows(batch, self.schema.sorted_key, [n for _, rows, _, n in bounds if rows is None])
-        entries = [
-            (entry.key_group, entry.kind, pa.concat_batches([(batch if rows is None else rows).slice(start, n)]))
-            for entry, rows, start, n in bounds
-        ]
+        entries = []
+        for entry, rows, start, n in bounds:
+            if rows is None:
+                assert batch is not None, "made above: some entry's rows are from the dicts"
+                rows = batch
+            entries.append((entry.key_group, entry.kind, pa.concat_batches([rows.slice(start, n)])))
         self.compaction = {}
         if from_store:
+            assert stored is not None, "from_store is empty without stored chains"
             entries = stored.compact(entries, from_store)
             self.compaction = stored.last
         return entries
@@ -394,15 +403,18 @@ class ResidentState:
         group its rows, first row and row count, made without Python objects per key: full entries folded from
         the chains (``arrow_rows``), the others (changed keys) looked up in them (``arrow_key_rows``). Entries
         with a null key are left to the dicts."""
-        found = {}
+        found: dict[int, tuple[pa.RecordBatch, int, int]] = {}
         full = [e.key_group for e in planned if e.kind == "full"]
-        keyed = [e for e in planned if e.kind != "full" and None not in e.keys]
+        keyed_groups, keyed_keys = [], []
+        for e in planned:
+            if e.kind != "full":
+                assert e.keys is not None, "a delta or merge entry names its keys (ChainTracker.plan)"
+                if None not in e.keys:
+                    keyed_groups.append(e.key_group)
+                    keyed_keys.append(e.keys)
         for groups, made in (
             (full, self.table.arrow_rows(full) if full else None),
-            (
-                [e.key_group for e in keyed],
-                self.table.arrow_key_rows([e.key_group for e in keyed], [e.keys for e in keyed]) if keyed else None,
-            ),
+            (keyed_groups, self.table.arrow_key_rows(keyed_groups, keyed_keys) if keyed_groups else None),
         ):
             if made is not None:
                 rows, sizes = made
@@ -410,7 +422,7 @@ class ResidentState:
                 found.update((g, (rows, first, n)) for g, first, n in zip(groups, firsts, sizes))
         return found
 
-    def timer_bound(self, key_group: int, changed: Collection) -> tuple[int | None, int | None, int | None]:
+    def timer_bound(self, key_group: int, changed: Collection) -> tuple[int | None, ...]:
         """The earliest timer of each kind in ``key_group`` at most: exact, or a lower bound; after ``changed``.
 
         Costs the changed keys, not the key group: the bound is the last one
@@ -422,10 +434,12 @@ class ResidentState:
         fold the key group at an earlier batch (``timers.TimerIndex``); it
         never makes a timer fire late.
         """
+        assert self.timers_variable is not None, "only a component with timers bounds its timers"
         timers = self.table.values(key_group, self.timers_variable)
         if not timers:
             self._timer_bounds.pop(key_group, None)
             return (None, None, None)
+        bound: tuple[int | None, ...] | None
         bound, since = self._timer_bounds.get(key_group, (None, 0))
         since += len(changed)
         if bound is None or since * EXACT_TIMERS_EVERY >= len(timers):
@@ -435,7 +449,9 @@ class ResidentState:
         self._timer_bounds[key_group] = (bound, since)
         return bound
 
-    def _changed_batch(self, changed: ChangedRows, changes: dict[int, set]) -> tuple[pa.RecordBatch, dict] | None:
+    def _changed_batch(
+        self, changed: ChangedRows, changes: Mapping[int, Collection]
+    ) -> tuple[pa.RecordBatch, dict] | None:
         """The rows one ``put_many`` changed as one blob-schema batch in key-group order, and each group's slice.
 
         None (write from the dicts) when they are not exactly the changes.
@@ -514,7 +530,8 @@ class StoredChains:
         self.blobs, self.component, self.schema, self.key_group_range = blobs, component, schema, key_group_range
         self.last: dict = {}
 
-    def holds(self, key_group: int, chain: tuple[str, ...]) -> bool:
+    def holds(self, key_group: int, chain: tuple[str, ...] | None) -> bool:
+        assert chain is not None, "a compacted or released key group's entry extends a known chain"
         return self.component.chains.get(key_group) == tuple(chain)
 
     def compact(
@@ -652,6 +669,14 @@ def set_peers(count: Callable[[], int]) -> None:
     """How many states share this executor's memory bound (an instance host counts its query's hosts)."""
     global _PEERS
     _PEERS = count
+
+
+@overload
+def memory_share(limit: int) -> int: ...
+
+
+@overload
+def memory_share(limit: None) -> None: ...
 
 
 def memory_share(limit: int | None) -> int | None:

@@ -87,7 +87,7 @@ among those it looks up a second time; the others are searched or hashed again."
 SEARCH_RATIO = 4
 
 
-def _runs(key_groups: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def _runs(key_groups: Sequence[int] | np.ndarray) -> Iterator[tuple[int, int, int]]:
     """``(key group, start, end)`` of each run of equal consecutive key groups (one per key group when sorted)."""
     groups = np.asarray(key_groups)
     if len(groups) == 0:
@@ -142,7 +142,7 @@ class KeyGroupTable:
         if key_group in self._cold:
             self._not_loaded(key_group)
 
-    def _check_all(self, key_groups: Sequence[int]) -> None:
+    def _check_all(self, key_groups: Sequence[int] | np.ndarray) -> None:
         if len(key_groups) == 0:
             return
         low, high = (
@@ -185,7 +185,7 @@ class KeyGroupTable:
 
     def _content(self, fetched: FetchedChain, overlay: list[dict[Key, Value]] | None) -> list[dict[Key, Value]]:
         """A fetched chain's content as dicts, under its overlay (whose values win)."""
-        group = [{} for _ in range(self._width)]
+        group: list[dict[Key, Value]] = [{} for _ in range(self._width)]
         apply_entries(group, fetched.batches, self.schema, whole_chain=True, bare=self.bare)
         for values, written in zip(group, overlay or ()):
             values.update(written)
@@ -324,7 +324,9 @@ class KeyGroupTable:
         """
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
-        groups, empty, found = self._groups, ({},), []
+        empty: tuple[dict[Key, Value]] = ({},)
+        found: list[Value | Any] = []
+        groups = self._groups
         for g, start, end in _runs(key_groups):
             values = groups.get(g, empty)[0]
             if default is None:
@@ -356,7 +358,7 @@ class KeyGroupTable:
         self._check_all(key_groups)
         self._fold_many(key_groups, keys)
         once = key_columns is not None and value_columns is not None
-        if not once or self._changed_rows is None:
+        if key_columns is None or value_columns is None or self._changed_rows is None:  # not ``once``, or other changes
             self._changed_rows = None
         else:
             self._changed_rows.append(ChangedRows(np.asarray(key_groups), tuple(key_columns), tuple(value_columns)))
@@ -377,7 +379,7 @@ class KeyGroupTable:
 
     # Arrow access (``native``: the built-in aggregates) ----------------------------------------
 
-    def native_groups(self, key_groups: Sequence[int]) -> np.ndarray:
+    def native_groups(self, key_groups: Sequence[int] | np.ndarray) -> np.ndarray:
         """Which of ``key_groups`` ``look_up`` and ``put_arrow`` serve: held as an Arrow chain (not released)
         or empty, without dicts."""
         groups, cold, unloaded = self._groups, self._cold, self._unloaded
@@ -496,7 +498,8 @@ class KeyGroupTable:
     def _folded_rows(self, key_groups: Sequence[int]) -> tuple[pa.RecordBatch, list[int]] | None:
         """``arrow_rows`` of ``key_groups`` by folding all their entries' rows in one sort."""
         schema = self.schema.blob_schema
-        batches, runs = [], []
+        batches: list[pa.RecordBatch] = []
+        runs: list[int] = []
         for g in key_groups:
             chain = self._unloaded[g].batches
             batches.extend(as_schema(b, schema) for _, b in chain)
@@ -624,7 +627,7 @@ class KeyGroupTable:
             return self._unloaded_count(key_group)
         return max(map(len, self._groups[key_group])) if key_group in self._groups else 0
 
-    def rows(self, key_group: int, keys: Sequence[Key] | None = None) -> tuple[list[Key], list[list[Value | None]]]:
+    def rows(self, key_group: int, keys: Collection[Key] | None = None) -> tuple[list[Key], list[list[Value | None]]]:
         """The given keys (all keys when None) and, per variable, their values (None where absent).
 
         Keys as the dicts hold them (``held_key``), given and returned.

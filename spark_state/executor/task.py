@@ -141,7 +141,13 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
         bounded=task.resident_memory is not None,
         native=native,
     )
-    info = {"resident": state.has_keys(), "bytes_read": 0, "requests": 0, "key_groups_read": 0, "seconds": 0.0}
+    info: dict[str, Any] = {
+        "resident": state.has_keys(),
+        "bytes_read": 0,
+        "requests": 0,
+        "key_groups_read": 0,
+        "seconds": 0.0,
+    }
     component = _base_component(task, manifests)
     if component is None:
         if state.has_keys() or state.chains.held():
@@ -189,6 +195,7 @@ def _check_key_groups(
 def _event_times(task: TaskSpec, table: pa.Table) -> tuple[pa.Table, dict]:
     """Step 2 with event time: each row's event time, and the late rows dropped or marked; what that found."""
     event_time = task.event_time
+    assert event_time is not None, "called for a task with event time"
     milliseconds = to_millis(table.column(event_time.column))
     late = milliseconds < task.watermark_ms if task.watermark_ms is not None else np.zeros(len(milliseconds), bool)
     on_time = milliseconds[~late]
@@ -202,7 +209,8 @@ def _event_times(task: TaskSpec, table: pa.Table) -> tuple[pa.Table, dict]:
 def _apply(task: TaskSpec, state: ResidentState, table: pa.Table | None) -> tuple[list[pa.Table], dict]:
     """Step 3: the function on the rows, then the due timers, then the expiries; the outputs and counts."""
     function, schema, time = task.function, task.schema, task.time
-    key_columns, outputs, info = schema.key_columns, [], {}
+    key_columns, outputs = schema.key_columns, []
+    info: dict = {}
     event_time = task.event_time is not None
     if isinstance(function, Aggregate):
         if table is not None and table.num_rows:
@@ -244,6 +252,9 @@ def _aggregate_in_chunks(
     batch then holds the chains of one chunk at a time and its own changed
     keys. Returns the outputs and what the loads read.
     """
+    function = task.function
+    assert isinstance(function, Aggregate), "a built-in aggregate runs in chunks (_in_chunks)"
+    assert task.resident_memory is not None, "a bounded state runs in chunks: the task has a memory bound"
     limit = memory_share(task.resident_memory)
     budget = max(limit // 4, MIN_CHUNK_BYTES)
     table = table.take(pa.compute.sort_indices(table.column(KEY_GROUP_COLUMN)))
@@ -259,7 +270,7 @@ def _aggregate_in_chunks(
         for name in ("key_groups", "bytes_read", "requests", "seconds"):
             loaded[name] += info.get(name, 0)
         loaded["chunks"] += 1
-        outputs.append(task.function.apply(state.table, table.slice(first, end - first), task.schema.key_columns))
+        outputs.append(function.apply(state.table, table.slice(first, end - first), task.schema.key_columns))
         if state.note_peak() > limit:
             state.table.release(g for g in chunk_groups.tolist() if sizes[g] > 0)
     loaded["seconds"] = round(loaded["seconds"], 4)
@@ -301,7 +312,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
             table, time_info = _event_times(task, table)
     if chunked:
         outputs, restore_info["loaded"] = _aggregate_in_chunks(task, state, table, blobs)
-        apply_info = {}
+        apply_info: dict = {}
     else:
         outputs, apply_info = _apply(task, state, table)
     time_info.update(apply_info)

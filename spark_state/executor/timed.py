@@ -115,7 +115,7 @@ class Sessions:
     key_columns: tuple[str, ...]
 
     def _empty(self, start: int) -> dict:
-        session = {"start": start, "end": start, "count": 0}
+        session: dict[str, Any] = {"start": start, "end": start, "count": 0}
         if self.column is not None:
             session.update({f"sum_{self.column}": 0, f"min_{self.column}": None, f"max_{self.column}": None})
         return session
@@ -143,7 +143,8 @@ class Sessions:
         return merged
 
     def __call__(self, key: tuple, rows, state: KeyState):
-        sessions = [dict(s) for s in (state.get()[0] if state.exists else [])]
+        stored = state.get()  # None: the key has no state (``state.exists`` is False)
+        sessions = [dict(s) for s in (stored[0] if stored is not None else [])]
         ends_before = {s["end"] for s in sessions}
         times = rows.column(EVENT_MS_COLUMN).to_pylist()
         values = rows.column(self.column).to_pylist() if self.column is not None else [None] * len(times)
@@ -167,9 +168,10 @@ class Sessions:
         return None
 
     def on_timer(self, key: tuple, timer: Timer, state: KeyState):
-        if not state.exists:
+        stored = state.get()
+        if stored is None:  # not ``state.exists``
             return None
-        sessions = list(state.get()[0])
+        sessions = list(stored[0])
         closed = [s for s in sessions if s["end"] == timer.time_ms]
         if not closed:
             return None

@@ -121,10 +121,11 @@ def _become_host(address: Path, daemon_pid: int, log: Path) -> None:
         forget_all()  # states this worker held stay with the worker; the host starts empty
         forget_stores()  # storage clients (connection pools, threads) do not survive a fork
         listener = None
+        serving_address: Path | None = address
         while (
-            address is not None
+            serving_address is not None
         ):  # a host adopted by another instance serves that one next (``adoption.answer_adoption``)
-            address, listener = serving.serve(address, daemon_pid, listener=listener)
+            serving_address, listener = serving.serve(serving_address, daemon_pid, listener=listener)
     except BaseException as error:  # noqa: BLE001  (the host must never return into the worker's code)
         if not (isinstance(error, SystemExit) and serving._SIGNALLED is not None):  # a signal's exit is no error
             traceback.print_exc()

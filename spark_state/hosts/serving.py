@@ -62,7 +62,9 @@ def serve(
         since_full = 0  # tasks since the last full collection of garbage
         if is_host:
             gc.freeze()  # what it made since the fork (the worker froze what it inherits)
-        gaps, last_start = collections.deque(maxlen=policy.GAPS_KEPT), None  # between the starts of its latest tasks
+        # The gaps between the starts of its latest tasks.
+        gaps: collections.deque[float] = collections.deque(maxlen=policy.GAPS_KEPT)
+        last_start: float | None = None
         while (
             _SIGNALLED is None
             and alive(daemon_pid)

@@ -87,7 +87,9 @@ def _report_slow_host(connection: socket.socket, instance: int, address: Path, w
         log = address.with_suffix(".log")
         size = log.stat().st_size if log.exists() else 0
         if hasattr(socket, "SO_PEERCRED"):
-            pid = peer_credentials(connection)[0]
+            credentials = peer_credentials(connection)
+            assert credentials is not None, "the system names a socket's peer (SO_PEERCRED)"
+            pid = credentials[0]
             os.kill(pid, serving.STACKS_SIGNAL)
             time.sleep(0.5)  # the host writes them in its signal handler, even when its interpreter is stuck
             with open(log, "rb") as text:

@@ -44,7 +44,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -213,7 +213,7 @@ class KeyedSchema:
         self,
         keys: Sequence[Key],
         values: Sequence[Sequence[Value | None]],
-        deleted: Sequence[bool],
+        deleted: Sequence[bool] | np.ndarray,
         *,
         bare: bool = False,
     ) -> pa.Table:
@@ -255,7 +255,11 @@ def struct_values(column: Any, width: int) -> list[Value | None]:
 
 def _struct_array(variable: StateVariable, values: Sequence[Value | None]) -> pa.StructArray:
     absent = None in values
-    present = [v if v is not None else (None,) * len(variable.fields) for v in values] if absent else values
+    present: Sequence[Value] = (
+        [v if v is not None else (None,) * len(variable.fields) for v in values]
+        if absent
+        else cast(Sequence[Value], values)  # ``None in values`` is False: no value is None
+    )
     children = [pa.array(list(map(itemgetter(i), present)), type=field.type) for i, field in enumerate(variable.fields)]
     mask = pa.array([v is None for v in values], pa.bool_()) if absent else None
     if not variable.fields:

@@ -97,7 +97,7 @@ def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None
     _console().print(table)
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

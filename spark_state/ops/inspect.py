@@ -86,7 +86,7 @@ def _bytes_referenced(manifest: Manifest) -> int:
 def describe_component(component: ComponentManifest) -> dict:
     """Schema, key-group ranges per instance, chains, entries per key group, watermark and timers."""
     schema = component.keyed_schema
-    per_group = []
+    per_group: list[dict[str, Any]] = []
     earliest: tuple[int | None, ...] = (None,) * len(TIMER_KINDS)
     groups_with_timers = 0
     for key_group in sorted(component.chains):
@@ -270,8 +270,8 @@ def verify_store(manifests: ManifestReader, *, deep: bool = False, progress: Pro
             _check_chains(component, checkpoint_id, problem)
             for ref in component.blobs.values():
                 _expect(files, ref.path, ref.size, ref.crc32, (component, ref), problem)
-            for ref in component.instance_items.values():
-                _expect(files, ref.path, ref.size, ref.crc32, None, problem)
+            for items_ref in component.instance_items.values():
+                _expect(files, items_ref.path, items_ref.size, items_ref.crc32, None, problem)
     total = sum(size for size, _, _ in files.values())
     done = 0
     for path, (size, crc, blob) in sorted(files.items()):

@@ -172,7 +172,8 @@ def split_key_groups(
     if count < 1:
         raise ConfigError(f"parts must be >= 1, got {parts}")
     target = total / count if total else 0
-    bounds, start, accumulated = [], 0, 0
+    bounds: list[tuple[int, int]] = []
+    start, accumulated = 0, 0
     for key_group, size in enumerate(sizes):
         accumulated += size
         if len(bounds) < count - 1 and accumulated >= target * (len(bounds) + 1) and size:
@@ -234,7 +235,8 @@ def read_state(
         return read_key(blobs, part, key, timers=timers)
     pieces = split_key_groups(part)
     total = sum(p.bytes for p in pieces)
-    tables, done = [], 0
+    tables: list[pa.Table] = []
+    done = 0
     for piece in pieces:
         tables.extend(read_part(blobs, part, piece.plan, timers=timers, schema=schema))
         done += piece.bytes
@@ -338,7 +340,7 @@ def read_changes(
         old = before.components.get(component)
         new = component_of(after, component, storage.uri)
         rows.extend(_pair_changes(blobs, old, new, after.checkpoint_id, schema, chosen, key_groups))
-    columns = list(zip(*rows)) if rows else [[] for _ in fields]
+    columns: list[Sequence[Any]] = list(zip(*rows)) if rows else [[] for _ in fields]
     flat_types = [f.type for f in fields]
     return pa.Table.from_arrays([pa.array(list(c), t) for c, t in zip(columns, flat_types)], schema=pa.schema(fields))
 
@@ -367,8 +369,9 @@ def _pair_changes(
         extends = bool(before) and len(after) > len(before) and after[: len(before)] == before
         steps[g] = tuple(range(len(before), len(after))) if extends else tuple(range(len(after)))
         if before:
+            assert old is not None, "old_chains is empty without an old component"
             base_links[g] = chain_links(old, g)
-    base = _fetch(blobs, old, base_links, schema) if base_links else {}
+    base = _fetch(blobs, old, base_links, schema) if base_links and old is not None else {}
     wanted = {g: tuple(chain_links(new, g)[i] for i in steps[g]) for g in changed if steps[g]}
     fetched = _fetch(blobs, new, wanted, schema) if wanted else {}
     rows: list[tuple] = []
@@ -392,13 +395,13 @@ def _pair_changes(
                     for k, v in zip(*_rows(merge_batch, schema, chosen)):
                         incoming.pop(k, None)
                         incoming[k] = v
-                incoming = {k: v for k, v in incoming.items() if v is not None}
-                for k in [k for k in running if k not in incoming]:
+                present = {k: v for k, v in incoming.items() if v is not None}
+                for k in [k for k in running if k not in present]:
                     rows.append(_change(DELETE, written_at, k, None, width))
-                for k, v in incoming.items():
+                for k, v in present.items():
                     if running.get(k) != v:
                         rows.append(_change(UPSERT, written_at, k, v, width))
-                running = incoming
+                running = present
                 continue
             for k, v in zip(keys, values):
                 if v is None:

@@ -245,7 +245,7 @@ class SparkCheckpoint:
         return doomed
 
 
-def batch_start_offsets(session, query_id: str, batch_id: int, checkpoint: SparkCheckpoint) -> dict[str, Any]:
+def batch_start_offsets(session, query_id: str | None, batch_id: int, checkpoint: SparkCheckpoint) -> dict[str, Any]:
     """Where each source of micro-batch ``batch_id`` starts, keyed like ``parse_offsets_entry``.
 
     After batch 0 it is the previous batch's end (``offsets/<batch_id - 1>``).

@@ -241,11 +241,11 @@ class MicroBatch:
         attempt = uuid.uuid4().hex  # names this attempt's reports among any late ones of an earlier attempt
         output = self._run_tasks(batch_df, task, conf.instance_hosts, attempt)
         self.sink.write(output, batch_id)
-        reports = reports_of(self._reports.value, attempt)
-        if sorted(reports) != list(range(conf.parallelism)):  # the sink ran no action on (all of) the output
+        by_instance = reports_of(self._reports.value, attempt)
+        if sorted(by_instance) != list(range(conf.parallelism)):  # the sink ran no action on (all of) the output
             output.write.format("noop").mode("overwrite").save()
-            reports = reports_of(self._reports.value, attempt)
-        reports = [reports[i] for i in sorted(reports)]
+            by_instance = reports_of(self._reports.value, attempt)
+        reports = [by_instance[i] for i in sorted(by_instance)]
         check_reports(reports, conf.parallelism)
         self._fault("output_written", batch_id)
         storage = coordinator.manifests.storage

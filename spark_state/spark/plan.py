@@ -177,6 +177,7 @@ class _JavaPlan:
 
         keys = first = rest = None
         if plan.partials is not None:
+            assert plan.partials_keys is not None, "TaskPlan.build sets partials_keys with partials"
             keys = _to_seq(context, plan.partials_keys, _to_java_column)
             first, rest = plan.partials[0]._jc, _to_seq(context, plan.partials[1:], _to_java_column)
         return cls(plan, context, _to_seq(context, plan.routed, _to_java_column), plan.by._jc, keys, first, rest)
@@ -210,7 +211,8 @@ class _JavaPlan:
 
         if self.inputs is None:
             self._name_inputs(DataFrame(routed, session).columns)
-        udf = pandas_udf(
+        # pyspark's stub of pandas_udf has no overload for SQL_MAP_ARROW_ITER_UDF (207), which its mapInArrow uses
+        udf = pandas_udf(  # type: ignore[call-overload]
             process, returnType=self.plan.output_schema, functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF
         )._unwrapped
         return routed.mapInArrow(udf._judf.apply(self.inputs), False, None), udf.returnType
@@ -261,6 +263,7 @@ class _JavaPlan:
     def _built(self) -> _PlanTemplate | None:
         """The template the thread ``prepare`` started made (waiting for it), or None."""
         building, self.building = self.building, None
+        assert building is not None, "tasks() waits only for a template being made"
         return joined(
             building, "make the plan template of the last batch", "this batch's plan is made by PySpark's calls"
         )
@@ -421,7 +424,9 @@ def _replaced(parts: list, index: int, value) -> list:
 def _spark_partials(function: Aggregate, jf: _JvmColumns) -> tuple:
     """Spark's aggregates of ``function``'s partials (see ``TaskPlan``), each the Spark function
     ``aggregates.PARTIAL_OPS`` names for it, and the row count."""
-    arguments = {"one": lambda: jf.lit(1), "column": lambda: jf.col(function.column)}
+    # ``function.column`` is None only for an aggregate registered without ``needs_column`` whose partials read a
+    # column, which ``AggregateDef`` does not refuse: Spark's ``col`` is then called on null and fails.
+    arguments = {"one": lambda: jf.lit(1), "column": lambda: jf.col(function.column)}  # type: ignore[arg-type]
     partials = []
     for i, op in enumerate(function.definition.partials):
         spark_function, argument = PARTIAL_OPS[op]

@@ -132,9 +132,10 @@ def _key_group_sql(df: DataFrame, key_cols: Sequence[str | Column], m: int) -> s
     of a query and of every parallelism.
     """
     top_level = {field.name: field.dataType for field in df.schema.fields}  # kept by the DataFrame once read
-    if not all(isinstance(c, str) and c in top_level for c in key_cols):
+    names = [c for c in key_cols if isinstance(c, str) and c in top_level]
+    if len(names) != len(key_cols):  # not every one is a top-level column's name
         return None
-    encoded = [_encode_sql(quoted_identifier(c), top_level[c], i) for i, c in enumerate(key_cols)]
+    encoded = [_encode_sql(quoted_identifier(c), top_level[c], i) for i, c in enumerate(names)]
     return f"pmod(hash({', '.join(encoded)}), {m})"
 
 

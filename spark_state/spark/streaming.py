@@ -263,15 +263,14 @@ def _aggregate_method(definition: AggregateDef) -> None:
     """Give ``KeyedStream`` the method of aggregate ``definition``: ``name(output=...)`` for one without a column,
     ``name(column, output=None)`` for one with a column; its docstring is the definition's ``doc``."""
     name = definition.name
-    if definition.needs_column:
 
-        def method(self, column: str, output: str | None = None) -> StatefulStream:
-            return self.aggregate(name, column, output)
-    else:
+    def with_column(self, column: str, output: str | None = None) -> StatefulStream:
+        return self.aggregate(name, column, output)
 
-        def method(self, output: str | None = None) -> StatefulStream:
-            return self.aggregate(name, None, output)
+    def without_column(self, output: str | None = None) -> StatefulStream:
+        return self.aggregate(name, None, output)
 
+    method = with_column if definition.needs_column else without_column
     method.__name__ = method.__qualname__ = name
     method.__doc__ = definition.doc or f"The built-in aggregate {name!r} per key."
     setattr(KeyedStream, name, method)

@@ -153,7 +153,7 @@ def kill_session(session: int | None = None, *, protect: int | None = None) -> N
     (which moves to a process group of its own) and its workers in its session.
     """
     own = session is None
-    session = os.getsid(0) if own else session
+    session = os.getsid(0) if session is None else session  # ``own``: this process's
     if session == protect or session <= 1 or (not own and session == os.getsid(0)):
         raise ConfigError(f"refusing to kill session {session}: it is protected")
     me = os.getpid()

@@ -34,6 +34,7 @@ directories 0755, less what the umask takes: never writable by others.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -216,7 +217,7 @@ class LocalStorage(Storage):
             os.close(directory)
         self._prune_empty_parents(parents)
 
-    def _directory(self, path: str, parts: list[str], *, create: bool) -> int:
+    def _directory(self, path: str, parts: builtins.list[str], *, create: bool) -> int:
         """A descriptor of directory ``root/parts...``, reached without following a link below the root; with
         ``create``, each missing level is made (0755 less the umask) and its parent fsynced. The caller closes it.
 
@@ -324,7 +325,7 @@ class LocalStorage(Storage):
                 f"blob {path!r} {what} in {self.uri}; delete it or, for a blob, pass overwrite=True"
             ) from None
 
-    def _prune_empty_parents(self, parents: list[str]) -> None:
+    def _prune_empty_parents(self, parents: builtins.list[str]) -> None:
         """Remove the directories ``parents`` names that are now empty, deepest first, never the root."""
         for depth in range(len(parents), 0, -1):
             try:

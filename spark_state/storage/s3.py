@@ -47,12 +47,14 @@ what a restore really cost on the wire.
 
 from __future__ import annotations
 
+import builtins
+import functools
 import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions
@@ -153,7 +155,7 @@ class S3Storage(Storage):
         self.uri = location.uri
         self.retry_seconds = DEFAULT_RETRY_SECONDS if location.retry_seconds is None else location.retry_seconds
         self._client_lock = threading.Lock()
-        self._client = None
+        self._client: Any = None  # boto3's S3 client (no types)
         self._session = None
         self._known_directories: set[str] = set()
         self._counter_lock = threading.Lock()
@@ -207,7 +209,8 @@ class S3Storage(Storage):
             if end == offset:
                 return b""
             length = end - offset
-        ranged = {} if offset == 0 and length is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
+        # ``length`` is None here only at offset 0: a read of the whole object
+        ranged = {} if length is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
 
         def get() -> bytes:
             def call(client):
@@ -246,7 +249,7 @@ class S3Storage(Storage):
         token = None
         while True:
             keys, directories, token = self._retrying(
-                "list", path or "<root>", lambda token=token: self._list_page(prefix, "/", token, 1000)
+                "list", path or "<root>", functools.partial(self._list_page, prefix, "/", token, 1000)
             )
             names.update(key[len(prefix) :] for key in keys)
             names.update(directory[len(prefix) :].rstrip("/") for directory in directories)
@@ -260,12 +263,12 @@ class S3Storage(Storage):
         first, token = True, None
         while True:  # the subtree's objects; the first batch also holds the key itself and its folder marker
             keys, _, token = self._retrying(
-                "delete", path, lambda token=token: self._list_page(subtree, None, token, _DELETE_BATCH - 2)
+                "delete", path, functools.partial(self._list_page, subtree, None, token, _DELETE_BATCH - 2)
             )
             if first:
                 keys += [self._key(path), subtree]
             if keys:
-                self._retrying("delete", path, lambda keys=keys: self._delete_batch(path, keys))
+                self._retrying("delete", path, functools.partial(self._delete_batch, path, keys))
             first = False
             if token is None:
                 break
@@ -282,18 +285,16 @@ class S3Storage(Storage):
         an object; deleting an absent marker is harmless, and a store deletes
         a marker only of an empty folder.
         """
+
+        def delete_marker(key: str) -> Any:
+            return self._request("DeleteObject", lambda c: c.delete_object(Bucket=self.location.bucket, Key=key))
+
         parts = path.split("/")
         for depth in range(len(parts) - 1, 0, -1):
             directory = f"{self._key('/'.join(parts[:depth]))}/"
-            if self._retrying("delete", path, lambda d=directory: self._list_page(d, None, None, 1)[0]):
+            if self._retrying("delete", path, functools.partial(self._list_page, directory, None, None, 1))[0]:
                 return
-            self._retrying(
-                "delete",
-                path,
-                lambda d=directory: self._request(
-                    "DeleteObject", lambda c: c.delete_object(Bucket=self.location.bucket, Key=d)
-                ),
-            )
+            self._retrying("delete", path, functools.partial(delete_marker, directory))
 
     # --- measurement -------------------------------------------------------------------
 
@@ -329,7 +330,7 @@ class S3Storage(Storage):
             ancestor = "/".join(parts[:depth])
             with self._counter_lock:
                 known = ancestor in self._known_directories
-            if not known and self._retrying("create", path, lambda a=ancestor: self._head(a)) is not None:
+            if not known and self._retrying("create", path, functools.partial(self._head, ancestor)) is not None:
                 raise BlobExistsError(f"cannot create blob {path!r} in {self.uri}: its parent {ancestor!r} is a blob")
 
     def _remember_directories(self, path: str) -> None:
@@ -365,7 +366,7 @@ class S3Storage(Storage):
         more = answer.get("IsTruncated") and limit > 1
         return keys, directories, answer.get("NextContinuationToken") if more else None
 
-    def _delete_batch(self, path: str, keys: list[str]) -> None:
+    def _delete_batch(self, path: str, keys: builtins.list[str]) -> None:
         answer = self._request(
             "DeleteObjects",
             lambda c: c.delete_objects(
@@ -389,7 +390,7 @@ class S3Storage(Storage):
         with self._counter_lock:
             self._bytes_received += n
 
-    def client(self):
+    def client(self) -> Any:
         """The boto3 S3 client (created on first use; thread-safe, shared by every call of this storage)."""
         with self._client_lock:
             if self._client is None:
@@ -423,7 +424,7 @@ class S3Storage(Storage):
             config=config,
         )
 
-    def _request(self, operation: str, call: Callable[[object], T]) -> T:
+    def _request(self, operation: str, call: Callable[[Any], T]) -> T:
         """One attempt of one request; typed errors, or ``_Transient`` for what is worth retrying."""
         client = self.client()
         with self._counter_lock:

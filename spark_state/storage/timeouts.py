@@ -48,7 +48,7 @@ class _Pool:
     def submit(self, call: Callable, outcome: list, done: threading.Event) -> None:
         with self._lock:
             if self._pid != os.getpid():  # forked (a Python worker): the parent's threads are not here
-                self.__init__()
+                _Pool.__init__(self)
             if self._idle == 0 and self._threads < self.MAX_THREADS:
                 self._threads += 1
                 threading.Thread(target=self._work, name="storage-call", daemon=True).start()

@@ -35,7 +35,7 @@ import functools
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import pyarrow as pa
 
@@ -96,7 +96,7 @@ class BlobIndex:
         offsets are stored as the first one (``start``) and follow from the lengths; an index whose
         entries are not contiguous keeps its ``offset`` column instead."""
         entries = self.entries
-        obj = {
+        obj: dict[str, Any] = {
             "key_group": [e.key_group for e in entries],
             "kind": [ENTRY_KINDS.index(e.kind) for e in entries],
             "length": [e.length for e in entries],

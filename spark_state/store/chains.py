@@ -48,6 +48,7 @@ went to; if that never happens, the next catch-up reloads them.
 
 from __future__ import annotations
 
+import builtins
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ class ChainTracker:
         self._planned = planned
         return planned
 
-    def _compacted(self, changes: Mapping[int, Collection[Any]], max_chain_length: int) -> set[int]:
+    def _compacted(self, changes: Mapping[int, Collection[Any]], max_chain_length: int) -> builtins.set[int]:
         """The changed key groups this batch compacts: every forced one, then due ones within the budget."""
         due_length = compaction_due(max_chain_length)
         lengths = {g: len(chain) for g in changes if (chain := self._chains.get(g))}

@@ -377,13 +377,13 @@ class QueryBinding:
     those are matched by ``checkpoint_location``.
     """
 
-    query_id: str
+    query_id: str | None
     run_id: str | None
     batch_id: int
     checkpoint_location: str
     start: Mapping[str, Any] = field(default_factory=dict)
 
-    def same_query(self, query_id: str) -> bool:
+    def same_query(self, query_id: str | None) -> bool:
         """Whether the query ``query_id`` is the one that wrote this binding."""
         return self.query_id == query_id
 
@@ -521,11 +521,16 @@ def check_component_name(component: str) -> str:
 
 class StoredComponent(Protocol):
     """What a stored component must show for a query to continue it (a ``ComponentManifest``, or a savepoint's
-    ``savepoints.ComponentPlan``)."""
+    ``savepoints.ComponentPlan``), read-only (both are frozen dataclasses)."""
 
-    max_parallelism: int
-    hash_version: int
-    schema: str  # ``KeyedSchema.serialize()``
+    @property
+    def max_parallelism(self) -> int: ...
+
+    @property
+    def hash_version(self) -> int: ...
+
+    @property
+    def schema(self) -> str: ...  # ``KeyedSchema.serialize()``
 
     @property
     def key_columns(self) -> Sequence[str]: ...
@@ -672,7 +677,7 @@ def _next_instance_items(
                 f"instance items written by instance {instance}, outside parallelism {spec.parallelism}"
             )
     keep = previous is not None and previous.parallelism == spec.parallelism
-    items = dict(previous.instance_items) if keep else {}
+    items = dict(previous.instance_items) if keep and previous is not None else {}
     items.update(written)
     return items
 

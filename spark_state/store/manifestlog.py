@@ -193,6 +193,7 @@ class ManifestReader:
                 raise CorruptBlobError(f"{where} holds checkpoint {manifest.checkpoint_id}, not {record_id}")
             self._remember(manifest, self._lineage_of(record_id, base, size))
             base = manifest
+        assert base is not None, "pending holds the record asked for at least"
         return base
 
     def _lineage_of(self, checkpoint_id: int, base: Manifest | None, size: int) -> _Lineage:
@@ -327,11 +328,11 @@ class ManifestLog(ManifestReader):
                 referenced.update(ref.path for ref in component.instance_items.values())
         doomed: list[str] = []
         for top in (BLOBS_DIR, ITEMS_DIR) if files else ():
-            for component in self.storage.list(top):
-                for checkpoint_dir in self.storage.list(join(top, component)):
+            for component_dir in self.storage.list(top):
+                for checkpoint_dir in self.storage.list(join(top, component_dir)):
                     if not checkpoint_dir.isdigit() or int(checkpoint_dir) > manifest.checkpoint_id:
                         continue
-                    directory = join(top, component, checkpoint_dir)
+                    directory = join(top, component_dir, checkpoint_dir)
                     for name in self.storage.list(directory):
                         path, written = join(directory, name), written_ms(name)
                         if path not in referenced and (written is None or written <= cutoff):

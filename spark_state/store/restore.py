@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import AbstractSet
+from typing import AbstractSet, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -306,10 +306,12 @@ def apply_entries(
         keys, values, deleted = schema.columns_to_rows(batch, bare=bare)
         if not any(groups) and not any(deleted) and all(None not in column for column in values):
             for group, column in zip(groups, values):
-                group.update(zip(keys, column))  # an entry holds each key at most once
+                # an entry holds each key at most once; ``None not in column``: checked above
+                group.update(zip(keys, cast(list[Value], column)))
             continue
         for row, key in enumerate(keys):
             for group, column in zip(groups, values):
                 group.pop(key, None)
-                if not deleted[row] and column[row] is not None:
-                    group[key] = column[row]
+                value = column[row]
+                if not deleted[row] and value is not None:
+                    group[key] = value

@@ -132,7 +132,9 @@ def start_from_savepoint(
     query takes the savepoint's key space instead of ``spec``'s.
     """
     if open_storage is None:
-        from spark_state.storage import open_storage
+        from spark_state.storage import open_storage as open_default
+
+        open_storage = open_default
     store_uri, name = parse_savepoint_uri(savepoint_uri)
     source = open_storage(store_uri)
     latest = target.latest()
