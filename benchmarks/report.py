@@ -630,7 +630,13 @@ def manifest_section(data: dict, file: str) -> list[str]:
             f"{f['warm_load_seconds']['median']:.4f} | {d['cold_load_seconds']['median']:.3f} / "
             f"{f['cold_load_seconds']['median']:.3f} |"
         )
-    out += ["", _targets(data["targets"]), "", f"![manifest](../benchmarks/results/{file.replace('.json', '.png')})", ""]
+    out += [
+        "",
+        _targets(data["targets"]),
+        "",
+        f"![manifest](../benchmarks/results/{file.replace('.json', '.png')})",
+        "",
+    ]
     return out
 
 

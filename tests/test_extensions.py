@@ -91,6 +91,18 @@ def test_a_new_aggregate_is_one_definition_merged_per_key_in_python_and_in_arrow
 def test_a_registered_aggregate_is_refused_twice_and_one_with_an_unknown_partial_at_once(spread):
     with pytest.raises(ConfigError, match="exists already"):
         register_aggregate(SPREAD)
+    with pytest.raises(ConfigError, match="read a column, so it needs one"):
+        AggregateDef(
+            "largest",
+            False,
+            SPREAD.check,
+            lambda t: (t,),
+            ("max",),
+            ("max",),
+            lambda t: t,
+            lambda s: s[0],
+            lambda _: True,
+        )
     with pytest.raises(ConfigError, match="each partial one of"):
         AggregateDef(
             "median",

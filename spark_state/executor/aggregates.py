@@ -141,6 +141,10 @@ class AggregateDef:
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.partials if p not in PARTIAL_OPS] + [m for m in self.merges if m not in _MERGES]
+        if not self.needs_column and any(PARTIAL_OPS.get(p, ("", ""))[1] == "column" for p in self.partials):
+            raise ConfigError(
+                f"aggregate {self.name!r}: partials {self.partials} read a column, so it needs one (needs_column=True)"
+            )
         if unknown or len(self.partials) != len(self.merges):
             raise ConfigError(
                 f"aggregate {self.name!r}: partials {self.partials} and merges {self.merges} must pair up, each "

@@ -185,6 +185,11 @@ class MicroBatch:
         context = batch_df.sparkSession.sparkContext
         checkpoint = self.spark_checkpoint
         query_id = context.getLocalProperty(QUERY_ID_PROPERTY) or checkpoint.query_id()
+        if query_id is None:  # a binding without a query id would pass for any query's
+            raise CheckpointError(
+                f"Spark's checkpoint {checkpoint.uri} has no metadata file naming the query's id, and Spark did not "
+                "name it to the batch: the checkpoint location was changed while the query ran; restart the query"
+            )
         entry = checkpoint.offsets_entry(batch_id)
         if entry is None:
             raise CheckpointError(
