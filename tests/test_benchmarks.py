@@ -304,12 +304,12 @@ def test_report_renders_smoke_results(
     text = report.render(results)
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
     assert "| 4,000 | 2->3 |" in text
-    assert "### Rescale with the state on S3" in text and "### Checkpoint cost on S3 vs local disk" in text
-    assert "### Where we are behind" in text
-    assert "### Reading state out" in text and "20,000 keys" in text
-    assert "### Time: sessions, time to live, timers" in text
-    assert "### Fault campaign" in text
-    assert "### Memory bound" in text and "| bound_1m | 1 MiB |" in text
+    assert "## Rescale with the state on S3" in text and "## Checkpoint cost on S3 vs local disk" in text
+    assert "## Where we are behind" in text
+    assert "## Reading state out" in text and "20,000 keys" in text
+    assert "## Time: sessions, time to live, timers" in text
+    assert "## Fault campaign" in text
+    assert "## Memory bound" in text and "| bound_1m | 1 MiB |" in text
 
 
 def _campaign(**changes) -> dict:
