@@ -23,6 +23,10 @@ class ConfigError(SparkStateError, ValueError):
     """A setting or argument is invalid; the message names it and the valid range."""
 
 
+class NotAStoreError(ConfigError):
+    """A command named a location that holds no spark-state store (a mistyped path, a file)."""
+
+
 class InvalidParallelismError(ConfigError):
     """A parallelism, max parallelism, instance index or key group is out of range."""
 

@@ -196,7 +196,9 @@ def test_cli_savepoints_drain_cleanup_and_repair(rescaled, tmp_path):
     assert cli_json("savepoint", "list", str(copy))["savepoints"] == []
 
     run_id = str(uuid.uuid4())
-    assert run_id in cli("drain", str(copy), run_id).stdout
+    unknown = cli("drain", str(copy), run_id, ok=False)  # a run the store never saw: refused, nothing written
+    assert unknown.returncode == 1 and "--force" in unknown.stderr and not (copy / "drain-requests").exists()
+    assert run_id in cli("drain", str(copy), run_id, "--force").stdout
     assert (copy / "drain-requests" / f"{run_id}.json").exists()
 
     orphan = copy / "blobs" / "clicks" / f"{1:020d}" / "00009-0-0-orphan.arrow"

@@ -16,6 +16,7 @@ timers in time order, then the expiries.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +28,9 @@ import pyarrow.compute as pc
 from spark_state.errors import ConfigError
 from spark_state.executor.columns import EVENT_MS_COLUMN, KEY_GROUP_COLUMN
 from spark_state.model.eventtime import END_OF_TIME
+from spark_state.model.exact import exact_column, exact_tuple
 from spark_state.model.instance_items import InstanceItems
-from spark_state.model.schema import Key
+from spark_state.model.schema import Key, KeyedSchema
 from spark_state.model.timers import (
     EVENT,
     EXPIRES,
@@ -67,6 +69,8 @@ class TimeToLive:
     def __post_init__(self) -> None:
         if self.kind not in (PROCESSING, EVENT):
             raise ConfigError(f"ttl_kind={self.kind!r} is not one of {PROCESSING!r}, {EVENT!r}")
+        if self.duration_ms <= 0:
+            raise ConfigError(f"ttl={self.duration_ms} ms: a time to live must be longer than zero (as Spark's)")
 
     def now(self, time: BatchTime) -> int | None:
         return time.processing_ms if self.kind == PROCESSING else time.watermark_ms
@@ -96,6 +100,7 @@ class KeyState:
         "_ttl",
         "_event_ms",
         "expired",
+        "_convert",
     )
 
     def __init__(
@@ -109,7 +114,9 @@ class KeyState:
         ttl: TimeToLive | None = None,
         expires: int | None = None,
         event_time_ms: int | None = None,
+        convert: Callable[[tuple], tuple] | None = None,
     ):
+        self._convert = convert
         self._time = time
         self._ttl = ttl
         self.expires = expires
@@ -142,6 +149,8 @@ class KeyState:
         value = tuple(value)
         if len(value) != len(self._fields):
             raise ConfigError(f"state update has {len(value)} values, the state schema has {list(self._fields)}")
+        if self._convert is not None:
+            value = self._convert(value)  # exactly, or a ConfigError now, not when the checkpoint writes it
         self._value = value
         self.changed = True
         if self._ttl is not None:
@@ -234,6 +243,7 @@ class PythonFunction:
         event_time: bool,
     ) -> KeyState:
         stored = state.table.get(key_group, key, variable=state.timers_variable) if state.timers_variable else None
+        convert = _value_converter(state.table.schema)
         handle = KeyTimersHandle(stored, event_time=event_time) if self.on_timer is not None else None
         expires = stored[2] if stored is not None and self.ttl is not None else None
         return KeyState(
@@ -245,6 +255,7 @@ class PythonFunction:
             ttl=self.ttl,
             expires=expires,
             event_time_ms=event_time_ms,
+            convert=convert,
         )
 
     def _write_back(self, state, key_group: int, key: Key, key_state: KeyState) -> None:
@@ -382,16 +393,34 @@ class PythonFunction:
         return expired
 
 
+@functools.lru_cache(maxsize=64)
+def _value_converter(schema: KeyedSchema) -> Callable[[tuple], tuple]:
+    """``model.exact`` over the ``value`` variable of ``schema``: made once per schema, not per key."""
+    return exact_tuple(schema.value.fields)
+
+
 def _to_output_table(result: Any, schema: pa.Schema) -> pa.Table:
+    """What a function returned as rows of ``schema``, every value converted exactly (``model.exact``): a column
+    the schema does not have is refused, never dropped (a misspelled one would leave its column null)."""
+    if isinstance(result, list):
+        if not all(isinstance(row, dict) for row in result):
+            raise ConfigError(
+                "the keyed function returned a list whose items are not all dicts; return rows as "
+                "dicts of column name to value"
+            )
+        _check_columns(set().union(*map(dict.keys, result)) if result else set(), schema)
+        return pa.table(
+            [exact_column(field, [row.get(field.name) for row in result]) for field in schema], schema=schema
+        )
+    import pandas as pd
+
     try:
         if isinstance(result, pa.Table):
-            return result.select(schema.names).cast(schema)
-        if isinstance(result, list):
-            return pa.Table.from_pylist(result, schema=schema)
-        import pandas as pd
-
+            _check_columns(set(result.column_names), schema)
+            return result.select(schema.names).cast(schema, safe=True)
         if isinstance(result, pd.DataFrame):
-            return pa.Table.from_pandas(result[list(schema.names)], schema=schema, preserve_index=False)
+            _check_columns(set(map(str, result.columns)), schema)
+            return pa.Table.from_pandas(result[list(schema.names)], schema=schema, preserve_index=False, safe=True)
     except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as exc:
         raise ConfigError(
             f"the keyed function returned rows that do not fit the output schema {schema}: {exc}"
@@ -400,3 +429,12 @@ def _to_output_table(result: Any, schema: pa.Schema) -> pa.Table:
         f"the keyed function returned {type(result).__name__}; return a pandas DataFrame, a pyarrow Table, "
         "a list of dicts, or None"
     )
+
+
+def _check_columns(names: set, schema: pa.Schema) -> None:
+    unknown = sorted(map(str, names - set(schema.names)))
+    if unknown:
+        raise ConfigError(
+            f"the keyed function returned column(s) {unknown} that the output schema does not have "
+            f"({', '.join(schema.names)}); fix their names, or add them to output_schema"
+        )

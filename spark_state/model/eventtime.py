@@ -130,19 +130,31 @@ def to_millis(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def timestamp_millis(value: Any, what: str) -> int:
-    """A timer time as int64 milliseconds: an int (ms), a ``datetime`` (naive is UTC) or a pandas Timestamp."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: {value!r} is not a time; give milliseconds since the epoch or a datetime")
+    """A timer time as int64 milliseconds: an int (ms), a ``datetime`` (naive is UTC) or a pandas Timestamp;
+    ``ConfigError`` for anything else, a missing time (``NaT``) and a time outside int64 milliseconds."""
+    bad = f"{what}: {value!r} is not a time; give milliseconds since the epoch (an int) or a datetime"
+    if isinstance(value, bool) or value is None or type(value).__name__ in ("NaTType", "NAType"):
+        raise ConfigError(bad)
     if isinstance(value, (int, np.integer)):
-        return int(value)
-    if hasattr(value, "to_pydatetime"):
-        value = value.to_pydatetime()
-    if isinstance(value, _dt.datetime):
+        milliseconds = int(value)
+    else:
+        if hasattr(value, "to_pydatetime"):
+            try:
+                value = value.to_pydatetime()
+            except (ValueError, OverflowError):
+                raise ConfigError(bad) from None
+        if not isinstance(value, _dt.datetime):
+            raise ConfigError(bad)
         if value.tzinfo is None:
             value = value.replace(tzinfo=_dt.timezone.utc)
-        return int(value.timestamp() * 1000)
-    raise ConfigError(f"{what}: {value!r} is not a time; give milliseconds since the epoch or a datetime")
+        milliseconds = int(value.timestamp() * 1000)
+    if not INT64_MIN <= milliseconds <= INT64_MAX:
+        raise ConfigError(f"{what}: {value!r} ms is outside the times a timer can hold (int64 milliseconds)")
+    return milliseconds
 
 
 def next_watermark(watermark: int | None, max_event_time: int | None, delay_ms: int) -> int | None:

@@ -68,10 +68,25 @@ def _storage(uri: str):
     return open_storage(uri)
 
 
+def _store(uri: str):
+    """The storage of the store at ``uri``; ``NotAStoreError`` when nothing there is a store (a mistyped path,
+    a file): a command never reports success, nor creates anything, where no store is."""
+    from spark_state.errors import NotAStoreError
+    from spark_state.store.manifestlog import CHECKPOINTS_DIR
+
+    storage = _storage(uri)
+    if not storage.exists(CHECKPOINTS_DIR):
+        raise NotAStoreError(
+            f"{uri} holds no spark-state store (no {CHECKPOINTS_DIR}/ there): check the path; a store exists once a "
+            "query committed its first batch to it"
+        )
+    return storage
+
+
 def _manifests(uri: str):
     from spark_state.store.manifestlog import ManifestReader
 
-    return ManifestReader(_storage(uri))
+    return ManifestReader(_store(uri))
 
 
 def _emit_json(data: Any) -> None:
@@ -333,7 +348,9 @@ def verify(store: str, deep: bool, as_json: bool) -> None:
 @CHECKPOINT
 @click.option("--key", "key", multiple=True, help="Show only this key (repeat for each key column, in order).")
 @click.option("--timers", is_flag=True, help="Add the keys' timers and TTL expiry (timers_* columns).")
-@click.option("--limit", type=int, default=None, help="At most this many rows (terminal default: 20).")
+@click.option(
+    "--limit", type=click.IntRange(min=0), default=None, help="At most this many rows (terminal default: 20)."
+)
 @click.option(
     "--output",
     "-o",
@@ -356,8 +373,10 @@ def show(
     from spark_state.ops.reader import read_state
 
     with progress_bar("reading state") as update:
-        table = read_state(_storage(store), component, checkpoint, key=key or None, timers=timers, progress=update)
+        table = read_state(_store(store), component, checkpoint, key=key or None, timers=timers, progress=update)
     if output is not None:
+        if not Path(output).parent.is_dir():
+            raise click.BadParameter(f"{output}: its directory does not exist; create it first", param_hint="--output")
         _write_table(table, Path(output))
         click.echo(f"wrote {table.num_rows} rows to {output}")
         return
@@ -408,6 +427,10 @@ def savepoint_create(store: str, name: str, checkpoint: str | None, reason: str,
     """Pin a checkpoint (default: the latest) of STORE as savepoint NAME."""
     from spark_state.store.savepoints import create_savepoint
 
+    if checkpoint is not None and not checkpoint.isdigit():
+        raise click.BadParameter(
+            f"{checkpoint!r}: give a checkpoint id (a number, as `checkpoints` lists them)", param_hint="--checkpoint"
+        )
     created = create_savepoint(_manifests(store), name, None if checkpoint is None else int(checkpoint), reason=reason)
     if as_json:
         _emit_json({**created.to_json(), "uri": created.uri})
@@ -425,7 +448,7 @@ def savepoint_list(store: str, as_json: bool) -> None:
     from spark_state.ops.inspect import iso
     from spark_state.store.savepoints import Savepoints
 
-    listing = Savepoints(_storage(store)).list()
+    listing = Savepoints(_store(store)).list()
     if as_json:
         _emit_json(
             {
@@ -463,7 +486,7 @@ def savepoint_delete(store: str, name: str) -> None:
     """Delete savepoint NAME's record; what only it needed goes at the next cleanup."""
     from spark_state.store.savepoints import Savepoints
 
-    Savepoints(_storage(store)).delete(name)  # SavepointNotFoundError names the ones there are
+    Savepoints(_store(store)).delete(name)  # SavepointNotFoundError names the ones there are
     click.echo(f"deleted savepoint {name}")
 
 
@@ -474,11 +497,16 @@ def savepoint_delete(store: str, name: str) -> None:
 @click.argument("store")
 @click.argument("run_id")
 @click.option("--reason", default="", help="Why (kept in the request).")
-def drain(store: str, run_id: str, reason: str) -> None:
+@click.option("--force", is_flag=True, help="Ask even a run the store has not seen commit (one that just started).")
+def drain(store: str, run_id: str, reason: str, force: bool) -> None:
     """Ask the run RUN_ID (Spark's query.runId) of the query writing STORE to drain and stop."""
+    from spark_state.ops.inspect import check_drainable
     from spark_state.store.drain import request_drain
 
-    path = request_drain(_storage(store), run_id, reason=reason)
+    storage = _store(store)
+    if not force:
+        check_drainable(_manifests(store), run_id)
+    path = request_drain(storage, run_id, reason=reason)
     click.echo(
         f"requested a drain of run {run_id}: {store.rstrip('/')}/{path} (it takes effect at the next micro-batch)"
     )
@@ -500,7 +528,7 @@ def cleanup(store: str, dry_run: bool, grace_seconds: float | None, as_json: boo
     from spark_state.store.manifestlog import DEFAULT_ORPHAN_GRACE_SECONDS, ManifestLog, manifest_path
 
     grace = DEFAULT_ORPHAN_GRACE_SECONDS if grace_seconds is None else grace_seconds
-    log = ManifestLog(_storage(store))
+    log = ManifestLog(_store(store))
     latest = log.latest()
     if latest is None:
         raise click.ClickException(f"{store} holds no checkpoint; nothing to clean up")

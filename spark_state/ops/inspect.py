@@ -18,6 +18,7 @@ from typing import Any
 
 from spark_state.errors import (
     BlobNotFoundError,
+    ConfigError,
     IncompatibleCheckpointError,
     NoCheckpointError,
     SparkStateError,
@@ -35,10 +36,14 @@ Progress = Callable[[int, int], None]
 
 
 def iso(seconds: float | None) -> str | None:
-    """A commit time as ISO 8601 UTC (None stays None)."""
+    """A time as ISO 8601 UTC (None stays None); one past the calendar's years (a watermark far in the future, or
+    event times that were microseconds in a long column) as its seconds, said so, never an exception."""
     if not seconds:
         return None
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+    try:
+        return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return f"{seconds:.0f} s since the epoch (past the years a calendar date can name: were they microseconds?)"
 
 
 def component_bytes(component: ComponentManifest) -> int:
@@ -346,3 +351,24 @@ def _check_file(storage, path: str, size: int, crc: int, blob, deep: bool, probl
             read_blob_file(data, ref.index)
         except (SparkStateError, IncompatibleCheckpointError) as exc:
             problem("entries", path, str(exc))
+
+
+def check_drainable(manifests: ManifestReader, run_id: str) -> None:
+    """``ConfigError`` unless ``run_id`` is a run the store saw commit that is not recorded as stopped: a drain
+    request for any other run would wait for a batch that never comes."""
+    from spark_state.store.stops import stopped_run
+
+    if stopped_run(manifests.storage) == run_id:
+        raise ConfigError(f"run {run_id} of {manifests.storage.uri} is recorded as stopped: there is nothing to drain")
+    latest = manifests.latest()
+    seen = []
+    for checkpoint_id in latest.consistent_checkpoints if latest is not None else ():
+        binding = manifests.load(checkpoint_id).binding
+        if binding is not None and binding.run_id not in seen:
+            seen.append(binding.run_id)
+    if run_id not in seen:
+        raise ConfigError(
+            f"{manifests.storage.uri} has no retained checkpoint of run {run_id} (the runs it has: "
+            f"{', '.join(map(str, seen)) or 'none'}): use the query's current query.runId; a run that has not "
+            "committed a batch yet can be asked with --force"
+        )

@@ -256,6 +256,7 @@ class MicroBatch:
         storage = coordinator.manifests.storage
         committing, wire = time.perf_counter(), storage.counters()
         manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
+        self.key_space = spec.max_parallelism  # the store's from now on: set_parallelism checks against it
         commit_seconds, commit_requests = time.perf_counter() - committing, _requests_since(storage, wire)
         cleanup_seconds, cleanup_requests = 0.0, _requests_since(storage, storage.counters())
         if manifest is not None:

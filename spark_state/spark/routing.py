@@ -63,6 +63,17 @@ def _encode_sql(column: str, data_type: T.DataType, index: int) -> str:
     return _pad_to_4_bytes_sql(column) if kind == "binary" else column
 
 
+def check_key_type(data_type: T.DataType, index: int, name: str | None = None) -> str:
+    """How key column ``index`` (called ``name``) of ``data_type`` is encoded; ``UnsupportedKeyError`` naming it
+    when it cannot be a key (``keyed()`` asks before a query starts)."""
+    try:
+        return _encoding(data_type, index)
+    except UnsupportedKeyError as error:
+        if name is None:
+            raise
+        raise UnsupportedKeyError(str(error).replace(f"key column {index} ", f"key column {name!r} ", 1)) from None
+
+
 def _encoding(data_type: T.DataType, index: int) -> str:
     """How a key component of ``data_type`` is encoded (see the module docstring); raises if it cannot be."""
     if isinstance(data_type, _INTEGRAL_TYPES):

@@ -42,6 +42,7 @@ from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.model.timers import EVENT, PROCESSING, TIMERS
 from spark_state.spark.checkpoint import SparkCheckpoint
 from spark_state.spark.microbatch import MicroBatch, location_name
+from spark_state.spark.routing import check_key_type
 from spark_state.spark.sinks import open_sink
 from spark_state.spark.stop_watch import watch as watch_stops
 from spark_state.store.manifest import check_component_name
@@ -92,6 +93,9 @@ def keyed(df, *key_columns: str, name: str) -> KeyedStream:
     if not df.isStreaming:
         raise ConfigError("keyed() works on streaming DataFrames (spark.readStream...); use groupBy for batch data")
     check_component_name(name)
+    types = {field.name: field.dataType for field in df.schema.fields}
+    for index, column in enumerate(key_columns):
+        check_key_type(types[column], index, column)  # UnsupportedKeyError now, not at the first batch
     return KeyedStream(df, tuple(key_columns), name)
 
 
@@ -102,7 +106,13 @@ def _to_arrow_schema(schema) -> pa.Schema:
     if isinstance(schema, pa.Schema):
         return schema
     if isinstance(schema, str):
-        schema = StructType.fromDDL(schema)
+        try:
+            schema = StructType.fromDDL(schema)
+        except Exception as error:  # noqa: BLE001 - Spark's parser raises its own ParseException
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(
+                f"the schema {schema!r} does not parse ({first}); write it as Spark DDL, like 'total long, n long'"
+            ) from None
     if not isinstance(schema, StructType):
         raise ConfigError(
             f"a schema must be a DDL string, a StructType or a pyarrow.Schema, got {type(schema).__name__}"
@@ -153,7 +163,13 @@ class KeyedStream:
             input_type = _to_arrow_schema(self.df.schema).field(column).type
         elif column is not None:
             raise ConfigError(f"{kind}() takes no column (got {column!r})")
-        function = Aggregate(kind, column, output or definition.output_name(column), input_type, definition)
+        output = output or definition.output_name(column)
+        if not isinstance(output, str) or not output or output in self.key_columns:
+            raise ConfigError(
+                f"{kind}(output={output!r}): the output column needs a name of its own, not a key column's "
+                f"({', '.join(self.key_columns)}); the output rows are the keys and it"
+            )
+        function = Aggregate(kind, column, output, input_type, definition)
         keys = self._key_fields()
         schema = KeyedSchema.of_values(keys, function.state_fields())
         outputs = pa.schema(keys + [pa.field(function.output_name, function.output_type())])

@@ -516,7 +516,16 @@ def check_component_name(component: str) -> str:
             f"component name {component!r} is invalid: use a non-empty name without '/', '\\', control "
             "characters, surrounding spaces or a leading '.'"
         )
+    if len(component.encode()) > MAX_COMPONENT_NAME_BYTES:
+        raise ConfigError(
+            f"component name {component[:40]!r}... is {len(component.encode())} bytes long: a component names a "
+            f"directory of the store, so use at most {MAX_COMPONENT_NAME_BYTES} bytes"
+        )
     return component
+
+
+MAX_COMPONENT_NAME_BYTES = 200
+"""A component's name is a directory of its store: file systems take names of at most 255 bytes."""
 
 
 class StoredComponent(Protocol):
