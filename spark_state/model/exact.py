@@ -134,6 +134,19 @@ def exact_tuple(fields: Sequence[pa.Field]) -> Callable[[tuple], tuple]:
 
 
 def exact_column(field: pa.Field, values: Sequence[Any]) -> pa.Array:
-    """``values`` as an Arrow array of ``field``'s type, each converted exactly (``exact``)."""
-    convert = exact(field)
-    return pa.array([convert(v) for v in values], field.type)
+    """``values`` as an Arrow array of ``field``'s type, each converted exactly (``exact``).
+
+    Only integer columns need a look at each value (Arrow truncates floats into them); a value Arrow refuses in
+    any other column is found again by ``exact``, for a message that names it.
+    """
+    kind = field.type
+    if pa.types.is_integer(kind):
+        convert = exact(field)
+        values = [v if type(v) is int else convert(v) for v in values]
+    try:
+        return pa.array(values, kind)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as error:
+        convert = exact(field)
+        for value in values:
+            convert(value)
+        raise ConfigError(f"column {field.name!r} ({kind}) does not take these values: {error}") from None
