@@ -49,12 +49,6 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _gap() -> int:
-    from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
-
-    return CATCH_UP_MAX_GAP_BYTES
-
-
 def _x(r: float) -> str:
     return f"{r:.2f}x"
 
@@ -900,8 +894,8 @@ def behind_section(
         f"- A cold restore after compaction reads {_x(restored['bytes_read'] / compacted['full_state_bytes'])} "
         f"the bytes of the live state ({_mb(restored['bytes_read'])} in {restored['requests']:,} requests, "
         f"{checkpoint['state_keys']:,} keys): a chain is its full entry, a merge of up to half of its keys "
-        f"and the deltas since, and the catch-up reads through holes of at most {_gap() // 1024} KB between "
-        "the entries it needs, so entries spread over many blobs cost requests (on object stores, round "
+        f"and the deltas since (the catch-up reads through the bytes between the entries it needs only within "
+        "5% of them), so entries spread over many blobs cost requests (on object stores, round "
         "trips)."
     )
     fewest = checkpoint["changed_keys"][0]

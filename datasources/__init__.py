@@ -31,9 +31,15 @@ def register(spark) -> None:
     the installed ``pyspark_*`` modules (a Python process, about 2 s here): a
     session that reads neither source saves nothing and pays that. Optional:
     without it both sources work as they are.
+
+    The session's ``spark.state.s3.*`` settings in force when it is called
+    apply to the sources' ``s3://`` locations (``s3_defaults``): Spark shows a
+    Python data source no session setting of its own.
     """
     from datasources.replayable import ReplayableDataSource
+    from datasources.s3_defaults import session_settings, with_session_settings
     from datasources.state_reader import StateDataSource
 
+    settings = session_settings(spark)
     for source in (ReplayableDataSource, StateDataSource):
-        spark.dataSource.register(source)
+        spark.dataSource.register(with_session_settings(source, settings))

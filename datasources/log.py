@@ -261,7 +261,7 @@ class ReplayableLog:
                 f"no replayable log at {storage.uri} ({META_PATH} is missing): check the path option, "
                 "or create the log by writing to it first"
             ) from exc
-        where = f"{storage.uri}/{META_PATH}"
+        where = f"{storage.describe(META_PATH)}"
         with _as_corrupt_log():
             body = decode_record(data, where, accept_unframed=True)
         return cls(storage, LogMeta.from_json(body, where), cache)
@@ -526,7 +526,7 @@ class ReplayableLog:
             data = self.storage.read(ref.path)
         except BlobNotFoundError as exc:
             raise SegmentMissingError(
-                f"segment {self.storage.uri}/{ref.path} (offsets [{ref.start}, {ref.end}) of split {ref.split}) "
+                f"segment {self.storage.describe(ref.path)} (offsets [{ref.start}, {ref.end}) of split {ref.split}) "
                 "is missing: it was trimmed by a reader's retention or deleted; start from offsets the log "
                 "still holds"
             ) from exc

@@ -28,6 +28,7 @@ from datasources.generator import KEY_TYPES, KINDS, GeneratorSpec
 from datasources.log import DEFAULT_ORPHAN_GRACE_SECONDS
 from datasources.logindex import Offsets
 from spark_state.driver.conf import COMPRESSIONS
+from spark_state.store.sources import canonical_source_id
 
 READ, STREAM_READ, WRITE, STREAM_WRITE = "read", "readStream", "write", "writeStream"
 ANY_READ = "read or readStream"
@@ -93,13 +94,15 @@ def normalize_log_uri(path: str | None) -> str:
 
 
 def log_source_id(path: str) -> str:
-    """The id under which a state checkpoint records this log's offsets: ``"replayable:" + normalize_log_uri(path)``.
+    """The id under which a state checkpoint records this log's offsets: ``"replayable:"`` and the log's location.
 
-    Two spellings of the same location (``/data/log``, ``file:///data/log/``)
-    give the same id. The state store keys source offsets by this id; give it
-    the same path the query reads.
+    The location is its identity (``storage.location_identity``), never its
+    spelling or its client's options: ``/data/log`` and ``file:///data/log/``,
+    ``s3a://b/events/`` and ``s3://b/events?path_style=true&endpoint=...``
+    give the same id, and a checkpoint recorded under another spelling of the
+    same log reads as this source's (``store.sources``).
     """
-    return "replayable:" + normalize_log_uri(path)
+    return canonical_source_id("replayable:" + normalize_log_uri(path))
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +189,11 @@ def offsets_from_json(raw, what: str, allow_markers: bool = False, source_id: st
     out: Offsets = {}
     low = EARLIEST if allow_markers else 0
     recorded = raw.get(SOURCE_ID_KEY)
-    if source_id is not None and recorded is not None and recorded != source_id:
+    if (
+        source_id is not None
+        and recorded is not None
+        and canonical_source_id(str(recorded)) != canonical_source_id(source_id)
+    ):
         raise InvalidOffsetsError(
             f"{what} belong to {recorded!r}, not to {source_id!r}: the checkpoint was made for another "
             "source; use a new checkpointLocation (or the path the checkpoint was made with)"

@@ -25,4 +25,12 @@ def read_state(store, component: str, checkpoint=None, **options):
     return _read_state(store, component, checkpoint, **options)
 
 
-__all__ = ["keyed", "read_state", "__version__"]
+def typed_error(error: BaseException):
+    """The typed error of spark-state that ``error`` (a ``StreamingQueryException``, say) carries, or None; see
+    ``spark_state.errors.typed_error``."""
+    from spark_state.errors import typed_error as _typed_error
+
+    return _typed_error(error)
+
+
+__all__ = ["keyed", "read_state", "typed_error", "__version__"]

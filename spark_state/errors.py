@@ -8,6 +8,8 @@ so that generic callers can catch them as such.
 
 from __future__ import annotations
 
+import re
+
 from spark_state.redaction import redact
 
 
@@ -181,3 +183,38 @@ class SavepointExistsError(SavepointError):
 
 class SavepointMismatchError(SavepointError, IncompatibleCheckpointError):
     """A query cannot start from a savepoint: its plan (components, keys, schemas, key space) does not fit."""
+
+
+def typed_error(error: BaseException) -> SparkStateError | None:
+    """The typed error of ours that ``error`` carries, or None: ``error`` itself or one it was raised from, or the
+    one Spark wrapped into it (a ``StreamingQueryException`` or a task's ``PythonException``, which hold only its
+    text: the error is made again from its class and message, the Spark error its ``__cause__``).
+
+    ``except StreamingQueryException as e: if isinstance(typed_error(e), CorruptBlobError): ...``
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, SparkStateError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    matches = _TYPED.findall(str(error))
+    if not matches:
+        return None
+    module, name, message = matches[-1]  # a traceback prints the error raised last at its end
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, SparkStateError)):
+        return None
+    made = cls.__new__(cls)
+    Exception.__init__(made, message.strip())
+    made.__cause__ = error
+    return made
+
+
+_TYPED = re.compile(r"\b(spark_state\.errors|datasources\.errors)\.([A-Z]\w*): ([^\n]*)")

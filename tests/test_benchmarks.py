@@ -397,7 +397,7 @@ def test_rescale_with_long_keys_renders_its_restarts_live_rescales_and_missed_ta
     assert sum(f"Rescale with long keys, target missed: restart at {size:,} keys" in b for b in behind) == 2
 
 
-def test_readme_results_match_the_results_files():
+def test_the_benchmarks_page_results_match_the_results_files():
     assert report.main(["--check"]) == 0, (
         "docs/benchmarks.md is out of date with benchmarks/results: ./run bench report"
     )

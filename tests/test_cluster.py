@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
 from spark_state.store.manifestlog import open_manifest_log
 from spark_state.store.restore import plan_instance_restore
 from tests.cluster import Driver, StandaloneCluster
@@ -107,10 +106,7 @@ class ClusterJob:
     def restore_bytes(self, checkpoint_id: int, parallelism: int) -> dict[int, int]:
         """Per instance at ``parallelism``: the bytes its restore plan reads from checkpoint ``checkpoint_id``."""
         component = open_manifest_log(self.store).load(checkpoint_id).components[COMPONENT]
-        return {
-            j: plan_instance_restore(component, j, parallelism, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES).bytes_to_read
-            for j in range(parallelism)
-        }
+        return {j: plan_instance_restore(component, j, parallelism).bytes_to_read for j in range(parallelism)}
 
 
 def executors_of(cluster: StandaloneCluster, app_id: str, run: dict) -> set[str]:

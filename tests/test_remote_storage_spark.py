@@ -17,7 +17,6 @@ import pytest
 from spark_state import keyed
 from spark_state.driver.conf import S3_KEYS
 from spark_state.errors import BucketNotFoundError, StorageAccessError
-from spark_state.executor.resident import CATCH_UP_MAX_GAP_BYTES
 from spark_state.store.manifestlog import open_manifest_log
 from spark_state.store.restore import plan_instance_restore
 from tests.s3_server import WRONG_SECRET_PROFILE
@@ -111,10 +110,7 @@ class LogJob:
         """Each new instance's restore plan, and the sizes of the instance items every one of them reads."""
         component = open_manifest_log(self.store_uri()).latest().components[COMPONENT]
         items = [ref.size for ref in component.instance_items.values()]
-        return {
-            j: plan_instance_restore(component, j, parallelism, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES)
-            for j in range(parallelism)
-        }, items
+        return {j: plan_instance_restore(component, j, parallelism) for j in range(parallelism)}, items
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ with a dict model.
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import pyarrow as pa
@@ -570,3 +571,79 @@ def test_a_chain_must_start_full():
         apply_entries([{}], [("delta", _batch([("a", 1, False)]))], SCHEMA, whole_chain=True)
     with pytest.raises(CheckpointError, match="at least one entry"):
         fold_chain([], ("key",))
+
+
+# --------------------------------------------------------------------------- the read bound, and plan == restore
+
+
+@settings(max_examples=100, deadline=None)
+@given(gaps=st.lists(st.integers(0, 2000), min_size=1, max_size=24))
+def test_a_plan_reads_through_the_smallest_gaps_within_the_bound_and_no_more(gaps):
+    """The default plan reads at most MAX_OVERREAD more than it needs, and as few requests as that allows: the
+    smallest gaps are the ones read through."""
+    from spark_state.store.restore import MAX_OVERREAD
+
+    m = len(gaps)
+    blob = _synthetic_blob(1, 0, KeyGroupRange(0, m - 1), range(m), gaps=dict(enumerate(gaps)))
+    component = next_component(None, 1, ComponentUpdate(ComponentSpec("c", m, 1, SCHEMA), [blob]))
+    plan = plan_instance_restore(component, 0, 1)
+    assert plan.bytes_to_read <= (1 + MAX_OVERREAD) * plan.bytes_owned
+    inner, budget, joinable = sorted(gaps[1:]), MAX_OVERREAD * plan.bytes_owned, 0
+    for gap in inner:  # the most gaps whose sum fits the budget are the smallest ones
+        if gap and gap > budget:
+            break
+        budget -= gap
+        joinable += 1
+    assert len(plan.reads) == 1 + len(inner) - joinable
+
+
+def _layout_with_superseded_entries(parallelism: int):
+    """A store whose blobs hold entries later ones superseded: eight checkpoints of 3,000 keys at ``parallelism``,
+    each after the first changing the keys of a fifth of the key groups, with a short chain length: those key
+    groups' chains move to full entries in newer blobs, and the older blobs keep needed entries with holes between
+    them."""
+    from spark_state.executor.resident import ResidentState
+    from spark_state.keyspace import key_group_for
+    from spark_state.storage import CountingStorage, MemoryStorage
+    from tests.stores import Store
+
+    storage = CountingStorage(MemoryStorage())
+    store, m = Store(storage, retained=6), 64
+    states = [ResidentState(SCHEMA, key_group_range(j, parallelism, m)) for j in range(parallelism)]
+    rng = random.Random(62)
+    for checkpoint_id in range(1, 9):
+        refs = []
+        touched = set(range(m)) if checkpoint_id == 1 else set(rng.sample(range(m), m // 5))
+        for n in range(3000):
+            key = f"k{n:05d}"
+            group = key_group_for((key,), m)
+            if group not in touched:
+                continue
+            owner = next(s for s in states if group in s.key_group_range)
+            owner.table.put(group, (key,), (n * checkpoint_id,))
+        for j, state in enumerate(states):
+            ref, _ = state.checkpoint(store.blobs, "c", checkpoint_id, j, max_chain_length=2)
+            if ref is not None:
+                refs.append(ref)
+        manifest = store.commit(checkpoint_id, {"c": (ComponentSpec("c", m, parallelism, SCHEMA), refs)}, {})
+    return storage, store, manifest.components["c"]
+
+
+@pytest.mark.parametrize("old, new", [(3, 3), (3, 5), (4, 2)])
+def test_what_plan_says_a_restore_reads_is_what_the_storage_counts(old, new):
+    """The plan ``spark-state plan`` prints is the plan a restore fetches: bytes and requests as the backend
+    counted them, within the read bound, at the same and at another parallelism."""
+    from spark_state.executor.resident import ResidentState
+    from spark_state.ops.inspect import plan_rescale
+    from spark_state.store.restore import MAX_OVERREAD
+
+    storage, store, component = _layout_with_superseded_entries(old)
+    planned = {p["instance"]: p for p in plan_rescale(component, new)["target"]["instances"]}
+    for j in range(new):
+        before_bytes, before_requests = storage.bytes_read, storage.requests
+        state = ResidentState(SCHEMA, key_group_range(j, new, component.max_parallelism))
+        caught = state.catch_up(store.blobs, component, j, new)
+        read, requests = storage.bytes_read - before_bytes, storage.requests - before_requests
+        assert (read, requests) == (caught.plan.bytes_to_read, len(caught.plan.reads))
+        assert (planned[j]["bytes"], planned[j]["requests"]) == (read, requests)
+        assert read <= (1 + MAX_OVERREAD) * caught.plan.bytes_owned

@@ -75,8 +75,6 @@ from spark_state.store.chains import DEFAULT_MAX_CHAIN_LENGTH, ChainTracker, Pla
 from spark_state.store.manifest import BlobRef, ComponentManifest, ComponentSpec, ItemsRef, check_compatible
 from spark_state.store.restore import InstanceRestorePlan, chain_links, fold_chain, plan_instance_restore, plan_links
 
-CATCH_UP_MAX_GAP_BYTES = 8192
-"""Catch-up reads through holes up to this size (entries superseded by later full entries) in one request."""
 EXACT_TIMERS_EVERY = 4
 """A key group's recorded earliest timers are recomputed over all its keys once the keys changed since the last
 recomputation reach 1 / ``EXACT_TIMERS_EVERY`` of its keys with timers (``ResidentState.timer_bound``)."""
@@ -151,7 +149,6 @@ class ResidentState:
             instance,
             parallelism,
             have=self.chains.held(),
-            max_gap_bytes=CATCH_UP_MAX_GAP_BYTES,
             skip=self.table.cold,
         )
         entries, stats = blobs.fetch(component, plan, self.schema)
@@ -205,7 +202,7 @@ class ResidentState:
         stored = {g: chain_links(component, g) for g in wanted if g in chains} if component is not None else {}
         info = {"key_groups": len(wanted), "bytes_read": 0, "requests": 0, "seconds": 0.0}
         if stored and component is not None:  # ``stored`` is empty without a component
-            plan = plan_links(stored, max_gap_bytes=CATCH_UP_MAX_GAP_BYTES, key_group_range=self.key_group_range)
+            plan = plan_links(stored, key_group_range=self.key_group_range)
             entries, stats = blobs.fetch(component, plan, self.schema)
             for g, batches in entries.items():
                 last = component.blobs[chains[g][-1]].index.entry_for(g)
@@ -539,7 +536,6 @@ class StoredChains:
     ) -> list[tuple[int, EntryKind, pa.RecordBatch]]:
         plan = plan_links(
             {g: chain_links(self.component, g) for g in sorted(key_groups)},
-            max_gap_bytes=CATCH_UP_MAX_GAP_BYTES,
             key_group_range=self.key_group_range,
         )
         fetched, stats = self.blobs.fetch(self.component, plan, self.schema)

@@ -63,9 +63,13 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
 
 
 def _storage(uri: str):
+    """The storage at ``uri``, an ``s3://`` one with the group's S3 options (``cli``) as its parameters."""
     from spark_state.storage import open_storage
+    from spark_state.storage.s3_location import apply_settings
 
-    return open_storage(uri)
+    context = click.get_current_context(silent=True)
+    settings = context.find_root().obj if context is not None and context.find_root().obj else {}
+    return open_storage(apply_settings(uri, settings))
 
 
 def _store(uri: str):
@@ -152,8 +156,37 @@ CHECKPOINT = click.option(
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="spark-state")
-def cli() -> None:
-    """Operate spark-state stores: inspect, verify, plan rescales, read state, savepoints, drain, clean up."""
+@click.option(
+    "--endpoint", default=None, help="An s3:// store's endpoint, http(s)://HOST[:PORT] (spark.state.s3.endpoint)."
+)
+@click.option("--region", default=None, help="An s3:// store's signing region (spark.state.s3.region).")
+@click.option(
+    "--path-style/--virtual-hosted",
+    "path_style",
+    default=None,
+    help="An s3:// store's addressing (spark.state.s3.pathStyle).",
+)
+@click.option("--profile", default=None, help="A profile of the AWS config files (spark.state.s3.profile).")
+@click.option(
+    "--retry-seconds",
+    type=click.FloatRange(0, 3600),
+    default=None,
+    help="How long transient S3 failures are retried (spark.state.s3.retrySeconds).",
+)
+@click.pass_context
+def cli(ctx, endpoint, region, path_style, profile, retry_seconds) -> None:
+    """Operate spark-state stores: inspect, verify, plan rescales, read state, savepoints, drain, clean up.
+
+    The S3 options apply to every s3:// STORE, as the spark.state.s3.* settings do to a query's store (or give
+    them in the URI: ?endpoint=...&pathStyle=true; the AWS settings of the environment apply too).
+    """
+    ctx.obj = {
+        "endpoint": endpoint,
+        "region": region,
+        "path_style": None if path_style is None else str(path_style).lower(),
+        "profile": profile,
+        "retry_seconds": None if retry_seconds is None else str(retry_seconds),
+    }
 
 
 # --------------------------------------------------------------------------- inspect

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from spark_state.errors import CheckpointLocationError
+from spark_state.store.sources import canonical_offsets, canonical_source_id
 
 _LOG = logging.getLogger(__name__)
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -38,9 +39,10 @@ _TEMP_CRC = re.compile(rf"\.\.(?P<batch>\d+)\.{_UUID}\.tmp\.crc")
 
 
 def source_key(offsets: Any, position: int) -> str:
-    """The id under which a source's offsets are recorded: its own ``source_id``, else its position."""
+    """The id under which a source's offsets are recorded: its own ``source_id`` (canonical,
+    ``store.sources``), else its position."""
     source_id = offsets.get("source_id") if isinstance(offsets, dict) else None
-    return source_id if isinstance(source_id, str) else f"spark-source-{position}"
+    return canonical_source_id(source_id) if isinstance(source_id, str) else f"spark-source-{position}"
 
 
 def parse_offsets_entry(text: str) -> dict[str, Any]:
@@ -58,7 +60,7 @@ def parse_offsets_entry(text: str) -> dict[str, Any]:
             value = json.loads(line)
         except json.JSONDecodeError:
             value = line
-        result[source_key(value, position)] = value
+        result[source_key(value, position)] = canonical_offsets(value)
     return result
 
 

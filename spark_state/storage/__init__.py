@@ -60,6 +60,7 @@ __all__ = [
     "TimeoutStorage",
     "WebHdfsStorage",
     "backends",
+    "location_identity",
     "open_storage",
     "register_backend",
 ]
@@ -114,6 +115,22 @@ def __getattr__(name: str):
 
         return S3Storage
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def location_identity(uri: str) -> str:
+    """The location ``uri`` names, in one spelling and without client options (``Backend.identity``): the same
+    for ``s3a://b/p/`` and ``s3://b/p?endpoint=...&path_style=true``, for ``/data/log`` and ``file:///data/log/``.
+    A URI no backend takes is returned without trailing '/'; this never raises (it reads records)."""
+    try:
+        backend, _ = _resolve(uri)
+    except ConfigError:
+        return uri.rstrip("/") if isinstance(uri, str) else uri
+    if backend.identity is None:
+        return uri.rstrip("/")
+    try:
+        return backend.identity(uri)
+    except ConfigError:
+        return uri.rstrip("/")
 
 
 def preload(uri: str) -> None:

@@ -126,6 +126,11 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove the blob or directory tree at ``path``; a missing path is not an error."""
 
+    def describe(self, path: str = "") -> str:
+        """The storage, or ``path`` in it, for messages: a well-formed location (a URI's parameters, which say how
+        to reach it, come after the path, or are left out)."""
+        return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
+
     def counters(self) -> dict[str, int] | None:
         """What this storage object sent and received on the wire so far, if the backend counts it.
 
@@ -169,6 +174,9 @@ class ForwardingStorage(Storage):
     def counters(self) -> dict[str, int] | None:
         return self.inner.counters()
 
+    def describe(self, path: str = "") -> str:
+        return self.inner.describe(path)
+
 
 class CountingStorage(ForwardingStorage):
     """Counts reads through it: ``reads`` (every path asked for, in order, failed ones too), ``requests``, ``bytes_read``."""
@@ -205,6 +213,9 @@ class Backend:
     anything (a new instance host calls it before it forks, ``hosts.process``);
     ``bounded``: every call is bounded in time by the backend itself (else
     ``TimeoutStorage`` bounds it); ``faults``: test fault plans may wrap it.
+    ``identity(uri)`` is the location alone, in one spelling, without the
+    options of a client (endpoints, users, retries): what names a log or a
+    store in records that outlive a client's settings (``location_identity``).
     """
 
     schemes: tuple[str, ...]
@@ -213,3 +224,4 @@ class Backend:
     preload: Callable[[str], None] | None = None
     bounded: bool = True
     faults: bool = True
+    identity: Callable[[str], str] | None = None

@@ -346,8 +346,15 @@ def open_webhdfs(uri: str) -> WebHdfsStorage:
         raise ConfigError(f"invalid HDFS URI {uri!r}: {err}") from err
 
 
+def webhdfs_identity(uri: str) -> str:
+    """``webhdfs://HOST:PORT/path``: ``hdfs://`` is the same NameNode's, and ``?user=`` a client's option."""
+    parts = urlsplit(uri)
+    return f"webhdfs://{parts.netloc.lower()}{unquote(parts.path).rstrip('/') or '/'}"
+
+
 BACKEND = Backend(
     ("webhdfs", "hdfs"),
     open_webhdfs,
     "webhdfs://HOST:PORT/path or hdfs://HOST:PORT/path (PORT is the WebHDFS HTTP port; optional ?user=NAME)",
+    identity=webhdfs_identity,
 )

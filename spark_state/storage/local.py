@@ -405,4 +405,9 @@ def open_local(uri: str) -> LocalStorage:
     return LocalStorage(unquote(parts.path))
 
 
-BACKEND = Backend(("file",), open_local, "a plain path or file:///abs/path", bounded=False)
+def local_identity(uri: str) -> str:
+    """``file:///absolute/path``, without trailing '/' (a relative path is made absolute here)."""
+    return Path(open_local(uri).root).as_uri()
+
+
+BACKEND = Backend(("file",), open_local, "a plain path or file:///abs/path", bounded=False, identity=local_identity)

@@ -165,6 +165,11 @@ class S3Storage(Storage):
     def __repr__(self) -> str:
         return f"S3Storage({self.uri!r})"
 
+    def describe(self, path: str = "") -> str:
+        """``s3://bucket/prefix/path``, and the endpoint after it when one is set."""
+        where = f"s3://{self.location.bucket}/" + "/".join(p for p in (self.location.prefix, path) if p)
+        return where.rstrip("/") + (f" at {self.location.endpoint}" if self.location.endpoint else "")
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, S3Storage) and other.location == self.location
 
@@ -233,7 +238,9 @@ class S3Storage(Storage):
         check_path(path)
         answer = self._retrying("size", path, lambda: self._head(path))
         if answer is None:
-            raise BlobNotFoundError(f"{path!r} does not exist (or is a directory, not a blob) in {self.uri}")
+            raise BlobNotFoundError(
+                f"{path!r} does not exist (or is a directory, not a blob) in {self.location.describe()}"
+            )
         return int(answer["ContentLength"])
 
     def exists(self, path: str) -> bool:
@@ -324,14 +331,16 @@ class S3Storage(Storage):
     def _check_structure(self, path: str) -> None:
         """Refuse to create ``path`` if it is a directory or lies below a blob (not atomic with the PUT)."""
         if self._retrying("create", path, lambda: self._list_page(f"{self._key(path)}/", None, None, 1)[0]):
-            raise BlobExistsError(f"cannot create blob {path!r} in {self.uri}: it is a directory")
+            raise BlobExistsError(f"cannot create blob {path!r} in {self.location.describe()}: it is a directory")
         parts = path.split("/")
         for depth in range(1, len(parts)):
             ancestor = "/".join(parts[:depth])
             with self._counter_lock:
                 known = ancestor in self._known_directories
             if not known and self._retrying("create", path, functools.partial(self._head, ancestor)) is not None:
-                raise BlobExistsError(f"cannot create blob {path!r} in {self.uri}: its parent {ancestor!r} is a blob")
+                raise BlobExistsError(
+                    f"cannot create blob {path!r} in {self.location.describe()}: its parent {ancestor!r} is a blob"
+                )
 
     def _remember_directories(self, path: str) -> None:
         parts = path.split("/")
@@ -377,13 +386,13 @@ class S3Storage(Storage):
         if errors:
             first = errors[0]
             raise StorageError(
-                f"delete of {path!r} in {self.uri} failed for {len(errors)} object(s), first "
+                f"delete of {path!r} in {self.location.describe()} failed for {len(errors)} object(s), first "
                 f"{first.get('Key')!r}: {first.get('Code')}: {first.get('Message')}"
             )
 
     def _short(self, path: str, offset: int, length: int | None, size: int) -> ShortReadError:
         return ShortReadError(
-            f"read at offset {offset}, length {length}, of {path!r} in {self.uri} is past its end ({size} bytes)"
+            f"read at offset {offset}, length {length}, of {path!r} in {self.location.describe()} is past its end ({size} bytes)"
         )
 
     def _received(self, n: int) -> None:
@@ -457,7 +466,7 @@ class S3Storage(Storage):
             return _Transient(err, detail)
         if code == "NoSuchBucket":
             return BucketNotFoundError(
-                f"bucket {self.location.bucket!r} does not exist at {self._endpoint()} (store {self.uri}); "
+                f"bucket {self.location.bucket!r} does not exist at {self._endpoint()} (store {self.location.describe()}); "
                 "create it, or correct the bucket name or endpoint of the store URI"
             )
         if code in _ACCESS_CODES or status == 403:
@@ -467,12 +476,12 @@ class S3Storage(Storage):
                 "executor), or that they may use this bucket"
             )
         if code in _MISSING_CODES or status == 404:
-            return BlobNotFoundError(f"{detail} in {self.uri}")
+            return BlobNotFoundError(f"{detail} in {self.location.describe()}")
         if code == "PreconditionFailed" or status == 412:
-            return BlobExistsError(f"{detail} in {self.uri}")
+            return BlobExistsError(f"{detail} in {self.location.describe()}")
         if code == "InvalidRange" or status == 416:
-            return ShortReadError(f"{detail} in {self.uri}")
-        return StorageError(f"{detail} in {self.uri}")
+            return ShortReadError(f"{detail} in {self.location.describe()}")
+        return StorageError(f"{detail} in {self.location.describe()}")
 
     def _credential_source(self) -> str:
         return _credential_source(self._session, self.location.profile) if self._session else "the AWS chain"
@@ -493,7 +502,7 @@ class S3Storage(Storage):
                 delay = random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_FIRST * 2 ** (attempts - 1)))
                 if time.monotonic() + delay >= deadline:
                     raise StorageUnavailableError(
-                        f"{op} of {path!r} in {self.uri} failed {attempts} time(s) over "
+                        f"{op} of {path!r} in {self.location.describe()} failed {attempts} time(s) over "
                         f"{time.monotonic() - started:.1f} s (retried for at most {self.retry_seconds:g} s); last "
                         f"cause: {transient.description}. Check that {self._endpoint()} is up and reachable"
                     ) from transient.cause
@@ -501,13 +510,13 @@ class S3Storage(Storage):
             except BlobExistsError as err:
                 if op == "create":
                     raise BlobExistsError(
-                        f"blob {path!r} already exists in {self.uri}; delete it or, for a blob, pass overwrite=True"
+                        f"blob {path!r} already exists in {self.location.describe()}; delete it or, for a blob, pass overwrite=True"
                     ) from err
                 raise
             except BlobNotFoundError as err:
                 if op in ("read", "size"):
                     raise BlobNotFoundError(
-                        f"{path!r} does not exist (or is a directory, not a blob) in {self.uri}"
+                        f"{path!r} does not exist (or is a directory, not a blob) in {self.location.describe()}"
                     ) from err
                 raise
 

@@ -53,6 +53,8 @@ PARAMETERS = {
     "retry_seconds": "retrySeconds",
 }
 """URI parameter -> the ``spark.state.s3.*`` setting that supplies it (see the module docstring)."""
+ALIASES = {setting: parameter for parameter, setting in PARAMETERS.items() if setting != parameter}
+"""A URI parameter may be spelled as its setting is (``pathStyle``, ``retrySeconds``): one name everywhere."""
 
 USAGE = (
     "s3://BUCKET/PREFIX[?endpoint=http://HOST:PORT&region=REGION&path_style=true&profile=NAME&retry_seconds=N] "
@@ -140,6 +142,14 @@ class S3Location:
         return replace(self, **changes)
 
 
+def apply_settings(uri: str, settings: dict[str, str | None]) -> str:
+    """``uri`` with ``settings`` (URI parameter -> text, None: unset) added when it names an S3 location; any other
+    URI unchanged. A parameter the URI already gives with another value is a ``ConfigError``."""
+    if not is_s3_uri(uri) or not any(text is not None for text in settings.values()):
+        return uri
+    return parse(uri).with_settings(settings).uri
+
+
 def is_s3_uri(uri: str) -> bool:
     """Whether ``uri`` names an S3 store (``s3://`` or ``s3a://``)."""
     return isinstance(uri, str) and uri.split(":", 1)[0].lower() in SCHEMES and "://" in uri
@@ -167,6 +177,11 @@ def parse(uri: str) -> S3Location:
         query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError:
         raise ConfigError(f"invalid S3 URI {safe!r}: malformed query string; use {USAGE}") from None
+    for alias, name in ALIASES.items():  # pathStyle=... as path_style=...
+        if alias in query:
+            if name in query:
+                raise ConfigError(f"invalid S3 URI {safe!r}: give {name} once (it is also spelled {alias})")
+            query[name] = query.pop(alias)
     unknown = sorted(set(query) - set(PARAMETERS))
     if unknown:
         raise ConfigError(
@@ -194,7 +209,7 @@ def redacted(uri: str) -> str:
     params = []
     for pair in parts.query.split("&") if parts.query else []:
         name, _, value = pair.partition("=")
-        params.append(pair if name in PARAMETERS else f"{name}=***")
+        params.append(pair if name in PARAMETERS or name in ALIASES else f"{name}=***")
     return f"{parts.scheme}://{host}{parts.path}" + (f"?{'&'.join(params)}" if params else "")
 
 
@@ -245,9 +260,16 @@ def preload_s3(uri: str) -> None:
     open_s3(uri).client()
 
 
+def s3_identity(uri: str) -> str:
+    """``s3://BUCKET[/PREFIX]``: ``s3a://`` is the same bucket, and every URI parameter a client's option."""
+    location = parse(uri)
+    return f"s3://{location.bucket}" + (f"/{location.prefix}" if location.prefix else "")
+
+
 BACKEND = Backend(
     SCHEMES,
     open_s3,
     "s3://BUCKET/PREFIX (optional ?endpoint=URL&region=R&path_style=true&profile=NAME&retry_seconds=N)",
     preload=preload_s3,
+    identity=s3_identity,
 )

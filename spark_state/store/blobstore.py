@@ -149,12 +149,12 @@ class BlobStore:
             return self.storage.read(path, offset, length)
         except BlobNotFoundError as exc:
             raise MissingFileError(
-                f"{what} {self.storage.uri}/{path} is missing, but a committed checkpoint references it; restore "
+                f"{what} {self.storage.describe(path)} is missing, but a committed checkpoint references it; restore "
                 f"the file, or {RECOVERY}"
             ) from exc
         except ShortReadError as exc:
             raise CorruptBlobError(
-                f"{what} {self.storage.uri}/{path} is truncated (the checkpoint recorded bytes up to "
+                f"{what} {self.storage.describe(path)} is truncated (the checkpoint recorded bytes up to "
                 f"{offset + (length or 0)}); restore the file, or {RECOVERY}"
             ) from exc
 
@@ -163,15 +163,15 @@ class BlobStore:
         data = self._read("instance items", ref.path)
         if len(data) != ref.size or zlib.crc32(data) != ref.crc32:
             raise CorruptBlobError(
-                f"instance items {self.storage.uri}/{ref.path} fail their checksum (corrupt or truncated: "
+                f"instance items {self.storage.describe(ref.path)} fail their checksum (corrupt or truncated: "
                 f"{len(data)} bytes, the manifest recorded {ref.size}); restore the file, or {RECOVERY}"
             )
         try:
             items = json.loads(data)
         except (ValueError, RecursionError) as exc:
-            raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not JSON: {exc}") from exc
+            raise CorruptBlobError(f"instance items {self.storage.describe(ref.path)} are not JSON: {exc}") from exc
         if not isinstance(items, list):
-            raise CorruptBlobError(f"instance items {self.storage.uri}/{ref.path} are not a JSON list")
+            raise CorruptBlobError(f"instance items {self.storage.describe(ref.path)} are not a JSON list")
         return items
 
     def fetch(
@@ -195,7 +195,7 @@ class BlobStore:
             for entry in read.entries:
                 start = entry.offset - read.offset
                 decoded[(read.path, entry.key_group)] = convert(
-                    view[start : start + entry.length], entry, f"{self.storage.uri}/{read.path}"
+                    view[start : start + entry.length], entry, f"{self.storage.describe(read.path)}"
                 )
         entries = {
             key_group: [(entry.kind, decoded[(path, key_group)]) for path, entry in links]

@@ -90,7 +90,7 @@ class CommitLog:
 
     def where(self, n: int) -> str:
         """Record ``n``'s full URI, for messages."""
-        return f"{self.storage.uri}/{self.path(n)}"
+        return f"{self.storage.describe(self.path(n))}"
 
     def create(self, n: int, body: Any) -> int:
         """Commit record ``n``; return its size in bytes. ``BlobExistsError`` if it exists (another writer won ``n``)."""

@@ -53,6 +53,7 @@ from spark_state.model.eventtime import next_watermark
 from spark_state.model.evolution import plan_evolution
 from spark_state.model.schema import KeyedSchema
 from spark_state.store.blob import FORMAT_VERSION, MAX_ENTRY_ROWS, BlobIndex
+from spark_state.store.sources import canonical_sources
 
 
 @dataclass(frozen=True)
@@ -398,7 +399,9 @@ class QueryBinding:
 
     @classmethod
     def from_json(cls, obj: dict) -> QueryBinding:
-        return cls(obj["query_id"], obj["run_id"], obj["batch_id"], obj["checkpoint_location"], obj["start"])
+        return cls(
+            obj["query_id"], obj["run_id"], obj["batch_id"], obj["checkpoint_location"], canonical_sources(obj["start"])
+        )
 
 
 @dataclass(frozen=True)
@@ -490,7 +493,7 @@ class Manifest:
             return cls(
                 checkpoint_id=body["checkpoint_id"],
                 consistent_checkpoints=tuple(body["consistent_checkpoints"]),
-                sources=dict(body["sources"]),
+                sources=canonical_sources(body["sources"]),
                 components=components,
                 committed_at=body["committed_at"],
                 binding=QueryBinding.from_json(binding) if binding is not None else None,

@@ -66,6 +66,7 @@ from spark_state.store.blobstore import BLOBS_DIR, ITEMS_DIR, written_ms
 from spark_state.store.commitlog import CommitLog
 from spark_state.store.manifest import Manifest, with_retention
 from spark_state.store.savepoints import Savepoints
+from spark_state.store.sources import canonical_source_id
 
 _LOG = logging.getLogger(__name__)
 
@@ -383,6 +384,7 @@ class ManifestLog(ManifestReader):
         A source must keep what any of them may restart from (``replayable``'s
         retention never trims below them).
         """
+        source_id = canonical_source_id(source_id)
         latest = self.latest()
         result = []
         for checkpoint_id in latest.consistent_checkpoints if latest is not None else ():
@@ -409,13 +411,13 @@ def open_manifest_log(uri: str, *, retained: int = DEFAULT_RETAINED) -> Manifest
 def latest_source_offsets(state_store_uri: str, source_id: str):
     """The offsets recorded for ``source_id`` in the latest committed checkpoint, or None."""
     manifest = open_manifest_log(state_store_uri).latest()
-    return None if manifest is None else manifest.sources.get(source_id)
+    return None if manifest is None else manifest.sources.get(canonical_source_id(source_id))
 
 
 def checkpoint_source_offsets(state_store_uri: str, source_id: str, checkpoint_id: int):
     """The offsets recorded for ``source_id`` in retained checkpoint ``checkpoint_id`` (``NoCheckpointError`` if
     it is gone), or None."""
-    return open_manifest_log(state_store_uri).load(checkpoint_id).sources.get(source_id)
+    return open_manifest_log(state_store_uri).load(checkpoint_id).sources.get(canonical_source_id(source_id))
 
 
 def retained_source_offsets(state_store_uri: str, source_id: str) -> list:

@@ -4,10 +4,17 @@
 and the new parallelism (Flink's ``extractIntersectingState``): for new
 instance ``j`` it takes ``key_group_range(j, parallelism, max_parallelism)``,
 looks up the chain of every key group in it, and groups the needed entries
-into as few ranged reads as possible. Entries of one blob that are adjacent
-in the file (always the case for a contiguous key-group range of a blob
-written as one instance's snapshot) coalesce into one read, so an instance
-reads only the key groups it owns, whatever the old parallelism was.
+into as few ranged reads as the read bound allows. Entries of one blob that
+are adjacent in the file (always the case for a contiguous key-group range
+of a blob written as one instance's snapshot) coalesce into one read. Entries
+separated by bytes the instance does not need (other key groups' entries, or
+entries a later full entry superseded) coalesce too, reading those bytes
+through, but only while everything read through stays within
+``MAX_OVERREAD`` of what the instance needs, the smallest gaps first: a
+restore reads at most 1.05x its key groups' bytes, and saves the requests it
+can within that (on an object store a request costs a round trip). The plan
+is what the restore reads: ``spark-state plan`` prints it, a restore fetches
+exactly its reads (``blobstore.BlobStore.fetch``).
 
 The rule that turns a key group's chain of entries (oldest first) into its
 state, "a key's last occurrence wins, a tombstone deletes it", is here in its
@@ -33,6 +40,10 @@ from spark_state.model.schema import DELETED_COLUMN, Key, KeyedSchema, Value
 from spark_state.store.blob import BlobEntry
 from spark_state.store.manifest import ComponentManifest
 
+MAX_OVERREAD = 0.05
+"""A plan reads at most this share more bytes than the entries it needs (``plan_links``): the bytes between two
+needed entries of a blob are read through, saving a request, only within it."""
+
 
 @dataclass(frozen=True)
 class RangeRead:
@@ -56,7 +67,8 @@ class InstanceRestorePlan:
     rebuilt from their whole chain. ``clear`` lists key groups the caller
     holds state for that have none in the manifest. ``bytes_owned`` is the
     size of the planned entries, ``bytes_to_read`` the sum of the read
-    lengths (larger only by gaps ``max_gap_bytes`` allowed).
+    lengths: larger only by the gaps read through, at most ``MAX_OVERREAD``
+    of ``bytes_owned`` (or, with ``max_gap_bytes``, every gap up to it).
     """
 
     instance: int | None
@@ -71,14 +83,16 @@ class InstanceRestorePlan:
 
 
 def plan_restore(
-    component: ComponentManifest, parallelism: int, *, max_gap_bytes: int = 0
+    component: ComponentManifest, parallelism: int, *, max_gap_bytes: int | None = None
 ) -> tuple[InstanceRestorePlan, ...]:
     """Plan the restore of every instance ``0 <= j < parallelism`` of ``component``.
 
     ``parallelism`` may differ from the one that wrote the checkpoint;
     ``1 <= parallelism <= component.max_parallelism`` (else
     ``InvalidParallelismError``). Two entries of one blob are merged into one
-    read when the bytes between them are at most ``max_gap_bytes``.
+    read when reading the bytes between them keeps the plan within
+    ``MAX_OVERREAD`` (``plan_links``), or, with ``max_gap_bytes``, when those
+    bytes are at most that many.
     """
     check_parallelism(parallelism, component.max_parallelism)
     return tuple(
@@ -91,7 +105,7 @@ def plan_instance_restore(
     instance: int,
     parallelism: int,
     *,
-    max_gap_bytes: int = 0,
+    max_gap_bytes: int | None = None,
     have: Mapping[int, tuple[str, ...] | None] | None = None,
     skip: AbstractSet[int] = frozenset(),
 ) -> InstanceRestorePlan:
@@ -128,7 +142,7 @@ def plan_instance_restore(
 
 
 def plan_key_groups(
-    component: ComponentManifest, key_groups: KeyGroupRange, *, max_gap_bytes: int = 0
+    component: ComponentManifest, key_groups: KeyGroupRange, *, max_gap_bytes: int | None = None
 ) -> InstanceRestorePlan:
     """Plan reading the whole chains of the key groups in ``key_groups`` (inclusive) that hold state.
 
@@ -156,19 +170,25 @@ def chain_links(component: ComponentManifest, key_group: int, start: int = 0) ->
 def plan_links(
     chains: Mapping[int, tuple[tuple[str, BlobEntry], ...]],
     *,
-    max_gap_bytes: int = 0,
+    max_gap_bytes: int | None = None,
     key_group_range: KeyGroupRange | None = None,
 ) -> InstanceRestorePlan:
-    """The coalesced reads of the given entries (per key group, ``(path, entry)`` oldest first)."""
+    """The coalesced reads of the given entries (per key group, ``(path, entry)`` oldest first).
+
+    Entries of a blob that touch are one read. The bytes between two entries of
+    a blob are read through (one request instead of two) smallest gap first,
+    while all that is read through stays within ``MAX_OVERREAD`` of the
+    entries' bytes; with ``max_gap_bytes`` (a bulk reader of a whole
+    checkpoint), every gap of at most that many bytes instead.
+    """
     per_blob: dict[str, list[BlobEntry]] = {}
     for links in chains.values():
         for path, entry in links:
             per_blob.setdefault(path, []).append(entry)
-    reads = tuple(
-        read
-        for path in sorted(per_blob)
-        for read in _coalesce(path, sorted(per_blob[path], key=lambda e: e.offset), max_gap_bytes)
-    )
+    ordered = {path: sorted(entries, key=lambda e: e.offset) for path, entries in sorted(per_blob.items())}
+    owned = sum(e.length for entries in ordered.values() for e in entries)
+    joined = _joined_gaps(ordered, owned, max_gap_bytes)
+    reads = tuple(read for path, entries in ordered.items() for read in _coalesce(path, entries, joined))
     if key_group_range is None:
         key_group_range = KeyGroupRange(min(chains, default=0), max(chains, default=0))
     return InstanceRestorePlan(
@@ -176,9 +196,28 @@ def plan_links(
         key_group_range=key_group_range,
         reads=reads,
         chains=dict(chains),
-        bytes_owned=sum(e.length for entries in per_blob.values() for e in entries),
+        bytes_owned=owned,
         bytes_to_read=sum(r.length for r in reads),
     )
+
+
+def _joined_gaps(
+    ordered: Mapping[str, Sequence[BlobEntry]], owned: int, max_gap_bytes: int | None
+) -> set[tuple[str, int]]:
+    """Which gaps ``(path, index of the entry after it)`` a plan reads through (see ``plan_links``)."""
+    gaps = []
+    for path, entries in ordered.items():
+        for i in range(1, len(entries)):
+            gaps.append((entries[i].offset - (entries[i - 1].offset + entries[i - 1].length), path, i))
+    if max_gap_bytes is not None:
+        return {(path, i) for gap, path, i in gaps if gap <= max_gap_bytes}
+    budget, joined = MAX_OVERREAD * owned, set()
+    for gap, path, i in sorted(gaps):  # smallest first: the most requests saved per byte read through
+        if gap > 0 and gap > budget:
+            break
+        budget -= max(gap, 0)
+        joined.add((path, i))
+    return joined
 
 
 def _owned_with_state(component: ComponentManifest, owned: KeyGroupRange) -> list[int]:
@@ -187,11 +226,11 @@ def _owned_with_state(component: ComponentManifest, owned: KeyGroupRange) -> lis
     return [g for g in owned if g in component.chains]
 
 
-def _coalesce(path: str, entries: Sequence[BlobEntry], max_gap_bytes: int) -> list[RangeRead]:
+def _coalesce(path: str, entries: Sequence[BlobEntry], joined: set[tuple[str, int]]) -> list[RangeRead]:
     reads: list[RangeRead] = []
     group: list[BlobEntry] = []
-    for entry in entries:
-        if group and entry.offset - (group[-1].offset + group[-1].length) > max_gap_bytes:
+    for i, entry in enumerate(entries):
+        if group and (path, i) not in joined:
             reads.append(_read_of(path, group))
             group = []
         group.append(entry)

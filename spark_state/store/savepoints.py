@@ -51,6 +51,7 @@ from spark_state.errors import (
 from spark_state.storage.base import Storage, join
 from spark_state.store.commitlog import decode_record, encode_record
 from spark_state.store.manifest import ComponentManifest, Manifest, QueryBinding
+from spark_state.store.sources import canonical_sources
 
 
 class CheckpointSource(Protocol):
@@ -175,7 +176,7 @@ class Savepoint:
                 checkpoint_id=int(obj["checkpoint_id"]),
                 created_at=obj["created_at"],
                 committed_at=obj["committed_at"],
-                sources=dict(obj["sources"]),
+                sources=canonical_sources(obj["sources"]),
                 components={n: ComponentPlan.from_json(n, c) for n, c in obj["components"].items()},
                 binding=QueryBinding.from_json(binding) if binding is not None else None,
                 reason=obj.get("reason", ""),
@@ -220,7 +221,7 @@ class Savepoints:
         self.storage = storage
 
     def where(self, name: str) -> str:
-        return f"{self.storage.uri}/{savepoint_path(name)}"
+        return f"{self.storage.describe(savepoint_path(name))}"
 
     def names(self) -> list[str]:
         """Names of the records present (a listing: discovery only)."""

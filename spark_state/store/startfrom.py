@@ -213,7 +213,7 @@ def _copy_files(
         data = source.read(path)
         if len(data) != size or zlib.crc32(data) != crc:
             raise CorruptBlobError(
-                f"{source.uri}/{path} does not match its manifest ({len(data)} bytes, the manifest recorded {size} "
+                f"{source.describe(path)} does not match its manifest ({len(data)} bytes, the manifest recorded {size} "
                 "and a CRC-32); the savepoint is damaged: verify it with `spark-state verify`, restore the file "
                 "from a replica, or start from another savepoint"
             )

@@ -1,0 +1,43 @@
+"""Source ids, canonical: a source named by a location (``replayable:<log URI>``) is named by the location alone.
+
+A checkpoint records each source's offsets under the source's id, and Spark's
+offsets log holds the same id inside each offset. The ``replayable`` source's
+id is ``replayable:`` and its log's URI, which a user may spell in several
+ways for one log (``s3a://`` or ``s3://``, a trailing '/', its parameters in
+another order, an endpoint moved into the AWS settings). So ids are compared
+and recorded canonical: the URI part as ``storage.location_identity`` names it,
+without client options. Checkpoints written with another spelling read as
+the same source (``canonical_sources``). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from spark_state.storage import location_identity
+
+SOURCE_ID_KEY = "source_id"
+"""The entry of a source's offsets (a JSON object) that names the source."""
+_LOCATION_ID = re.compile(r"(?P<name>[a-z][a-z0-9_-]*):(?P<uri>(?:[A-Za-z][A-Za-z0-9+.-]*://|/).+)")
+
+
+def canonical_source_id(source_id: str) -> str:
+    """``<name>:<uri>`` with the URI as ``location_identity`` names it; any other id unchanged."""
+    match = _LOCATION_ID.fullmatch(source_id) if isinstance(source_id, str) else None
+    if match is None:
+        return source_id
+    return f"{match['name']}:{location_identity(match['uri'])}"
+
+
+def canonical_offsets(offsets: Any) -> Any:
+    """A source's offsets with the id inside them canonical (``canonical_source_id``)."""
+    if isinstance(offsets, dict) and isinstance(offsets.get(SOURCE_ID_KEY), str):
+        return {**offsets, SOURCE_ID_KEY: canonical_source_id(offsets[SOURCE_ID_KEY])}
+    return offsets
+
+
+def canonical_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
+    """Offsets per source id with the ids, keys and inner ones, canonical."""
+    return {canonical_source_id(source_id): canonical_offsets(offsets) for source_id, offsets in sources.items()}
