@@ -33,6 +33,23 @@ Run: ``./run bench bench_time [--full]``. Prints one JSON object, writes
    changed, not the state (each entry records its key group's earliest
    timers, and the chain planner sizes each changed key group).
 
+5. ``idle``: work without rows on a source that stopped (the query's clock,
+   ``datasources.clock``). One key re-registers a processing-time timer every
+   ``tick_ms``; after its one file the source stays idle for
+   ``idle_seconds``, under Spark's default trigger and under a 1 s
+   processing-time trigger. Per alert: its lateness (the time its batch's
+   output was written minus the timer's time), the part of it before the
+   batch began (the batch's processing time minus the timer's; the rest is
+   the batch itself), and the batches that fired no timer. Beside them, a
+   count per key (no timers) idle as long: every batch after its file is an
+   extra one. Extrapolated to an hour: batches with nothing due, and batches
+   per hour with one timer due per minute (60 x batches per timer fired).
+   What the clock costs: the CPU the session's processes take per idle
+   second with nothing due, clock on minus clock off (Spark asks an idle
+   query's sources for offsets every 10 ms under its default trigger), and
+   a busy query's median steady batch time with the clock and without
+   (a keyed count, one file per batch, in turn twice).
+
 Targets (issue): sessions at least 1.0x ``spark_tws`` and 0.5x
 ``spark_native``; with a time to live, bytes and batch time at the last batch
 at most 1.2x those at batch 10 (medians of five batches around each, since
@@ -40,14 +57,21 @@ compaction makes single batches jump); timers at most 1.3x; a checkpoint
 of a state with timers growing from the smallest state to the largest at
 most 1.2x as much as the same checkpoint without timers (medians of the same
 number of changed keys; the states without timers show what the machine's
-caches and memory add as a state grows, which timers must not multiply).
+caches and memory add as a state grows, which timers must not multiply);
+idle: a timer's wait before its batch began at most one trigger interval
+(median and p95; under the default trigger Spark polls every 10 ms, so the
+bound used is 0.1 s), and its lateness at most that plus its batch; no batch
+with nothing due; one batch per timer due (60 per hour at one per minute);
+a busy query's batches with the clock at most 1.05x those without (ours).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +100,35 @@ class Config:
     timer_state_sizes: tuple[int, ...]  # timer_checkpoint: smallest first
     timer_changes: int  # keys changed before each measured checkpoint
     timer_rounds: int
+    idle_seconds: float = 60.0
+    tick_ms: int = 3_000
     parallelism: int = 2
+    clock_files: int = 12  # the clock's cost to a busy query: files of ``clock_rows`` rows over ``clock_keys`` keys
+    clock_rows: int = 50_000
+    clock_keys: int = 20_000
+    clock_turns: tuple[bool, ...] = (True, False, False, True)  # with the clock or without, in this order
 
 
-QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6, (10_000, 1_000_000), 1_000, 12)
-FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8, (10_000, 1_000_000, 3_000_000), 1_000, 16)
-SMOKE = Config("smoke", 3, 1_000, 100, 8, 100, 2_000, 3, (1_000, 20_000), 100, 3)
+QUICK = Config("quick", 8, 20_000, 2_000, 30, 2_000, 100_000, 6, (10_000, 1_000_000), 1_000, 12, 60.0)
+FULL = Config("full", 12, 50_000, 5_000, 100, 5_000, 1_000_000, 8, (10_000, 1_000_000, 3_000_000), 1_000, 16, 300.0)
+SMOKE = Config(
+    "smoke",
+    3,
+    1_000,
+    100,
+    8,
+    100,
+    2_000,
+    3,
+    (1_000, 20_000),
+    100,
+    3,
+    4.0,
+    1_000,
+    clock_files=4,
+    clock_rows=1_000,
+    clock_turns=(True, False),
+)
 
 
 # 1. Sessions ----------------------------------------------------------------------------------------
@@ -520,12 +567,247 @@ def timer_checkpoint(config: Config, rng) -> dict:
     }
 
 
+# 5. Idle --------------------------------------------------------------------------------------------
+
+DEFAULT_TRIGGER_BOUND_S = 0.1
+"""The wait bound under Spark's default trigger, which asks the sources for offsets every 10 ms."""
+
+
+def _tick(period_ms: int):
+    def on_rows(key, rows, state):
+        if not state.exists:
+            state.update((0,))
+            state.timers.register(state.processing_time + period_ms, kind="processing")
+
+    def on_timer(key, timer, state):
+        state.timers.register(timer.time_ms + period_ms, kind="processing")
+        return [{"key": key[0], "due": timer.time_ms}]
+
+    return on_rows, on_timer
+
+
+def _idle_query(spark, work: Path, label: str, build, trigger: dict | None):
+    """Start ``build(stream)`` on a one-file source, record when each batch's output was written, wait for the
+    first batch; the query and the records ``(batch id, written at, rows)``."""
+    work = common.fresh_dir(work / label)
+    spark.conf.set("spark.state.parallelism", str(1))
+    spark.conf.set("spark.state.store", str(work / "state"))
+    spark.conf.set("spark.state.clock", "true")
+    spark.conf.set("spark.state.clockPollSeconds", "1")
+    common.write_input(work / "in", [pa.table({"key": ["tick"]})], "key string")
+    written: list[tuple[int, float, list]] = []
+
+    def sink(df, batch_id):
+        rows = [tuple(r) for r in df.collect()]
+        written.append((batch_id, time.time(), rows))
+
+    stream = spark.readStream.schema("key string").parquet(str(work / "in"))
+    writer = build(stream).writeStream.foreachBatch(sink).option("checkpointLocation", str(work / "chk"))
+    query = (writer.trigger(**trigger) if trigger else writer).start()
+    common.await_batches(query, 1)
+    return query, written
+
+
+def _ticks(spark, config: Config, trigger: dict | None) -> dict:
+    from spark_state import keyed
+
+    on_rows, on_timer = _tick(config.tick_ms)
+    label = "ticks-" + ("default" if trigger is None else "1s")
+    query, written = _idle_query(
+        spark,
+        WORK,
+        label,
+        lambda s: keyed(s, "key", name="ticks").apply(
+            on_rows, on_timer=on_timer, state_schema="n long", output_schema="key string, due long"
+        ),
+        trigger,
+    )
+    try:
+        time.sleep(config.idle_seconds)
+    finally:
+        query.stop()
+    seconds = {p["batch_id"]: p["seconds"] for p in _all_progress(query)}
+    history = {b["batch_id"]: b for b in query.batches}
+    alerts = []
+    for batch_id, at, rows in written:
+        for _, due in rows:
+            batch = history[batch_id]
+            alerts.append(
+                {
+                    "batch_id": batch_id,
+                    "lateness_s": round(at - due / 1000, 4),
+                    "wait_s": round((batch["processing_ms"] - due) / 1000, 4),
+                    "batch_s": seconds.get(batch_id),
+                }
+            )
+    idle_batches = [b for b in query.batches if b["batch_id"] > 0]
+    fired = sum(b["timers_fired"] for b in idle_batches)
+    without_timer = sum(1 for b in idle_batches if b["timers_fired"] == 0)
+    bound = DEFAULT_TRIGGER_BOUND_S if trigger is None else 1.0
+    waits = [a["wait_s"] for a in alerts]
+    excess = [a["lateness_s"] - (a["batch_s"] or 0) for a in alerts]
+    return {
+        "trigger": "default" if trigger is None else trigger,
+        "idle_seconds": config.idle_seconds,
+        "tick_ms": config.tick_ms,
+        "alerts": len(alerts),
+        "timers_fired": fired,
+        "idle_batches": len(idle_batches),
+        "batches_without_a_timer": without_timer,
+        "batches_per_timer": round(len(idle_batches) / fired, 4) if fired else None,
+        "wait_bound_s": bound,
+        "wait_s": _quantiles(waits),
+        "lateness_s": _quantiles([a["lateness_s"] for a in alerts]),
+        "lateness_minus_batch_s": _quantiles(excess),
+        "per_alert": alerts,
+    }
+
+
+def _all_progress(query) -> list[dict]:
+    return [
+        {"batch_id": p["batchId"], "seconds": p["durationMs"].get("triggerExecution", 0) / 1000.0}
+        for p in query.recentProgress
+        if p["numInputRows"] >= 0
+    ]
+
+
+def _quantiles(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "p95": None, "n": 0}
+    ordered = sorted(values)
+    return {
+        "median": round(statistics.median(ordered), 4),
+        "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 4),
+        "max": round(ordered[-1], 4),
+        "n": len(ordered),
+    }
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) taken so far by this process and all its descendants alive now (the JVM,
+    Python workers, the sources' runners), from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    mine = {os.getpid()}
+    grew = True
+    while grew:
+        grown = {pid for pid, parent in parents.items() if parent in mine} - mine
+        grew = bool(grown)
+        mine |= grown
+    return sum(cpu.get(pid, 0.0) for pid in mine)
+
+
+def _nothing_due(spark, config: Config, clock: bool) -> dict:
+    """A keyed count idle ``idle_seconds`` after its one file: the batches it ran after it, and the CPU the
+    session's processes took meanwhile (per idle second)."""
+    from spark_state import keyed
+
+    spark.conf.set("spark.state.clock", str(clock).lower())
+    query, _ = _idle_query(
+        spark, WORK, f"nothing-due-clock-{str(clock).lower()}", lambda s: keyed(s, "key", name="counts").count(), None
+    )
+    try:
+        time.sleep(2)  # the first batch's aftermath (plan preparation, cleanup) out of the figure
+        started, cpu = time.monotonic(), _tree_cpu_seconds()
+        time.sleep(config.idle_seconds)
+        cpu, seconds = _tree_cpu_seconds() - cpu, time.monotonic() - started
+    finally:
+        query.stop()
+    return {
+        "clock": clock,
+        "idle_seconds": config.idle_seconds,
+        "extra_batches": len(query.batches) - 1,
+        "cpu_seconds_per_idle_second": round(cpu / seconds, 4),
+    }
+
+
+def _busy_with_clock(spark, config: Config) -> dict:
+    """What the clock costs a query with rows: a keyed count over ``clock_files`` files (one per batch, all
+    there at its start, under Spark's default trigger), with the clock and without, in ``clock_turns``; the median
+    steady batch time of each (batches 2 on) and their ratio."""
+    from spark_state import keyed
+
+    rng = np.random.default_rng(60)
+    tables = [
+        pa.table({"key": pa.array([f"k{k:06d}" for k in rng.integers(0, config.clock_keys, config.clock_rows)])})
+        for _ in range(config.clock_files)
+    ]
+    steady: dict[bool, list[float]] = {True: [], False: []}
+    for turn, clock in enumerate(config.clock_turns):
+        work = common.fresh_dir(WORK / f"busy-{turn}")
+        common.write_input(work / "in", tables, "key string")
+        spark.conf.set("spark.state.clock", str(clock).lower())
+        spark.conf.set("spark.state.parallelism", str(config.parallelism))
+        spark.conf.set("spark.state.store", str(work / "state"))
+        stream = spark.readStream.schema("key string").option("maxFilesPerTrigger", 1).parquet(str(work / "in"))
+        query = (
+            keyed(stream, "key", name="counts")
+            .count()
+            .writeStream.foreachBatch(common.noop_sink)
+            .option("checkpointLocation", str(work / "chk"))
+            .start()
+        )
+        try:
+            common.await_batches(query, config.clock_files)
+        finally:
+            query.stop()
+        steady[clock] += [p["seconds"] for p in common.batch_progress(query) if p["batch_id"] >= 2 and p["rows"]]
+    with_clock, without = statistics.median(steady[True]), statistics.median(steady[False])
+    return {
+        "files": config.clock_files,
+        "rows_per_file": config.clock_rows,
+        "steady_batch_s_with_clock": round(with_clock, 4),
+        "steady_batch_s_without_clock": round(without, 4),
+        "with_vs_without": round(with_clock / without, 4),
+        "batches_measured": {"with": len(steady[True]), "without": len(steady[False])},
+    }
+
+
+def idle(spark, config: Config) -> dict:
+    clock = spark.conf.get("spark.state.clock", None)
+    try:
+        runs = {"default": _ticks(spark, config, None), "1s": _ticks(spark, config, {"processingTime": "1 second"})}
+        nothing_due = _nothing_due(spark, config, clock=True)
+        without_clock = _nothing_due(spark, config, clock=False)
+        busy = _busy_with_clock(spark, config)
+    finally:
+        for key in ("spark.state.store", "spark.state.parallelism"):
+            spark.conf.unset(key)
+        if clock is None:
+            spark.conf.unset("spark.state.clock")
+        else:
+            spark.conf.set("spark.state.clock", clock)
+    extra = nothing_due["extra_batches"]
+    per_timer = [r["batches_per_timer"] for r in runs.values() if r["batches_per_timer"] is not None]
+    return {
+        "ticks": runs,
+        "nothing_due": nothing_due,
+        "nothing_due_without_clock": without_clock,
+        "clock_idle_cpu_seconds_per_second": round(
+            nothing_due["cpu_seconds_per_idle_second"] - without_clock["cpu_seconds_per_idle_second"], 4
+        ),
+        "busy_query": busy,
+        "extra_batches_per_idle_hour_nothing_due": round(extra * 3600 / config.idle_seconds, 2),
+        "batches_per_hour_one_timer_per_minute": round(60 * max(per_timer), 2) if per_timer else None,
+    }
+
+
 # Report ---------------------------------------------------------------------------------------------
 
 
 def targets(result: dict) -> list[dict]:
     s, t, m, k = result["sessions"], result["ttl"], result["timers"], result["timer_checkpoint"]
-    return [
+    return _idle_targets(result["idle"]) + [
         {
             "target": "sessions rows/s >= 1.0x transformWithStateInPandas",
             "value": s["ours_vs_spark_tws"],
@@ -564,13 +846,53 @@ def targets(result: dict) -> list[dict]:
     ]
 
 
+def _idle_targets(idle: dict) -> list[dict]:
+    found = []
+    for label, run in idle["ticks"].items():
+        bound = run["wait_bound_s"]
+        for which in ("median", "p95"):
+            wait, excess = run["wait_s"][which], run["lateness_minus_batch_s"][which]
+            found.append(
+                {
+                    "target": f"idle, {label} trigger: a timer's wait before its batch <= {bound} s ({which})",
+                    "value": wait,
+                    "met": wait is not None and wait <= bound,
+                }
+            )
+            found.append(
+                {
+                    "target": f"idle, {label} trigger: lateness <= {bound} s + its batch ({which})",
+                    "value": excess,
+                    "met": excess is not None and excess <= bound,
+                }
+            )
+    per_hour = idle["batches_per_hour_one_timer_per_minute"]
+    return found + [
+        {
+            "target": "idle: extra batches per idle hour with nothing due == 0",
+            "value": idle["extra_batches_per_idle_hour_nothing_due"],
+            "met": idle["extra_batches_per_idle_hour_nothing_due"] == 0,
+        },
+        {
+            "target": "idle: batches per hour with one timer due per minute <= 60",
+            "value": per_hour,
+            "met": per_hour is not None and per_hour <= 60,
+        },
+        {
+            "target": "the clock: a busy query's steady batch time <= 1.05x without it",
+            "value": idle["busy_query"]["with_vs_without"],
+            "met": idle["busy_query"]["with_vs_without"] <= 1.05,
+        },
+    ]
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.4))
+    fig, axes = plt.subplots(1, 5, figsize=(26, 4.4))
     systems = result["sessions"]["systems"]
     axes[0].bar(list(systems), [v["rows_per_s"] for v in systems.values()], color="tab:blue")
     axes[0].set_title("session windows: rows/s", fontsize=10)
@@ -596,6 +918,15 @@ def plot(result: dict, path: Path) -> None:
     axes[3].set_xlabel("keys of state")
     axes[3].set_title(f"checkpoint ms after {checkpoint['changed_keys']:,} changed keys (in-process)", fontsize=10)
     axes[3].legend(fontsize=8)
+    ticks = result["idle"]["ticks"]
+    labels = list(ticks)
+    for offset, (which, color) in enumerate((("median", "tab:blue"), ("p95", "tab:red"))):
+        xs = [i + offset * 0.38 for i in range(len(labels))]
+        axes[4].bar(xs, [ticks[t]["lateness_s"][which] or 0 for t in labels], 0.36, color=color, label=f"{which}")
+    axes[4].set_xticks([i + 0.19 for i in range(len(labels))])
+    axes[4].set_xticklabels([f"{t} trigger" for t in labels])
+    axes[4].set_title("idle source: processing-time timer lateness, s", fontsize=10)
+    axes[4].legend(fontsize=8)
     common.save_figure(fig, path, "Event time", result)
 
 
@@ -607,6 +938,7 @@ def run(spark, config: Config) -> dict:
         "ttl": ttl(spark, config, rng),
         "timers": timers(spark, config, rng),
         "timer_checkpoint": timer_checkpoint(config, rng),
+        "idle": idle(spark, config),
     }
     result["targets"] = targets(result)
     return result

@@ -38,6 +38,12 @@ def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
     ``spark.sql.shuffle.partitions`` starts at 2; set it to the parallelism
     under test before starting each query (a stateful query with 200
     partitions is about 10x slower per batch on this machine).
+
+    ``spark.state.clock`` is off: the harnesses release each batch's file
+    after the query started and count batches as files, and a query with
+    the clock runs a first batch at once, without rows (Spark runs one for
+    any new Python source). ``bench_time``'s idle section measures the clock,
+    and what it costs a busy query.
     """
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -59,6 +65,7 @@ def session(app: str, *, cores: int = 2, driver_memory: str = "4g"):
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.streaming.numRecentProgressUpdates", "1000")
+        .config("spark.state.clock", "false")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
@@ -329,7 +336,8 @@ def run_keyed_interleaved(
     released only when their step starts, and keeps its state under its own
     ``<checkpointLocation>/state`` unless ``confs`` say otherwise: ``confs[label]``
     is set in ``spark.conf`` while that query starts and while it runs its
-    batch (the driver reads ``spark.state.*`` at every batch). Returns the
+    batch (the driver reads ``spark.state.*`` at every batch, the store at
+    the start). Returns the
     stopped queries by label. ``taken``, when given, is filled with what the
     machine and the JVM took while each batch ran (``interference``'s
     differences), by label and file index.

@@ -67,3 +67,7 @@ class StateReaderOptionError(ConfigError):
 
 class StateCheckpointGoneError(NoCheckpointError):
     """The checkpoint a ``spark-state`` read resolved was cleaned up by its running query while it was read."""
+
+
+class ClockReadError(ConfigError):
+    """``format("spark-state-clock")`` was read on its own: keyed queries join it with their schema."""

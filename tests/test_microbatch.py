@@ -84,3 +84,21 @@ def test_a_tasks_report_batch_goes_to_the_accumulator_and_its_output_keeps_the_d
     assert [b.to_pydict() for b in emitted] == [{"key": ["a", "b"], "count": [1, 2]}]
     assert emitted[0].schema == task_output_schema(output)
     assert [(attempt, InstanceReport.from_json(json.loads(m)).instance) for attempt, m in sent.added] == [("now", 1)]
+
+
+def test_a_running_query_keeps_the_store_it_started_with_and_says_so_once(caplog):
+    from types import SimpleNamespace
+
+    from spark_state.spark.microbatch import MicroBatch
+
+    settings = {"spark.state.store": "/stores/first", "spark.sql.shuffle.partitions": "2"}
+    conf = SimpleNamespace(getAll=settings, get=lambda key, default=None: settings.get(key, default))
+    session = SimpleNamespace(conf=conf, sparkContext=SimpleNamespace(master="local[2]"))
+    stream = SimpleNamespace(keyed=SimpleNamespace(name="counts"))
+    batch = MicroBatch(stream, session, "/chk", None, None)
+    batch.started_store = batch.conf().store
+    settings["spark.state.store"] = "/stores/second"
+    with caplog.at_level("WARNING", logger="spark_state.spark.microbatch"):
+        stores = [batch.conf().store for _ in range(3)]
+    assert stores == ["/stores/first"] * 3
+    assert len([r for r in caplog.records if "keeps the store it started with" in r.getMessage()]) == 1

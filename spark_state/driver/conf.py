@@ -48,6 +48,13 @@ key                                    default                     meaning
                                                                    recently used key groups are evicted and read again
                                                                    when touched (components without timers;
                                                                    ``resident``)
+``spark.state.clock``                  ``true``                    a new query joins a clock source (``datasources.
+                                                                   clock``): due timers, expiries and drains run a
+                                                                   batch on an idle source; read at a query's first
+                                                                   start (its checkpoint keeps the sources it began
+                                                                   with)
+``spark.state.clockPollSeconds``       1                           how often the clock reads the store for the next
+                                                                   wake-up and drain requests (> 0)
 =====================================  ==========================  =====================================================
 
 The ``spark.state.s3.*`` settings apply to an ``s3://`` store only; they are
@@ -92,6 +99,8 @@ RESTORE_FROM = PREFIX + "restoreFrom"
 SHARED_LOCAL_STORE = PREFIX + "sharedLocalStore"
 INSTANCE_HOSTS = PREFIX + "instanceHosts"
 RESIDENT_MEMORY = PREFIX + "residentMemory"
+CLOCK = PREFIX + "clock"
+CLOCK_POLL = PREFIX + "clockPollSeconds"
 KNOWN_KEYS = (
     STORE,
     PARALLELISM,
@@ -106,6 +115,8 @@ KNOWN_KEYS = (
     SHARED_LOCAL_STORE,
     INSTANCE_HOSTS,
     RESIDENT_MEMORY,
+    CLOCK,
+    CLOCK_POLL,
     *S3_KEYS,
 )
 COMPRESSIONS = ("none", "lz4", "zstd")
@@ -131,6 +142,16 @@ def _int(key: str, text: str, low: int, high: int | None = None) -> int:
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise ConfigError(f"{key}={value} is out of range; set it {bound}")
+    return value
+
+
+def _seconds(key: str, text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a number of seconds; set it to a number > 0, like 0.5") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{key}={text!r} is out of range; set it to a number of seconds > 0, like 0.5")
     return value
 
 
@@ -184,6 +205,8 @@ class StateConf:
     shared_local_store: bool = False
     instance_hosts: bool = True
     resident_memory: int | None = None
+    clock: bool = True
+    clock_poll_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -265,6 +288,8 @@ class StateConf:
             shared_local_store=flag(SHARED_LOCAL_STORE),
             instance_hosts=flag(INSTANCE_HOSTS, "true"),
             resident_memory=parse_bytes(RESIDENT_MEMORY, text) if (text := value(RESIDENT_MEMORY)) else None,
+            clock=flag(CLOCK, "true"),
+            clock_poll_seconds=_seconds(CLOCK_POLL, text) if (text := value(CLOCK_POLL)) else 1.0,
         )
 
     @classmethod

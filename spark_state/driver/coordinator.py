@@ -26,7 +26,9 @@ another query's                                fresh on base ``L`` only if every
 
 "This query" means the same Spark query id (stable across restarts of one
 ``checkpointLocation``). Offsets are compared as parsed JSON values; a source
-the state never recorded cannot be counted twice and is not compared. Every
+the state never recorded cannot be counted twice and is not compared (nor is
+a query's clock: ``spark.microbatch`` leaves it out of a batch, as it holds no
+rows). Every
 refusal happens before any task runs, so nothing is written or committed.
 
 ``Coordinator`` runs the driver's part of a batch around that decision:
@@ -40,7 +42,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spark_state.errors import (
@@ -55,6 +57,8 @@ from spark_state.errors import (
     StoreOwnedByAnotherQueryError,
 )
 from spark_state.executor.report import InstanceReport
+from spark_state.model.eventtime import EventTime
+from spark_state.model.wake import Due, next_wake
 from spark_state.store.manifest import (
     ComponentSpec,
     ComponentUpdate,
@@ -296,6 +300,32 @@ def _check_same_offsets(committed: Manifest, batch: SparkBatch, store: str) -> N
             )
 
 
+@dataclass(frozen=True)
+class BatchClock:
+    """The times of a batch the driver records for an idle query (``model.wake``): the watermark it ran with,
+    its event time (for ``idle_after``) and the kind of its component's time to live (None: none)."""
+
+    watermark_ms: int | None
+    event_time: EventTime | None
+    ttl_kind: str | None
+
+
+def _with_wake(
+    manifest: Manifest, name: str, clock: BatchClock, reported: Sequence[Mapping[str, int]], batch: SparkBatch
+) -> Manifest:
+    component = manifest.components[name]
+    wake = next_wake(
+        Due.over(reported),
+        processing_ms=batch.timestamp_ms,
+        watermark_ms=component.watermark_ms,
+        max_event_time_ms=component.max_event_time_ms,
+        rows_at_ms=component.rows_at_ms,
+        event_time=clock.event_time,
+        ttl_kind=clock.ttl_kind,
+    )
+    return replace(manifest, components={**manifest.components, name: replace(component, wake_ms=wake)})
+
+
 def check_reports(reports: Sequence[InstanceReport], parallelism: int) -> None:
     """Exactly one report from each instance ``0 <= i < parallelism``, else nothing may be committed."""
     seen = sorted(report.instance for report in reports)
@@ -343,21 +373,29 @@ class Coordinator:
         reports: Sequence[InstanceReport],
         *,
         drained: bool = False,
+        clock: BatchClock | None = None,
     ) -> Manifest | None:
         """Commit ``plan``'s checkpoint from the instances' reports (steps 3-4); None for a replayed batch.
 
         A report's ``info["max_event_time_ms"]`` (the largest event time of
         its on-time rows) advances the component's watermark (``next_component``).
+        With ``clock`` the checkpoint also records the watermark the batch ran
+        with, the processing time of the last batch with rows, and when the
+        component next has work without rows (``model.wake``, from the
+        reports' ``info["next_due"]``); a drained checkpoint has none.
         """
         check_reports(reports, spec.parallelism)
         if plan.replayed:
             return None
         event_times = [r.info["max_event_time_ms"] for r in reports if r.info.get("max_event_time_ms") is not None]
+        arrived = any(max(r.info.get("rows_arrived", 0), r.info.get("rows_received", 0)) for r in reports)
         update = ComponentUpdate(
             spec,
             [r.blob for r in reports if r.blob is not None],
             {r.instance: r.items for r in reports if r.items is not None},
             max(event_times) if event_times else None,
+            watermark_ms=clock.watermark_ms if clock is not None else None,
+            rows_at_ms=batch.timestamp_ms if arrived else None,
         )
         manifest = next_manifest(
             plan.base,
@@ -368,6 +406,8 @@ class Coordinator:
             committed_at=time.time(),
             drained=drained,
         )
+        if clock is not None and not drained:
+            manifest = _with_wake(manifest, spec.name, clock, [r.info.get("next_due", {}) for r in reports], batch)
         try:
             return self.manifests.commit(manifest, restored_from=plan.base if plan.restored else None)
         except CheckpointError as exc:

@@ -392,6 +392,34 @@ class PythonFunction:
             expired += 1
         return expired
 
+    def next_due(self, state) -> dict[str, int]:
+        """The earliest pending time of each kind of this instance's timers and expiries (``EVENT``,
+        ``PROCESSING``, ``EXPIRES``; a kind without any is left out): what the driver wakes an idle query
+        for (``model.wake``)."""
+        if state.timers is None:
+            return {}
+        table, variable, index = state.table, state.timers_variable, state.timers
+        found = {}
+        for kind, position in ((EVENT, 0), (PROCESSING, 1), (EXPIRES, 2)):
+            if kind == EXPIRES and self.ttl is None or kind != EXPIRES and self.on_timer is None:
+                continue
+
+            def fold(g, position=position):
+                if position == 2:
+                    return [(t[2], key) for key, t in table.values(g, variable).items() if t[2] is not None]
+                return [(time_ms, key) for key, t in table.values(g, variable).items() for time_ms in t[position]]
+
+            def live(time_ms, g, key, position=position):
+                stored = table.get(g, key, variable=variable)
+                if stored is None:
+                    return False
+                return stored[2] == time_ms if position == 2 else time_ms in stored[position]
+
+            earliest = index.next_due(kind, fold, live)
+            if earliest is not None:
+                found[kind] = earliest
+        return found
+
 
 @functools.lru_cache(maxsize=64)
 def _value_converter(schema: KeyedSchema) -> Callable[[tuple], tuple]:

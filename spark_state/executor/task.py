@@ -12,7 +12,8 @@
    dropped and counted, or passed marked late);
 3. apply the keyed function (``functions``) to the rows, then fire the due
    timers and expire values past their time to live: output rows and state
-   changes;
+   changes; then find the earliest pending timer and expiry of each kind
+   (``next_due``: the driver wakes an idle query for them);
 4. write the changed key groups and instance items (step 1 of the commit
    protocol in ``manifestlog``), evict least recently used key groups down
    to the memory bound, keep the state for the next batch, and emit, after
@@ -197,9 +198,14 @@ def _event_times(task: TaskSpec, table: pa.Table) -> tuple[pa.Table, dict]:
     event_time = task.event_time
     assert event_time is not None, "called for a task with event time"
     milliseconds = to_millis(table.column(event_time.column))
+    arrived = len(milliseconds)
     late = milliseconds < task.watermark_ms if task.watermark_ms is not None else np.zeros(len(milliseconds), bool)
     on_time = milliseconds[~late]
-    info = {"late_rows": int(late.sum()), "max_event_time_ms": int(on_time.max()) if on_time.size else None}
+    info = {
+        "late_rows": int(late.sum()),
+        "rows_arrived": arrived,  # late ones included: rows show the source is not idle (``model.wake``)
+        "max_event_time_ms": int(on_time.max()) if on_time.size else None,
+    }
     table = table.append_column(EVENT_MS_COLUMN, pa.array(milliseconds, pa.int64()))
     if event_time.late == "drop":
         return (table.filter(pa.array(~late)) if late.any() else table), info
@@ -227,6 +233,7 @@ def _apply(task: TaskSpec, state: ResidentState, table: pa.Table | None) -> tupl
     outputs.append(fired)
     info["expired"] = function.expire(state, time)
     if state.timers is not None:
+        info["next_due"] = function.next_due(state)
         info["timers_indexed"] = state.timers.pending()
     return outputs, info
 

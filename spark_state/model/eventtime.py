@@ -19,6 +19,17 @@ batch only.
 
 Processing time is the batch's timestamp from Spark's offsets log
 (``batchTimestampMs``), the same when Spark replays the batch.
+
+An idle source holds the watermark where its last rows left it, so
+event-time timers and sessions would wait for the next row. With
+``idle_after`` (``withWatermark(..., idle_after="5 minutes")``, Flink's
+``withIdleness``) a batch that runs at least that long after the last batch
+with rows (``R``, the processing time recorded in the checkpoint) runs with
+``max(W(N), E + (P - R) - delay)``, ``P`` its processing time: event time is
+taken to pass as the clock does since the last row (``idle_watermark``).
+Both ``R`` and ``P`` are recorded, so a replay runs with the same watermark;
+the next checkpoint keeps the advance. A row that arrives later with an
+event time below the advanced watermark is late, as any late row.
 """
 
 from __future__ import annotations
@@ -100,12 +111,18 @@ class EventTime:
     column: str
     delay_ms: int
     late: str = "drop"
+    idle_ms: int | None = None
+    """After this much processing time without rows the watermark follows the clock (``idle_watermark``)."""
 
     def __post_init__(self) -> None:
         if self.late not in LATE_POLICIES:
             raise ConfigError(f"late={self.late!r} is not one of {', '.join(LATE_POLICIES)}")
         if self.delay_ms < 0:
             raise ConfigError(f"the watermark delay must be >= 0 ms, got {self.delay_ms}")
+        if self.idle_ms is not None and self.idle_ms <= 0:
+            raise ConfigError(
+                f"idle_after={self.idle_ms} ms: the idle time must be longer than zero (or None: never idle)"
+            )
 
 
 def check_event_time_type(column: str, kind: pa.DataType) -> None:
@@ -163,3 +180,28 @@ def next_watermark(watermark: int | None, max_event_time: int | None, delay_ms: 
         return watermark
     candidate = max_event_time - delay_ms
     return candidate if watermark is None else max(watermark, candidate)
+
+
+def idle_watermark(
+    watermark: int | None,
+    max_event_time: int | None,
+    rows_at: int | None,
+    processing_ms: int,
+    event_time: EventTime,
+) -> int | None:
+    """The watermark a batch at ``processing_ms`` runs with: ``watermark``, advanced with the clock once the source
+    has been idle for ``event_time.idle_ms`` since the batch with rows at ``rows_at`` (see the module docstring)."""
+    idle = event_time.idle_ms
+    if idle is None or max_event_time is None or rows_at is None or processing_ms - rows_at < idle:
+        return watermark
+    advanced = max_event_time + (processing_ms - rows_at) - event_time.delay_ms
+    return advanced if watermark is None else max(watermark, advanced)
+
+
+def idle_due_at(
+    time_ms: int, max_event_time: int | None, rows_at: int | None, event_time: EventTime | None
+) -> int | None:
+    """The processing time at which an idle watermark reaches ``time_ms`` (``idle_watermark``), None if never."""
+    if event_time is None or event_time.idle_ms is None or max_event_time is None or rows_at is None:
+        return None
+    return max(time_ms - max_event_time + rows_at + event_time.delay_ms, rows_at + event_time.idle_ms)

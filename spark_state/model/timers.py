@@ -19,6 +19,10 @@ group's earliest times from the manifest without folding it.
 whose earliest timer is due, so its cost follows the due timers, not the
 keys. Heap entries are checked against the key's state when they come due
 (a deleted or already fired timer is skipped), so deleting is cheap.
+``TimerIndex.next_due`` finds the earliest pending time of a kind the same
+way: it folds the key group whose bound is earliest and drops the heap's
+stale entries until the earliest entry is a live timer, so an idle query
+wakes up for timers that exist (``model.wake``).
 """
 
 from __future__ import annotations
@@ -132,6 +136,34 @@ class TimerIndex:
             time_ms, key_group, _, key = heapq.heappop(heap)
             result.append((time_ms, key_group, key))
         return result
+
+    def next_due(
+        self,
+        kind: str,
+        fold: Callable[[int], Iterable[tuple[int, Key]]],
+        live: Callable[[int, int, Key], bool],
+    ) -> int | None:
+        """The earliest time of a live ``kind`` timer, or None when there is none.
+
+        ``fold`` is ``due``'s; ``live(time, key_group, key)`` says whether a
+        heap entry is still a timer of the key. Folds at most the key groups
+        whose bound is below the earliest live entry (one, when the bounds are
+        exact) and drops the stale entries it passes, which ``due`` would skip.
+        """
+        earliest, heap = self._earliest[kind], self._heaps[kind]
+        while True:
+            group = min(earliest, key=earliest.__getitem__) if earliest else None
+            if group is not None and (not heap or earliest[group] <= heap[0][0]):
+                del earliest[group]
+                for time_ms, key in fold(group):
+                    heapq.heappush(heap, (time_ms, group, next(self._order), key))
+                continue
+            while heap and not live(heap[0][0], heap[0][1], heap[0][3]):
+                heapq.heappop(heap)
+            if heap and (group is None or heap[0][0] < earliest[group]):
+                return heap[0][0]
+            if not heap and group is None:
+                return None
 
     def pending(self) -> int:
         """Entries known (heap entries plus not-yet-folded key groups): an upper bound on pending timers."""

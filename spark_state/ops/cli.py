@@ -541,7 +541,7 @@ def drain(store: str, run_id: str, reason: str, force: bool) -> None:
         check_drainable(_manifests(store), run_id)
     path = request_drain(storage, run_id, reason=reason)
     click.echo(
-        f"requested a drain of run {run_id}: {store.rstrip('/')}/{path} (it takes effect at the next micro-batch)"
+        f"requested a drain of run {run_id}: {store.rstrip('/')}/{path} (it takes effect at the next micro-batch, which the query's clock runs on an idle source)"
     )
 
 

@@ -224,6 +224,11 @@ class SparkCheckpoint:
         ids = [int(name) for name in self._names("commits") if name.isdigit()]
         return max(ids) if ids else None
 
+    def latest_planned_batch(self) -> int | None:
+        """The highest micro-batch id in ``offsets/`` (planned, committed or not), or None."""
+        ids = [int(name) for name in self._names("offsets") if name.isdigit()]
+        return max(ids) if ids else None
+
     def has_planned_batch(self) -> bool:
         """Whether Spark wrote any micro-batch's offsets (``offsets/N``) here: a query that has none starts as new,
         and Spark then requires ``<checkpointLocation>/state`` to be empty."""

@@ -5,7 +5,9 @@ runs ``MicroBatch.run`` for every micro-batch N:
 
 1. read the settings (``spark.state.*``) from the session that started the
    query, so a changed parallelism applies from the next batch on;
-2. ask Spark's checkpoint about batch N (query id, start and end offsets)
+2. ask Spark's checkpoint about batch N (query id, start and end offsets,
+   processing time; with ``idle_after`` the watermark follows the clock when
+   the source has been idle: ``eventtime.idle_watermark``)
    and let ``Coordinator.begin`` decide: run on the latest committed
    checkpoint; or, when batch N was already committed (the driver died after
    our commit but before Spark's), recompute it on the one before without
@@ -20,8 +22,10 @@ runs ``MicroBatch.run`` for every micro-batch N:
    the output (the ``replayable`` sink skips a batch id it holds), the driver
    runs the tasks itself;
 5. ``Coordinator.commit``: checkpoint N with this batch's source end offsets
-   (Spark's ``offsets/N``, the record Spark replays from) and its binding to
-   the query;
+   (Spark's ``offsets/N``, the record Spark replays from), its binding to
+   the query, and when the component next has work without rows
+   (``model.wake``, from the instances' earliest timers: the query's clock
+   source runs a batch then);
 6. ``Coordinator.cleanup``: delete what no retained checkpoint needs.
 
 A crash before step 5 leaves checkpoint N uncommitted: Spark replays batch N
@@ -48,12 +52,14 @@ import pyarrow as pa
 from pyspark.accumulators import AccumulatorParam
 
 from spark_state.driver.conf import StateConf, check_store_reachable, default_store
-from spark_state.driver.coordinator import Coordinator, SparkBatch, check_reports
+from spark_state.driver.coordinator import BatchClock, Coordinator, SparkBatch, check_reports
 from spark_state.errors import CheckpointError
 from spark_state.executor.report import InstanceReport
 from spark_state.executor.task import META_COLUMN, TaskSpec, report_from_meta, run_instance
 from spark_state.hosts.worker import run_hosted
+from spark_state.model.eventtime import idle_watermark
 from spark_state.model.timers import TIMERS
+from spark_state.redaction import redact
 from spark_state.spark.checkpoint import SparkCheckpoint, batch_start_offsets
 from spark_state.spark.plan import TaskPlan, in_thread, joined, task_output_schema
 from spark_state.spark.sinks import BatchSink
@@ -61,6 +67,7 @@ from spark_state.spark.stop_watch import unwatch as unwatch_stops
 from spark_state.store.drain import finish_request, pending_requests
 from spark_state.store.manifest import ComponentManifest, ComponentSpec, check_compatible
 from spark_state.store.manifestlog import open_manifest_log
+from spark_state.store.sources import is_clock_source
 from spark_state.store.stops import record_stop
 
 _LOG = logging.getLogger(__name__)
@@ -80,6 +87,11 @@ def _requests_since(storage, before: dict | None) -> int | None:
     """Requests ``storage`` made since its ``counters()`` were ``before`` (None if it does not count them)."""
     after = storage.counters()
     return None if before is None or after is None else after["requests"] - before["requests"]
+
+
+def _wake_of(manifest, component: str) -> int | None:
+    """The wake-up the checkpoint of a batch records (``model.wake``; None for a replayed batch)."""
+    return manifest.components[component].wake_ms if manifest is not None else None
 
 
 class _Reports(AccumulatorParam):
@@ -140,6 +152,8 @@ class MicroBatch:
     _stops_recorded: set[str] = field(default_factory=set)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _warned_unbounded: bool = False
+    started_store: str | None = None  # the store the query started with (``conf``), once started
+    _warned_store: bool = False
 
     def coordinator(self, conf: StateConf) -> Coordinator:
         """One per setting, kept for the query's life, so parsed manifests are reused across batches."""
@@ -150,8 +164,24 @@ class MicroBatch:
         return self._coordinators[key]
 
     def conf(self) -> StateConf:
-        """Settings for the next batch, from the session that started the query."""
+        """Settings for the next batch, from the session that started the query.
+
+        The store (``spark.state.store`` and ``spark.state.s3.*``) is the one
+        the query started with, as Spark's checkpoint location is: a change
+        of those settings while it runs is for the next query to start, and
+        is logged once.
+        """
         conf = StateConf.from_session(self.session, default_store=lambda: default_store(self.checkpoint_location))
+        if self.started_store is not None and conf.store != self.started_store:
+            if not self._warned_store:
+                self._warned_store = True
+                _LOG.warning(
+                    "component %r: spark.state.store (or spark.state.s3.*) changed while the query runs; it keeps "
+                    "the store it started with, %s (the setting applies to queries started from now on)",
+                    self.stream.keyed.name,
+                    redact(self.started_store),
+                )
+            conf = replace(conf, store=self.started_store)
         check_store_reachable(conf.store, self.session.sparkContext.master, shared=conf.shared_local_store)
         if self.parallelism_override is not None:
             conf = replace(conf, parallelism=self.parallelism_override)
@@ -197,13 +227,14 @@ class MicroBatch:
                 "runs; the checkpoint location was changed while the query ran"
             )
         end, timestamp_ms = entry
-        return SparkBatch(
+        start = batch_start_offsets(self.session, query_id, batch_id, checkpoint)
+        return SparkBatch(  # the clock holds no rows: the state records the query's own sources only
             query_id=query_id,
             run_id=context.getLocalProperty(RUN_ID_PROPERTY),
             batch_id=batch_id,
             checkpoint_location=self.checkpoint_location,
-            end=end,
-            start=batch_start_offsets(self.session, query_id, batch_id, checkpoint),
+            end={source: offsets for source, offsets in end.items() if not is_clock_source(source)},
+            start={source: offsets for source, offsets in start.items() if not is_clock_source(source)},
             timestamp_ms=timestamp_ms,
         )
 
@@ -221,6 +252,11 @@ class MicroBatch:
         base = plan.base.components.get(stream.keyed.name) if plan.base is not None else None
         spec = self.continuing(conf, base)
         drain, ignored = self._drain_wanted(coordinator, spark_batch, plan)
+        watermark = base.watermark_ms if base is not None else None
+        if event_time is not None and base is not None:  # an idle source's watermark follows the clock
+            watermark = idle_watermark(
+                watermark, base.max_event_time_ms, base.rows_at_ms, spark_batch.timestamp_ms, event_time
+            )
         task = TaskSpec(
             store_uri=coordinator.manifests.storage.uri,
             component=stream.keyed.name,
@@ -236,7 +272,7 @@ class MicroBatch:
             max_chain_length=conf.max_chain_length,
             compression=conf.compression,
             event_time=event_time,
-            watermark_ms=base.watermark_ms if base is not None else None,
+            watermark_ms=watermark,
             processing_ms=spark_batch.timestamp_ms,
             drain=drain,
             resident_memory=conf.resident_memory,
@@ -255,7 +291,9 @@ class MicroBatch:
         self._fault("output_written", batch_id)
         storage = coordinator.manifests.storage
         committing, wire = time.perf_counter(), storage.counters()
-        manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain)
+        ttl = getattr(stream.function, "ttl", None)
+        clock = BatchClock(watermark, event_time, ttl.kind if ttl is not None else None)
+        manifest = coordinator.commit(plan, spark_batch, spec, reports, drained=drain, clock=clock)
         self.key_space = spec.max_parallelism  # the store's from now on: set_parallelism checks against it
         commit_seconds, commit_requests = time.perf_counter() - committing, _requests_since(storage, wire)
         cleanup_seconds, cleanup_requests = 0.0, _requests_since(storage, storage.counters())
@@ -280,6 +318,7 @@ class MicroBatch:
                 "expired": sum(r.info.get("expired", 0) for r in reports),
                 "drained": drain,
                 "drain_requests_ignored": ignored,
+                "wake_ms": _wake_of(manifest, stream.keyed.name),  # when the clock next runs a batch (None: never)
                 "commit_seconds": round(commit_seconds, 4),  # the driver's step 5: the manifest record, created
                 "cleanup_seconds": round(cleanup_seconds, 4),  # step 6: what no retained checkpoint needs, deleted
                 "commit_requests": commit_requests,  # storage requests of step 5 (None: the backend does not count)

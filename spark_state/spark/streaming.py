@@ -45,7 +45,9 @@ from spark_state.spark.microbatch import MicroBatch, location_name
 from spark_state.spark.routing import check_key_type
 from spark_state.spark.sinks import open_sink
 from spark_state.spark.stop_watch import watch as watch_stops
+from spark_state.store.drain import request_drain
 from spark_state.store.manifest import check_component_name
+from spark_state.store.sources import is_clock_source
 from spark_state.store.startfrom import start_from_savepoint
 from spark_state.store.stops import STOPPED, unneeded_stop_record
 
@@ -129,7 +131,7 @@ class KeyedStream:
     name: str
     event_time: EventTime | None = None
 
-    def withWatermark(self, column: str, delay, *, late: str = "drop") -> KeyedStream:
+    def withWatermark(self, column: str, delay, *, late: str = "drop", idle_after=None) -> KeyedStream:
         """Give the stream event time: ``column`` (a timestamp, or a long of milliseconds) and an allowed delay.
 
         Like Spark's ``withWatermark``: each batch runs with watermark
@@ -137,11 +139,19 @@ class KeyedStream:
         than it are late: dropped and counted in ``query.batches``
         (``late="drop"``), or handed to the function with ``_late = true``
         (``late="pass"``). ``delay`` is a duration such as ``"10 minutes"``.
+        With ``idle_after`` (a duration, like Flink's ``withIdleness``), once
+        the source has had no rows for that long the watermark follows the
+        clock: event time is taken to pass as processing time does since the
+        last rows, so event-time timers and sessions close on an idle source
+        (``eventtime.idle_watermark``; rows arriving later below it are late).
         """
         if column not in self.df.columns:
             raise ConfigError(f"withWatermark({column!r}): no such column; the DataFrame has {self.df.columns}")
         check_event_time_type(column, _to_arrow_schema(self.df.schema).field(column).type)
-        return replace(self, event_time=EventTime(column, parse_duration(delay, "withWatermark delay"), late))
+        idle = None if idle_after is None else parse_duration(idle_after, "withWatermark idle_after")
+        return replace(
+            self, event_time=EventTime(column, parse_duration(delay, "withWatermark delay"), late, idle_ms=idle)
+        )
 
     def _key_fields(self) -> list[pa.Field]:
         schema = _to_arrow_schema(self.df.schema)
@@ -392,6 +402,7 @@ class StatefulStreamWriter:
             sink=open_sink(self._format, options, self._foreach_batch, default_sink_id=f"spark-state:{name}"),
         )
         conf = batch.conf()  # fail now on bad settings, not at the first batch
+        batch.started_store = conf.store
         spark_checkpoint.clear_interrupted_first_batch()
         manifests = batch.coordinator(conf).manifests
         _clear_unneeded_stop_record(spark_checkpoint, manifests.storage)
@@ -422,7 +433,9 @@ class StatefulStreamWriter:
                 checkpoint_location=name,
                 store=conf.store,
             )
-        writer = self._stream.keyed.df.writeStream.foreachBatch(batch.run).option(
+        if _joins_clock(spark_checkpoint, conf.clock, self._stream.keyed.name):
+            batch.stream = _with_clock(self._stream, conf)
+        writer = batch.stream.keyed.df.writeStream.foreachBatch(batch.run).option(
             "checkpointLocation", checkpoint_location
         )
         if self._trigger:
@@ -436,6 +449,46 @@ class StatefulStreamWriter:
         # the interpreter from this one for a while.
         batch.prepare_plan(conf.parallelism, conf.key_space(batch.key_space))
         return StatefulQuery(query, batch)
+
+
+def _joins_clock(spark_checkpoint: SparkCheckpoint, wanted: bool, component: str) -> bool:
+    """Whether the query reads the clock source (``datasources.clock``): a new query when ``spark.state.clock``
+    says so, a restarted one when its checkpoint began with it (Spark restarts a query only with the sources its
+    offsets log holds)."""
+    latest = spark_checkpoint.latest_planned_batch()
+    if latest is None:
+        return wanted
+    offsets = spark_checkpoint.offsets(latest) or {}
+    if any(is_clock_source(source_id) for source_id in offsets):
+        return True
+    if wanted:
+        _LOG.warning(
+            "component %r: the query's checkpoint %s began without spark-state's clock, so a timer, an expiry "
+            "or a drain takes effect only at the next batch with rows; to have them on time on an idle source, "
+            "take a savepoint and start the query from it with a new checkpointLocation",
+            component,
+            spark_checkpoint.uri,
+        )
+    return False
+
+
+def _with_clock(stream: StatefulStream, conf) -> StatefulStream:
+    """``stream`` with its rows unioned with the clock's (none): Spark plans a batch whenever the clock's offset
+    moves, which it does when the store says the component has work without rows."""
+    from datasources.clock import NAME, ClockDataSource
+
+    df = stream.keyed.df
+    session = df.sparkSession
+    session.dataSource.register(ClockDataSource)
+    clock = (
+        session.readStream.format(NAME)
+        .schema(df.schema)
+        .option("store", conf.store)
+        .option("component", stream.keyed.name)
+        .option("pollSeconds", str(conf.clock_poll_seconds))
+        .load()
+    )
+    return replace(stream, keyed=replace(stream.keyed, df=df.unionByName(clock)))
 
 
 def _clear_unneeded_stop_record(spark_checkpoint: SparkCheckpoint, storage) -> None:
@@ -474,8 +527,10 @@ class StatefulQuery:
         """Drain the query at its next micro-batch and stop it (see ``spark_state.store.drain``).
 
         Waits until the query stopped, at most ``timeout`` seconds (None:
-        as long as it takes); returns whether it drained. A drain needs a
-        micro-batch: Spark runs one only when a source has new data.
+        as long as it takes); returns whether it drained. On an idle source
+        the query's clock runs that batch (``datasources.clock``); a query
+        whose checkpoint began without the clock drains at its next batch
+        with rows.
         """
         self.request_drain()
         self.awaitTermination(timeout)
@@ -534,8 +589,11 @@ class StatefulQuery:
         return progress is not None and progress["batchId"] >= history[count - 1]["batch_id"]
 
     def request_drain(self) -> None:
-        """Drain at the next micro-batch and stop, without waiting (``drain`` waits)."""
+        """Drain at the next micro-batch and stop, without waiting (``drain`` waits). The request is also
+        written to the store, where the query's clock finds it and runs that batch on an idle source."""
         self._batch.drain_requested = True
+        storage = self._batch.coordinator(self._batch.conf()).manifests.storage
+        request_drain(storage, self.run_id, reason="query.drain()")
 
     @property
     def run_id(self) -> str:

@@ -17,8 +17,11 @@ id, and reports requests naming another run id (a stale request, for an
 earlier run) without acting on them. A run id is Spark's ``query.runId``; it
 changes at every start, so a request can never drain a later run.
 
-A drain takes effect at the next micro-batch: Spark runs a batch only when a
-source has new data.
+A drain takes effect at the next micro-batch. On an idle source the query's
+clock (``datasources.clock``) finds the new request in the store and has
+Spark run that batch; a query whose checkpoint began without the clock
+drains at its next batch with rows. ``query.drain()`` writes its request
+here too, so both ways reach the clock.
 """
 
 from __future__ import annotations

@@ -171,6 +171,10 @@ class ComponentUpdate:
     blobs: Sequence[BlobRef] = ()
     items: Mapping[int, ItemsRef] = field(default_factory=dict)
     max_event_time_ms: int | None = None
+    watermark_ms: int | None = None
+    """The watermark the batch ran with when it was above the recorded one (an idle advance), else None."""
+    rows_at_ms: int | None = None
+    """The batch's processing time if it had rows, else None (the recorded one stays)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,10 @@ class ComponentManifest:
     max_event_time_ms: int | None = None
     schemas: Mapping[str, str] = field(default_factory=dict)
     """Older state schemas that referenced blobs were written in, by fingerprint (``BlobRef.schema``)."""
+    rows_at_ms: int | None = None
+    """The processing time of the latest batch that had rows (idle event time: ``eventtime.idle_watermark``)."""
+    wake_ms: int | None = None
+    """The processing time at which the component next has work without rows (``model.wake``); None: none."""
 
     @property
     def keyed_schema(self) -> KeyedSchema:
@@ -229,6 +237,8 @@ class ComponentManifest:
             "instance_items": {str(i): ref.to_json() for i, ref in sorted(self.instance_items.items())},
             "watermark_ms": self.watermark_ms,
             "max_event_time_ms": self.max_event_time_ms,
+            "rows_at_ms": self.rows_at_ms,
+            "wake_ms": self.wake_ms,
         }
 
     def to_json(self) -> dict:
@@ -311,6 +321,8 @@ class ComponentManifest:
             watermark_ms=obj["watermark_ms"],
             max_event_time_ms=obj["max_event_time_ms"],
             schemas=_referenced_schemas(blobs, schemas),
+            rows_at_ms=obj.get("rows_at_ms"),  # absent in records of versions before the clock
+            wake_ms=obj.get("wake_ms"),
         )
 
 
@@ -608,7 +620,8 @@ def next_component(
     at most one blob per instance. The chains follow from the new blobs'
     entries (``advance_chains``); unreferenced blobs drop out. With event time
     (``spec.delay_ms``) the largest event time and the next batch's watermark
-    advance (``eventtime.next_watermark``), never backwards.
+    advance (``eventtime.next_watermark``, from the higher of the recorded
+    watermark and the one the batch ran with), never backwards.
     """
     spec = update.spec
     if previous is not None:
@@ -630,7 +643,8 @@ def next_component(
             t for t in (previous.max_event_time_ms if previous else None, update.max_event_time_ms) if t is not None
         ]
         max_event_time = max(seen) if seen else None
-        watermark = next_watermark(previous.watermark_ms if previous else None, max_event_time, spec.delay_ms)
+        ran_with = [w for w in (previous.watermark_ms if previous else None, update.watermark_ms) if w is not None]
+        watermark = next_watermark(max(ran_with) if ran_with else None, max_event_time, spec.delay_ms)
     kept = {p: b for p, b in blobs.items() if p in referenced}
     return ComponentManifest(
         name=spec.name,
@@ -644,6 +658,7 @@ def next_component(
         watermark_ms=watermark,
         max_event_time_ms=max_event_time,
         schemas=_referenced_schemas(kept, schemas),
+        rows_at_ms=update.rows_at_ms if update.rows_at_ms is not None else (previous.rows_at_ms if previous else None),
     )
 
 
