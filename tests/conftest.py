@@ -41,11 +41,13 @@ SLOWEST_FILES = (
     "test_cluster.py",
     "test_campaign.py",
     "test_time_spark.py",
+    "test_idle_spark.py",
     "test_state_machine.py",
     "test_replayable_spark.py",
     "test_two_drivers.py",
     "test_ops_spark.py",
     "test_remote_storage_spark.py",
+    "test_locations.py",
 )
 """The files that take 20 s or more, longest first (measured per file in a two-worker run)."""
 

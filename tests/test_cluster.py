@@ -82,6 +82,9 @@ class ClusterJob:
                 "store": self.store,
                 "checkpoint": str(self.root / "chk"),
                 "runs": list(runs),
+                # Unbounded, so a restore reads its plan at once (bounded, the default on a cluster, it reads each
+                # key group as rows touch it).
+                "conf": {"spark.state.residentMemory": "none"},
             },
             timeout=120.0 * len(runs),
         )

@@ -238,3 +238,23 @@ def test_a_session_s_settings_are_read_whole_whatever_their_values_hold(spark):
             StateConf.from_session(spark, default_store="/unused")
     finally:
         spark.conf.unset("spark.state.paralelism")
+
+
+def test_on_a_cluster_the_memory_bound_defaults_to_half_of_what_spark_gives_the_executor_s_python():
+    from spark_state.driver.conf import default_resident_memory
+
+    mib = 1 << 20
+    assert default_resident_memory({"spark.executor.pyspark.memory": "2g"}, "local[2]") is None
+    assert default_resident_memory({"spark.executor.pyspark.memory": "2g"}, "spark://h:7077") == 1024 * mib
+    assert default_resident_memory({"spark.executor.memoryOverhead": "1000"}, "yarn") == 500 * mib  # bare: MiB
+    assert default_resident_memory({"spark.executor.memory": "8g"}, "k8s://h") == int(0.5 * 0.1 * 8192 * mib)
+    assert default_resident_memory({}, "spark://h:7077") == 192 * mib  # 384m, the least overhead Spark gives
+    factor = {"spark.executor.memory": "8g", "spark.executor.memoryOverheadFactor": "0.4"}
+    assert default_resident_memory(factor, "yarn") == int(0.5 * 0.4 * 8192 * mib)
+    with pytest.raises(ConfigError, match="spark.executor.pyspark.memory"):
+        default_resident_memory({"spark.executor.pyspark.memory": "lots"}, "yarn")
+
+
+def test_none_is_no_memory_bound_on_any_master():
+    conf = StateConf.from_mapping({"spark.state.residentMemory": "None"}, default_store="/s", default_parallelism=2)
+    assert conf.resident_memory is None

@@ -61,6 +61,12 @@ def test_a_host_of_a_store_that_runs_its_instance_at_its_parallelism_stays(tmp_p
     assert not policy.obsolete(_task(tmp_path, 3, 2, 2), idle_seconds=600)  # its checkpoint is not committed yet
 
 
+def test_a_host_whose_instance_ran_since_on_another_executor_drops_its_stale_copy(tmp_path):
+    _commit(tmp_path, 1, 2)
+    _commit(tmp_path, 2, 2)  # instance i's task of checkpoint 2 ran elsewhere: this host served checkpoint 1 last
+    assert policy.obsolete(_task(tmp_path, 1, None, 2), idle_seconds=policy.OBSOLETE_CHECK_SECONDS)
+
+
 def test_a_host_rescaled_away_from_leaves_once_a_newer_checkpoint_runs_another_parallelism(tmp_path):
     _commit(tmp_path, 1, 2)
     _commit(tmp_path, 2, 3)

@@ -34,7 +34,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 WAIT_MS = 1500
 """How long a placed order waits for its confirmation (processing time)."""
-IDLE_SECONDS = 4.0
+IDLE_SECONDS = 3.0
 """How long a query with nothing due is watched for batches it should not run."""
 
 

@@ -42,12 +42,12 @@ key                                    default                     meaning
                                                                    executor that every task of the instance uses
                                                                    (``hosts``); ``false``: in the Python worker that
                                                                    runs the task (reloaded when Spark picks another)
-``spark.state.residentMemory``         unset (no bound)            bound on the query's keyed state kept in memory per
-                                                                   executor between batches (``512m``, ``4g``, bytes),
-                                                                   shared equally by its instance hosts there; least
-                                                                   recently used key groups are evicted and read again
+``spark.state.residentMemory``         local master: no bound;     bound on the query's keyed state kept in memory per
+                                       else from Spark's memory    executor between batches (``512m``, ``4g``, bytes),
+                                       settings (``default_``      shared equally by its instance hosts there; least
+                                       ``resident_memory``)        recently used key groups are evicted and read again
                                                                    when touched (components without timers;
-                                                                   ``resident``)
+                                                                   ``resident``); ``none``: no bound
 ``spark.state.clock``                  ``true``                    a new query joins a clock source (``datasources.
                                                                    clock``): due timers, expiries and drains run a
                                                                    batch on an idle source; read at a query's first
@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spark_state.errors import ConfigError
@@ -287,7 +287,11 @@ class StateConf:
             restore_from=_int(RESTORE_FROM, text, 0) if (text := value(RESTORE_FROM)) else None,
             shared_local_store=flag(SHARED_LOCAL_STORE),
             instance_hosts=flag(INSTANCE_HOSTS, "true"),
-            resident_memory=parse_bytes(RESIDENT_MEMORY, text) if (text := value(RESIDENT_MEMORY)) else None,
+            resident_memory=(
+                parse_bytes(RESIDENT_MEMORY, text)
+                if (text := value(RESIDENT_MEMORY)) and text.lower() != UNBOUNDED
+                else None
+            ),
             clock=flag(CLOCK, "true"),
             clock_poll_seconds=_seconds(CLOCK_POLL, text) if (text := value(CLOCK_POLL)) else 1.0,
         )
@@ -302,16 +306,59 @@ class StateConf:
     def from_session(cls, session: Any, *, default_store: str | Callable[[], str]) -> StateConf:
         """``parse`` over a Spark session's conf; unknown ``spark.state.*`` keys are refused.
 
-        The parallelism defaults to ``spark.sql.shuffle.partitions``.
+        The parallelism defaults to ``spark.sql.shuffle.partitions``; the
+        memory bound to ``default_resident_memory`` of Spark's settings.
         """
         every = _settings(session)
         settings = {key: value for key, value in every.items() if key.startswith(PREFIX)}
         check_known(settings)
         partitions = every.get(SHUFFLE_PARTITIONS) or session.conf.get(SHUFFLE_PARTITIONS, "200")
-        return cls.parse(settings.get, default_store=default_store, default_parallelism=int(partitions))
+        conf = cls.parse(settings.get, default_store=default_store, default_parallelism=int(partitions))
+        if conf.resident_memory is None and not settings.get(RESIDENT_MEMORY, "").strip():
+            master = every.get("spark.master") or session.sparkContext.master
+            derived = default_resident_memory(every, master)
+            if derived is not None:
+                conf = replace(conf, resident_memory=derived)
+        return conf
 
 
 SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+
+UNBOUNDED = "none"
+"""``spark.state.residentMemory=none``: no bound, on any master."""
+
+STATE_SHARE_OF_PYTHON_MEMORY = 0.5
+"""The share of an executor's Python memory (``default_resident_memory``) its hosts keep state in; the rest is
+for the Python workers, the rows in flight and the hosts' own interpreters."""
+
+
+def default_resident_memory(settings: Mapping[str, str], master: str) -> int | None:
+    """The memory bound per executor when ``spark.state.residentMemory`` is unset: None on a ``local`` master (one
+    machine, the driver's, bounded by nothing Spark sets), else ``STATE_SHARE_OF_PYTHON_MEMORY`` of the memory
+    Spark gives the executor's Python processes: ``spark.executor.pyspark.memory`` where set, else its memory
+    overhead, which YARN and Kubernetes count the Python processes against (``spark.executor.memoryOverhead``, or
+    ``spark.executor.memoryOverheadFactor`` (0.1) of ``spark.executor.memory`` (1g), at least 384m: Spark's
+    defaults)."""
+    if str(master).startswith("local"):
+        return None
+
+    def size(key: str, unit: str = "m") -> int | None:
+        text = str(settings.get(key) or "").strip()
+        if not text:
+            return None
+        return parse_bytes(key, text + unit if text.isdigit() else text)  # Spark reads a bare number as MiB
+
+    python = size("spark.executor.pyspark.memory")
+    if python is None:
+        python = size("spark.executor.memoryOverhead")
+    if python is None:
+        executor = size("spark.executor.memory") or (1 << 30)
+        try:
+            factor = float(settings.get("spark.executor.memoryOverheadFactor") or 0.1)
+        except ValueError:
+            factor = 0.1
+        python = max(384 << 20, int(factor * executor))
+    return max(MIN_RESIDENT_MEMORY, int(STATE_SHARE_OF_PYTHON_MEMORY * python))
 
 
 def _settings(session: Any) -> dict[str, str]:

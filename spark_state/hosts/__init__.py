@@ -45,8 +45,8 @@ without a task (``policy.IDLE_SECONDS``, or three times its recent gaps between
 tasks when they are longer, so that a query with a slow trigger keeps its
 state between batches), or as soon as an idle host finds that the store has
 no more use for its state (``policy.obsolete``: the run of its last task was
-stopped, the query was rescaled away from its instance, or the store was
-deleted) and enough spares wait, so that the memory of stopped, rescaled
+stopped, the query was rescaled away from its instance, the instance ran
+since on another executor, or the store was deleted) and enough spares wait, so that the memory of stopped, rescaled
 or removed queries does not linger. It keeps the worker's process group and
 environment, and none of its descriptors, resident states or storage
 clients. SIGTERM or SIGHUP make

@@ -27,8 +27,9 @@ MAX_IDLE_SECONDS = 4 * 3600.0
 """The longest a host waits for a task, however far apart its tasks came."""
 
 
-OBSOLETE_CHECK_SECONDS = 15.0
-"""An idle host asks the store this often whether its state is still of use (``obsolete``)."""
+OBSOLETE_CHECK_SECONDS = 5.0
+"""An idle host asks the store this often whether its state is still of use (``obsolete``): a copy left behind on
+an executor its instance moved away from is dropped this long after its last task (two requests to the store)."""
 
 
 UNCOMMITTED_SECONDS = 60.0
@@ -85,8 +86,14 @@ def obsolete(task, idle_seconds: float) -> bool:
     committed); or when a checkpoint at
     least as new as the task's runs the component at another parallelism
     (the instance was rescaled away: a task at another parallelism builds
-    its state anew from the store). Never when the store cannot be read:
-    the idle timeout still ends the host.
+    its state anew from the store); or when a newer checkpoint than the
+    task's is committed at its parallelism: the instance ran since, and not
+    here (a host serves every task of its instance on its executor), so Spark
+    placed it on another executor, which holds it now. The copy here is
+    stale, and dropping it keeps one copy of each instance in the cluster, as
+    Spark unloads a state store another executor has loaded; if the instance
+    comes back, its task restores from the store. Never when the store
+    cannot be read: the idle timeout still ends the host.
     """
     from spark_state.executor.task import manifest_reader
     from spark_state.store.blobstore import BLOBS_DIR
@@ -108,4 +115,6 @@ def obsolete(task, idle_seconds: float) -> bool:
     if latest.checkpoint_id < task.checkpoint_id:
         return False  # the task's checkpoint is not committed yet
     component = latest.components.get(task.component)
-    return component is None or component.parallelism != task.parallelism
+    if component is None or component.parallelism != task.parallelism:
+        return True
+    return latest.checkpoint_id > task.checkpoint_id  # it ran since on another executor
