@@ -576,9 +576,80 @@ def time_section(data: dict, file: str) -> list[str]:
         f"{_x(m['ratio'])} the same batch with no timers registered.",
         "",
         *_timer_checkpoint_lines(data.get("timer_checkpoint")),
+        *_idle_lines(data.get("idle")),
         _targets(data["targets"]),
         "",
         f"![time](../benchmarks/results/{file.replace('.json', '.png')})",
+        "",
+    ]
+    return out
+
+
+def cluster_section(data: dict, file: str) -> list[str]:
+    c = data["config"]
+    out = [
+        "## On a cluster",
+        "",
+        _source_line(data, file),
+        "",
+        f"A standalone cluster of {c['executors']} one-core executors on this machine; a keyed count at "
+        f"parallelism {c['parallelism']} over {c['keys']:,} keys of state, {c['batches']} batches of "
+        f"{c['rows']:,} rows, uniform and Zipf-skewed (s = {c['zipf_s']}), against `groupBy().count()` at as many "
+        "shuffle partitions. Steady instance tasks: resident / caught up / restored (with a memory bound, a "
+        "restore reads only the key groups its rows touch). Hosts: instance hosts alive, and their RSS, "
+        f"{c['settle_seconds']:g} s after the query stopped.",
+        "",
+        "| keys | rows/s ours | HDFS | RocksDB | ours / HDFS | ours / RocksDB | tasks resident / caught up / "
+        "restored | bound per executor | hosts at stop / settled | settled hosts' RSS |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for distribution, s in data["summary"].items():
+        rates, tasks = s["rows_per_second"], s["steady_tasks"]
+        bound = s["memory_bound_bytes_per_executor"]
+        out.append(
+            f"| {distribution} | {rates['keyed_count']:,.0f} | {rates['groupby_count_hdfs']:,.0f} | "
+            f"{rates['groupby_count_rocksdb']:,.0f} | {_x(s['ours_vs_hdfs'])} | {_x(s['ours_vs_rocksdb'])} | "
+            f"{tasks['resident']} / {tasks['caught_up']} / {tasks['restored']} | "
+            f"{_mb(bound) if bound else 'none'} | {s['hosts_at_stop']} / {s['hosts_settled']} | "
+            f"{_mb(s['hosts_settled_rss_bytes'])} |"
+        )
+    out += [
+        "",
+        _targets(data["targets"]),
+        "",
+        f"![cluster](../benchmarks/results/{file.replace('.json', '.png')})",
+        "",
+    ]
+    return out
+
+
+def _idle_lines(idle: dict | None) -> list[str]:
+    """bench_time's ``idle``: processing-time timers on a source that stopped (none in older results)."""
+    if idle is None:
+        return []
+    out = [
+        "On an idle source (the query's clock): one key re-registers a processing-time timer every "
+        f"{idle['ticks']['default']['tick_ms'] / 1000:g} s for {idle['ticks']['default']['idle_seconds']:g} s "
+        "after its one file.",
+        "",
+        "| trigger | alerts | wait before its batch, median / p95 s | lateness, median / p95 s "
+        "| batches without a timer |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for label, run in idle["ticks"].items():
+        wait, late = run["wait_s"], run["lateness_s"]
+        out.append(
+            f"| {label} | {run['alerts']} | {wait['median']} / {wait['p95']} | {late['median']} / {late['p95']} "
+            f"| {run['batches_without_a_timer']} |"
+        )
+    busy = idle["busy_query"]
+    out += [
+        "",
+        f"With nothing due, a count ran {idle['nothing_due']['extra_batches']} extra batches in "
+        f"{idle['nothing_due']['idle_seconds']:g} idle seconds; the clock's CPU on an idle query under the default "
+        f"trigger: {idle['clock_idle_cpu_seconds_per_second']:.3f} s per second. A busy query's median steady "
+        f"batch with the clock takes {_x(busy['with_vs_without'])} the one without "
+        f"({busy['steady_batch_s_with_clock']} s / {busy['steady_batch_s_without_clock']} s).",
         "",
     ]
     return out
@@ -1117,6 +1188,9 @@ def render(results: Path = RESULTS) -> str:
     lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
     lines += manifest_section(*load("manifest", results))
+    cluster = _optional("cluster", results)
+    if cluster is not None:
+        lines += cluster_section(*cluster)
     time = load("time", results)
     lines += time_section(*time)
     lines += reader_section(*reader)

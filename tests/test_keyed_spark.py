@@ -742,7 +742,10 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
     built-in emits what a plain Python model of its running value gives;
     ``rows_received`` says where the partials were computed: one row per key
     (the JVM) or every row (Python: floating min/max, where Spark orders NaN
-    above every number and Arrow skips it).
+    above every number and Arrow skips it). Every other case makes its plans
+    by PySpark's public calls (``spark.state.planAccelerator=false``, the path
+    a session without the internals takes, Spark Connect's), the others with
+    the accelerator (``spark.plan``).
     """
     import datetime as dt
     import math
@@ -808,9 +811,11 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
         ("max", "x", False),
         ("min", "x", False),
     ]
-    for method, column, in_jvm in cases:
+    for case, (method, column, in_jvm) in enumerate(cases):
         output = f"{method}_{column}" if column else "count"
         outputs: dict = {}
+        public = case % 2 == 1
+        spark.conf.set("spark.state.planAccelerator", str(not public).lower())
 
         def sink(out, batch_id):
             outputs.update({r["k"]: r[output] for r in out.collect()})
@@ -842,6 +847,8 @@ def test_built_in_aggregates_give_the_same_answers_with_partials_in_the_jvm_or_i
         instances = [i for b in query.batches for i in b["instances"]]
         assert sum(i["rows_in"] for i in instances) == 80, output
         assert sum(i["rows_received"] for i in instances) == (8 if in_jvm else 80), output
+        assert query._batch.accelerated is not public, output
+    spark.conf.unset("spark.state.planAccelerator")
 
 
 def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, tmp_path):

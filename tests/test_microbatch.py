@@ -102,3 +102,15 @@ def test_a_running_query_keeps_the_store_it_started_with_and_says_so_once(caplog
         stores = [batch.conf().store for _ in range(3)]
     assert stores == ["/stores/first"] * 3
     assert len([r for r in caplog.records if "keeps the store it started with" in r.getMessage()]) == 1
+
+
+def test_a_session_without_the_internals_or_a_setting_against_them_takes_the_public_path():
+    from types import SimpleNamespace
+
+    from spark_state.spark.plan import accelerated
+
+    connect_like = SimpleNamespace(conf=None)  # a Spark Connect session has no JVM in this process
+    assert accelerated(connect_like) is False
+    broken = SimpleNamespace(_jsparkSession=object(), sparkContext=SimpleNamespace())  # no _jvm: the check fails
+    assert accelerated(broken) is False
+    assert accelerated(broken, wanted=False) is False

@@ -153,6 +153,7 @@ class MicroBatch:
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _warned_unbounded: bool = False
     started_store: str | None = None  # the store the query started with (``conf``), once started
+    accelerated: bool = True  # whether step 3's plans take ``plan.TaskPlan.java`` (``plan.accelerated``)
     _warned_store: bool = False
 
     def coordinator(self, conf: StateConf) -> Coordinator:
@@ -304,7 +305,8 @@ class MicroBatch:
             cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
         if drain:
             self._drained(coordinator, spark_batch)
-        self._task_plan(task).java(batch_df.sparkSession.sparkContext).prepare()  # the next batch's plan, meanwhile
+        if self.accelerated:
+            self._task_plan(task).java(batch_df.sparkSession.sparkContext).prepare()  # the next batch's, meanwhile
         self.history.append(
             {
                 "batch_id": batch_id,
@@ -396,6 +398,8 @@ class MicroBatch:
 
             yield from _strip_reports(run(task, TaskContext.get().partitionId(), batches), reports, attempt, schema)
 
+        if not self.accelerated:
+            return plan.tasks(batch_df, task.parallelism, process)
         return plan.java(batch_df.sparkSession.sparkContext).tasks(batch_df, task.parallelism, process)
 
     def _warn_if_unbounded(self, conf: StateConf) -> None:
@@ -415,7 +419,9 @@ class MicroBatch:
         key = (task.parallelism, task.max_parallelism)
         plan = self._task_plans.get(key)
         if plan is None:
-            plan = self._prepared(key) or TaskPlan.build(self.stream, task.parallelism, task.max_parallelism)
+            plan = self._prepared(key) or TaskPlan.build(
+                self.stream, task.parallelism, task.max_parallelism, accelerated=self.accelerated
+            )
             self._task_plans[key] = plan
         return plan
 
@@ -431,8 +437,8 @@ class MicroBatch:
         that fails leaves the batch to build it (``_prepared``).
         """
         key = (parallelism, max_parallelism)
-        if key in self._task_plans or key in self._preparing:
-            return
+        if key in self._task_plans or key in self._preparing or not self.accelerated:
+            return  # the public path's plan costs no JVM round trips to prepare
         stream, context = self.stream, self.session.sparkContext
 
         def build() -> TaskPlan:

@@ -1,11 +1,18 @@
 """The Spark plan of a batch's step 3: rows routed to instances, each running its task in ``mapInArrow``.
 
 ``TaskPlan`` holds the Column expressions of one parallelism (the routed
-columns, the instance, the JVM partial aggregates of built-in aggregates);
-``TaskPlan.java`` builds them, and each batch's plan, with few py4j calls
-(``_JavaPlan``), reusing the analysed plan of an earlier batch
-(``_PlanTemplate``): Catalyst internals reached over py4j, which save
-17-45 ms of planning per batch.
+columns, the instance, the JVM partial aggregates of built-in aggregates).
+Two ways to make a batch's plan from them:
+
+- ``TaskPlan.tasks``, the public path: PySpark's ``select``,
+  ``repartitionById``, ``groupBy().agg`` and ``mapInArrow``, whatever the
+  session (classic or Spark Connect);
+- ``TaskPlan.java``, an accelerator on a classic session: the same plan with
+  few py4j calls (``_JavaPlan``), reusing the analysed plan of an earlier
+  batch (``_PlanTemplate``), Catalyst internals reached over py4j that save
+  17-45 ms of planning per batch. ``accelerated`` says at a query's start
+  whether the session has them (``spark.state.planAccelerator`` may turn it
+  off); the public path is taken otherwise.
 """
 
 from __future__ import annotations
@@ -64,6 +71,14 @@ class TaskPlan:
     partials: tuple | None
     _java: list = field(default_factory=list, compare=False)  # its ``_JavaPlan``, built at first use
 
+    def tasks(self, batch_df, parallelism: int, process: Callable):
+        """The public path: ``batch_df`` routed to ``parallelism`` instances, each running ``process``."""
+        routed = batch_df.select(*self.routed).repartitionById(parallelism, self.by)
+        if self.partials is not None:
+            assert self.partials_keys is not None, "TaskPlan.build sets partials_keys with partials"
+            routed = routed.groupBy(*self.partials_keys).agg(*self.partials)
+        return routed.mapInArrow(process, self.output_schema)
+
     def java(self, context) -> _JavaPlan:
         """This plan's JVM objects (see ``_JavaPlan``), built once in ``context`` (the ``SparkContext``)."""
         if not self._java:
@@ -71,12 +86,13 @@ class TaskPlan:
         return self._java[0]
 
     @classmethod
-    def build(cls, stream, parallelism: int, max_parallelism: int) -> TaskPlan:
+    def build(cls, stream, parallelism: int, max_parallelism: int, *, accelerated: bool = True) -> TaskPlan:
         """The plan of ``stream`` (a ``streaming.StatefulStream``, whose schema, function and event time every
-        ``TaskSpec`` of the query repeats) at ``parallelism`` instances of ``max_parallelism`` key groups."""
+        ``TaskSpec`` of the query repeats) at ``parallelism`` instances of ``max_parallelism`` key groups; its
+        columns made by single JVM calls when ``accelerated``, else by ``pyspark.sql.functions``."""
         from spark_state.spark.routing import routing_columns
 
-        jf = _JvmColumns(stream.keyed.df.sparkSession.sparkContext)
+        jf = _JvmColumns(stream.keyed.df.sparkSession.sparkContext) if accelerated else _PublicColumns()
         key_columns = list(stream.schema.key_columns)
         event_time = stream.keyed.event_time
         # The key types from the stream (its schema is resolved once), not from analysing every batch.
@@ -98,6 +114,54 @@ class TaskPlan:
             else None,
             partials=partials,
         )
+
+
+def accelerated(session, wanted: bool = True) -> bool:
+    """Whether ``TaskPlan.java`` can make this session's plans: a classic session (a JVM in this process)
+    whose PySpark has the internals it uses; never when not ``wanted`` (``spark.state.planAccelerator``)."""
+    if not wanted or getattr(session, "_jsparkSession", None) is None:
+        return False
+    try:
+        from pyspark.sql.classic.column import Column, _to_java_column, _to_seq  # noqa: F401
+
+        context = session.sparkContext
+        jvm = context._jvm
+        return all(
+            jvm.org.apache.spark.util.Utils.classIsLoadable(name)
+            for name in (
+                "org.apache.spark.sql.classic.Dataset",
+                "org.apache.spark.api.python.SimplePythonFunction",
+                "org.apache.spark.sql.catalyst.plans.logical.MapInArrow",
+            )
+        )
+    except Exception:  # noqa: BLE001 - an internal missing in this Spark: the public path
+        return False
+
+
+class _PublicColumns:
+    """``_JvmColumns``' calls made by ``pyspark.sql.functions``: the public API, on classic and Connect."""
+
+    @staticmethod
+    def col(name: str):
+        from pyspark.sql import functions as F
+
+        return F.col(name)
+
+    @staticmethod
+    def call(name: str, *columns):
+        from pyspark.sql import functions as F
+
+        return getattr(F, name)(*columns)
+
+    @staticmethod
+    def lit(value):
+        from pyspark.sql import functions as F
+
+        return F.lit(value)
+
+    @staticmethod
+    def alias(column, name: str):
+        return column.alias(name)
 
 
 class _JvmColumns:
@@ -421,7 +485,7 @@ def _replaced(parts: list, index: int, value) -> list:
     return [value if i == index else part for i, part in enumerate(parts)]
 
 
-def _spark_partials(function: Aggregate, jf: _JvmColumns) -> tuple:
+def _spark_partials(function: Aggregate, jf: _JvmColumns | _PublicColumns) -> tuple:
     """Spark's aggregates of ``function``'s partials (see ``TaskPlan``), each the Spark function
     ``aggregates.PARTIAL_OPS`` names for it, and the row count."""
     # ``function.column`` is None only for an aggregate registered without ``needs_column`` whose partials read a

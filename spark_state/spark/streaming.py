@@ -42,6 +42,7 @@ from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.model.timers import EVENT, PROCESSING, TIMERS
 from spark_state.spark.checkpoint import SparkCheckpoint
 from spark_state.spark.microbatch import MicroBatch, location_name
+from spark_state.spark.plan import accelerated
 from spark_state.spark.routing import check_key_type
 from spark_state.spark.sinks import open_sink
 from spark_state.spark.stop_watch import watch as watch_stops
@@ -403,6 +404,7 @@ class StatefulStreamWriter:
         )
         conf = batch.conf()  # fail now on bad settings, not at the first batch
         batch.started_store = conf.store
+        batch.accelerated = accelerated(session, conf.plan_accelerator)
         spark_checkpoint.clear_interrupted_first_batch()
         manifests = batch.coordinator(conf).manifests
         _clear_unneeded_stop_record(spark_checkpoint, manifests.storage)

@@ -1,0 +1,416 @@
+"""On a cluster: our keyed count against Spark's ``groupBy().count()`` on a standalone cluster of one-core executors.
+
+Run: ``./run bench bench_cluster [--full]``. Prints one JSON object, writes
+``benchmarks/results/cluster.json`` (``cluster_full.json``) and a PNG beside it.
+
+The benchmark starts a Spark standalone master and ``executors`` one-core
+workers on loopback from the pip package (``tests.cluster.StandaloneCluster``),
+and one application on them (a driver process of its own: this one keeps
+no Spark). Each system reads the same Parquet files, one per micro-batch
+(``maxFilesPerTrigger=1``, ``Trigger.AvailableNow``): file 0 holds every
+key of the state once (it builds the state), files 1..n ``rows`` rows drawn
+over those keys, uniformly or Zipf-skewed (``zipf_s``; word frequencies of
+real text follow Zipf's law). Systems, in turn, the order reversed for the
+second distribution:
+
+- ``keyed_count``: ``keyed(df, "key").count()`` at parallelism ``parallelism``,
+  its store on local disk (one machine: ``spark.state.sharedLocalStore``),
+  the settings' defaults otherwise (so the memory bound Spark's settings
+  give, ``conf.default_resident_memory``);
+- ``groupby_count_hdfs`` and ``groupby_count_rocksdb``: ``df.groupBy("key").count()``,
+  update mode, ``spark.sql.shuffle.partitions`` = the parallelism, on
+  Spark's default HDFS-backed state store and on RocksDB.
+
+Throughput: rows of batches 2..n over the sum of their ``triggerExecution``
+(batch 0 builds the state, batch 1 warms up). For ours, per steady
+instance task: ``resident`` (its state was in the host on the executor
+that ran it, nothing read), ``caught_up`` (resident, newer entries read),
+``restored`` (nothing resident: every key group its task needed read from
+the store; with a memory bound, only those its rows touched); and memory:
+the resident bytes of the latest copy of each instance (its last report),
+and, ``settle_seconds`` after the query stopped, the instance hosts still
+alive on each executor and their resident set sizes (a copy left on an
+executor the instance moved away from is dropped at the host's next idle
+check, ``hosts.policy.OBSOLETE_CHECK_SECONDS``).
+
+Targets (issue 63): steady throughput at least 1.0x ``groupby_count_hdfs`` and
+1.5x ``groupby_count_rocksdb``, uniform and skewed; at least 95% of steady
+instance tasks resident or reading only the key groups their batch touches
+(``resident`` + ``caught_up``, or ``restored`` under a bound); the hosts'
+RSS summed over executors after settling at most 1.25x the latest copies'
+resident bytes plus one empty host per instance (``host_baseline_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common
+
+WORK = common.WORK_DIR / "cluster"
+COMPONENT = "counts"
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    keys: int
+    rows: int
+    batches: int
+    parallelism: int = 6
+    executors: int = 3
+    executor_memory: str = "1g"
+    zipf_s: float = 1.1
+    settle_seconds: float = 8.0
+
+
+QUICK = Config("quick", 1_000_000, 100_000, 10)
+FULL = Config("full", 1_000_000, 100_000, 24)
+SMOKE = Config("smoke", 20_000, 2_000, 4, parallelism=3, executors=2, executor_memory="512m")
+
+SYSTEMS = ("keyed_count", "groupby_count_hdfs", "groupby_count_rocksdb")
+
+
+def _inputs(config: Config, distribution: str, directory: Path) -> common.InputFiles:
+    rng = np.random.default_rng(63)
+    keys = np.array([f"k{k:07d}" for k in range(config.keys)], dtype=object)
+    tables = [pa.table({"key": pa.array(keys[rng.permutation(config.keys)], pa.string())})]
+    for _ in range(config.batches):
+        if distribution == "uniform":
+            drawn = rng.integers(0, config.keys, config.rows)
+        else:
+            drawn = np.minimum(rng.zipf(config.zipf_s, config.rows) - 1, config.keys - 1)
+            drawn = rng.permutation(config.keys)[drawn]  # the frequent keys spread over the key space
+        tables.append(pa.table({"key": pa.array(keys[drawn], pa.string())}))
+    return common.write_input(directory, tables, "key string")
+
+
+# The application, in a driver process of its own -----------------------------------------------------
+
+
+def _status_rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _executor_of(pid: int) -> str | None:
+    """``<app id>/<executor id>`` of a process of an executor (Spark runs it in the executor's directory)."""
+    try:
+        directory = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
+    return f"{directory.parent.name}/{directory.name}"
+
+
+def _classify(instance: dict) -> str:
+    restore = instance["restore"]
+    read = restore["key_groups_read"] + restore.get("key_groups_appended", 0)
+    if not restore["resident"]:
+        return "restored"
+    return "caught_up" if read else "resident"
+
+
+def _ours(spark, files: dict, config: dict, work: Path) -> dict:
+    from spark_state import keyed
+
+    spark.conf.set("spark.state.parallelism", str(config["parallelism"]))
+    spark.conf.set("spark.state.store", str(work / "state"))
+    spark.conf.set("spark.state.sharedLocalStore", "true")  # every executor of this cluster is on this machine
+    stream = spark.readStream.schema("key string").option("maxFilesPerTrigger", 1).parquet(files["directory"])
+    query = (
+        keyed(stream, "key", name=COMPONENT)
+        .count()
+        .writeStream.foreachBatch(common.noop_sink)
+        .option("checkpointLocation", str(work / "chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        query.awaitTermination()
+    finally:
+        query.stop()
+    progress = {p["batch_id"]: p for p in common.batch_progress(query)}
+    batches, pids = [], set()
+    for batch in query.batches:
+        kinds = [_classify(i) for i in batch["instances"]]
+        pids |= {i["pid"] for i in batch["instances"]}
+        batches.append(
+            {
+                "batch_id": batch["batch_id"],
+                "seconds": progress.get(batch["batch_id"], {}).get("seconds"),
+                "rows": progress.get(batch["batch_id"], {}).get("rows"),
+                **{kind: kinds.count(kind) for kind in ("resident", "caught_up", "restored")},
+                "executors": sorted({_executor_of(i["pid"]) or "gone" for i in batch["instances"]}),
+                "memory_limit_bytes": batch["instances"][0].get("memory", {}).get("limit_bytes"),
+            }
+        )
+    last = {i["instance"]: i for i in query.batches[-1]["instances"]}
+    latest_copies = sum(i.get("memory", {}).get("resident_bytes", 0) for i in last.values())
+    at_stop = _hosts(pids)
+    time.sleep(config["settle_seconds"])
+    settled = _hosts(pids)
+    return {
+        "batches": batches,
+        "latest_copies_resident_bytes": latest_copies,
+        "hosts_at_stop": at_stop,
+        "hosts_settled": settled,
+    }
+
+
+def _hosts(pids: set[int]) -> dict:
+    """The instance hosts among ``pids`` still alive, per executor: how many, their RSS summed."""
+    found: dict[str, dict] = {}
+    for pid in sorted(pids):
+        rss, executor = _status_rss(pid), _executor_of(pid)
+        if rss is None or executor is None:
+            continue
+        entry = found.setdefault(executor, {"hosts": 0, "rss_bytes": 0})
+        entry["hosts"] += 1
+        entry["rss_bytes"] += rss
+    return found
+
+
+def _spark(provider: str):
+    def run(spark, files: dict, config: dict, work: Path) -> dict:
+        spark.conf.set(common.PROVIDER_CONF, provider)
+        spark.conf.set("spark.sql.shuffle.partitions", str(config["parallelism"]))
+        try:
+            stream = spark.readStream.schema("key string").option("maxFilesPerTrigger", 1).parquet(files["directory"])
+            writer = stream.groupBy("key").count().writeStream.format("noop").outputMode("update")
+            query = common.run_available_now(writer, work / "chk")
+        finally:
+            spark.conf.unset(common.PROVIDER_CONF)
+        return {"batches": common.batch_progress(query)}
+
+    return run
+
+
+RUNNERS = {
+    "keyed_count": _ours,
+    "groupby_count_hdfs": _spark(common.HDFS_PROVIDER),
+    "groupby_count_rocksdb": _spark(common.ROCKSDB_PROVIDER),
+}
+
+
+def application(spec: dict) -> dict:
+    """Every (distribution, system) of ``spec`` in turn, in one SparkSession on the cluster."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName("spark-state-bench-cluster")
+    for key, value in spec["conf"].items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    results: dict = {}
+    try:
+        for distribution, systems in spec["order"]:
+            for system in systems:
+                work = common.fresh_dir(Path(spec["work"]) / f"{distribution}-{system}")
+                started = time.perf_counter()
+                run = RUNNERS[system](spark, spec["inputs"][distribution], spec["config"], work)
+                run["wall_seconds"] = round(time.perf_counter() - started, 2)
+                results.setdefault(distribution, {})[system] = run
+                print(f"bench_cluster: {distribution} {system} done in {run['wall_seconds']} s", file=sys.stderr)
+    finally:
+        spark.stop()
+    return results
+
+
+# The benchmark ---------------------------------------------------------------------------------------
+
+
+def _steady(batches: list[dict]) -> list[dict]:
+    return [b for b in batches if b["batch_id"] >= 2 and b.get("seconds")]
+
+
+def _rate(batches: list[dict]) -> float:
+    steady = _steady(batches)
+    return sum(b["rows"] for b in steady) / sum(b["seconds"] for b in steady)
+
+
+def summarize(raw: dict, config: Config) -> dict:
+    summary = {}
+    for distribution, systems in raw.items():
+        rates = {system: round(_rate(run["batches"]), 1) for system, run in systems.items()}
+        ours = systems["keyed_count"]
+        steady = _steady(ours["batches"])
+        tasks = {kind: sum(b[kind] for b in steady) for kind in ("resident", "caught_up", "restored")}
+        total = sum(tasks.values())
+        bounded = any(b["memory_limit_bytes"] for b in steady)
+        settled = ours["hosts_settled"]
+        rss = sum(e["rss_bytes"] for e in settled.values())
+        summary[distribution] = {
+            "rows_per_second": rates,
+            "ours_vs_hdfs": round(rates["keyed_count"] / rates["groupby_count_hdfs"], 3),
+            "ours_vs_rocksdb": round(rates["keyed_count"] / rates["groupby_count_rocksdb"], 3),
+            "steady_tasks": tasks,
+            "steady_tasks_resident_or_caught_up": round((tasks["resident"] + tasks["caught_up"]) / total, 3),
+            "memory_bound_bytes_per_executor": steady[0]["memory_limit_bytes"] if steady else None,
+            "bounded": bounded,
+            "latest_copies_resident_bytes": ours["latest_copies_resident_bytes"],
+            "hosts_at_stop": sum(e["hosts"] for e in ours["hosts_at_stop"].values()),
+            "hosts_settled": sum(e["hosts"] for e in settled.values()),
+            "hosts_settled_rss_bytes": rss,
+            "executors_with_hosts_settled": len(settled),
+            "median_steady_batch_seconds": {
+                system: round(statistics.median(b["seconds"] for b in _steady(run["batches"])), 3)
+                for system, run in systems.items()
+            },
+        }
+    return summary
+
+
+def targets(summary: dict) -> list[dict]:
+    found = []
+    for distribution, s in summary.items():
+        found += [
+            {
+                "target": f"{distribution}: steady throughput >= 1.0x groupBy().count() on HDFS-backed state",
+                "value": s["ours_vs_hdfs"],
+                "met": s["ours_vs_hdfs"] >= 1.0,
+            },
+            {
+                "target": f"{distribution}: steady throughput >= 1.5x groupBy().count() on RocksDB",
+                "value": s["ours_vs_rocksdb"],
+                "met": s["ours_vs_rocksdb"] >= 1.5,
+            },
+            {
+                "target": f"{distribution}: >= 95% of steady instance tasks find their state resident",
+                "value": s["steady_tasks_resident_or_caught_up"],
+                "met": s["steady_tasks_resident_or_caught_up"] >= 0.95,
+            },
+            {
+                "target": f"{distribution}: after settling, at most one host per instance holds state",
+                "value": s["hosts_settled"],
+                "met": s["hosts_settled"] <= s.get("parallelism", 10**9),
+            },
+        ]
+    return found
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    distributions = list(summary)
+    width = 0.26
+    for offset, system in enumerate(SYSTEMS):
+        xs = [i + offset * width for i in range(len(distributions))]
+        axes[0].bar(xs, [summary[d]["rows_per_second"][system] for d in distributions], width, label=system)
+    axes[0].set_xticks([i + width for i in range(len(distributions))])
+    axes[0].set_xticklabels(distributions)
+    axes[0].set_title("steady rows/s on the cluster", fontsize=10)
+    axes[0].legend(fontsize=8)
+    kinds = ("resident", "caught_up", "restored")
+    bottoms = [0] * len(distributions)
+    for kind in kinds:
+        values = [summary[d]["steady_tasks"][kind] for d in distributions]
+        axes[1].bar(distributions, values, bottom=bottoms, label=kind)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    axes[1].set_title("our steady instance tasks", fontsize=10)
+    axes[1].legend(fontsize=8)
+    common.save_figure(fig, path, "Cluster", result)
+
+
+def run(config: Config) -> dict:
+    from tests.cluster import StandaloneCluster
+
+    work = common.fresh_dir(WORK)
+    inputs = {}
+    for distribution in ("uniform", "zipf"):
+        files = _inputs(config, distribution, work / f"in-{distribution}")
+        inputs[distribution] = {"directory": str(files.directory)}
+    order = [("uniform", list(SYSTEMS)), ("zipf", list(reversed(SYSTEMS)))]
+    cluster = StandaloneCluster(work / "cluster", workers=config.executors, worker_memory="3g")
+    cluster.start()
+    try:
+        conf = {
+            **cluster.driver_conf(),
+            "spark.executor.memory": config.executor_memory,
+            "spark.driver.memory": "2g",
+            "spark.sql.streaming.numRecentProgressUpdates": "1000",
+            "spark.python.unix.domain.socket.enabled": "true",
+            "spark.state.clock": "false",  # as the other benchmarks (common.session)
+        }
+        spec = {
+            "conf": conf,
+            "order": order,
+            "inputs": inputs,
+            "work": str(work / "runs"),
+            "config": {"parallelism": config.parallelism, "settle_seconds": config.settle_seconds},
+        }
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        out = work / "raw.json"
+        env = cluster.process_env("local-driver")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), os.environ.get("PYTHONPATH")]))
+        env["PYSPARK_DRIVER_PYTHON"] = sys.executable
+        env.pop("PYSPARK_SUBMIT_ARGS", None)
+        subprocess.run(
+            [sys.executable, __file__, "--application", str(spec_path), str(out)],
+            env=env,
+            cwd=work,
+            check=True,
+            timeout=3600,
+        )
+        raw = json.loads(out.read_text())
+    finally:
+        cluster.stop()
+    summary = summarize(raw, config)
+    for s in summary.values():
+        s["parallelism"] = config.parallelism
+    result = {"config": config.__dict__, "summary": summary, "runs": raw}
+    result["targets"] = targets(summary)
+    return result
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--application"]:  # the driver process of ``run``
+        spec = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(application(spec)))
+        return {}
+    args, config = common.parse_mode(
+        __doc__, "24 steady batches instead of 10", {"quick": QUICK, "full": FULL, "smoke": SMOKE}, argv
+    )
+    started = time.perf_counter()
+    result = {
+        "benchmark": "bench_cluster",
+        "mode": config.mode,
+        "command": common.command_line("bench_cluster", args),
+        "master": f"standalone, {config.executors} executors of 1 core",
+        "environment": common.environment(),
+        **run(config),
+    }
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    file = "cluster" if config.mode == "quick" else f"cluster_{config.mode}"
+    plot(result, common.RESULTS_DIR / f"{file}.png")
+    common.save_report(file, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
