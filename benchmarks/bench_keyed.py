@@ -124,6 +124,7 @@ class Config:
     steady_keys: int
     steady_batches: int
     key_type: str = "string"  # of common.KEY_TYPES
+    distribution: str = "uniform"  # of the throughput batches' keys: uniform, or zipf (``--distribution zipf``)
     warm_up: bool = True  # every system over the files before the measured rounds (smoke: no rounds to protect)
 
     @property
@@ -311,11 +312,10 @@ def _rate(batch_seconds: dict[int, float], batch_ids: list[int], rows: dict[int,
 
 def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) -> dict:
     """Rows/s of every system over the same files; ratios over the batches both systems ran."""
-    warmup = common.uniform_batches(keys, config.throughput_keys, config.warmup_rows, 1, rng)
-    probe = common.uniform_batches(keys, config.throughput_keys, config.probe_rows, 1, rng)
-    rest = common.uniform_batches(
-        keys, config.throughput_keys, config.rows_per_batch, config.throughput_batches - 1, rng
-    )
+    batches = common.uniform_batches if config.distribution == "uniform" else common.zipf_batches
+    warmup = batches(keys, config.throughput_keys, config.warmup_rows, 1, rng)
+    probe = batches(keys, config.throughput_keys, config.probe_rows, 1, rng)
+    rest = batches(keys, config.throughput_keys, config.rows_per_batch, config.throughput_batches - 1, rng)
     tables = warmup + probe + rest
     files = common.write_input(WORK / "throughput-input", tables, config.schema_ddl)
     rows = dict(enumerate(files.rows))
@@ -575,9 +575,9 @@ def targets(result: dict) -> list[dict]:
                     "met": measured >= TARGETS[name],
                 }
             )
-    state = result["state_size"]
-    sizes = state["versus_smallest"]
-    if "10000" in state["runs"]:
+    state = result.get("state_size")
+    sizes = state["versus_smallest"] if state is not None else {}
+    if state is not None and "10000" in state["runs"]:
         largest = max(sizes, key=int)
         compares = f"{int(largest):,} vs {int(min(state['runs'], key=int)):,} keys"
         ratio = sizes[largest]["batch_time_ratio"]
@@ -661,6 +661,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("Running count per key: throughput")
     ax.legend(fontsize=8)
 
+    if "state_size" not in result:  # skewed keys: the throughput alone
+        for unused in axes[1:]:
+            unused.set_visible(False)
+        common.save_figure(fig, path, f"Keyed count, {result['distribution']} keys", result)
+        return
     state = result["state_size"]
     ax = axes[1]
     xs = list(range(1, len(state["steady_batch_ids"]) + 1))
@@ -734,11 +739,10 @@ def run(spark, config: Config) -> dict:
     rng = np.random.default_rng(20240601)
     keys = config.key_space(max(max(config.state_sizes), config.throughput_keys))
     try:
-        result = {
-            "throughput": throughput(spark, config, keys, rng),
-            "state_size": state_size(spark, config, keys, rng),
-        }
-        result["rocksdb_memory"] = rocksdb_memory(spark, config, keys, rng)
+        result = {"distribution": config.distribution, "throughput": throughput(spark, config, keys, rng)}
+        if config.distribution == "uniform":  # skewed keys: the throughput alone
+            result["state_size"] = state_size(spark, config, keys, rng)
+            result["rocksdb_memory"] = rocksdb_memory(spark, config, keys, rng)
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
     result["targets"] = targets(result)
@@ -752,6 +756,13 @@ def _arguments(parser) -> None:
         default=common.KEY_TYPES[0],
         help="the key column's type (long: results in keyed_long*.json)",
     )
+    parser.add_argument(
+        "--distribution",
+        choices=("uniform", "zipf"),
+        default="uniform",
+        help="the throughput batches' keys: Zipf-skewed as words in text (results in keyed_zipf*.json, "
+        "throughput only)",
+    )
 
 
 def main(argv=None) -> dict:
@@ -762,15 +773,21 @@ def main(argv=None) -> dict:
         argv,
         _arguments,
     )
-    config = replace(config, key_type=args.keys)
-    variant = "" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}"
+    config = replace(config, key_type=args.keys, distribution=args.distribution)
+    variant = ("" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}") + (
+        "" if args.distribution == "uniform" else f"_{args.distribution}"
+    )
     conf = {
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.shuffle.partitions": "= parallelism under test",
         "spark.state.maxParallelism": "unset (a new store: 1024 at parallelism 2 and 4)",
         "spark.state.maxChainLength": "8 (default)",
     }
-    command = common.command_line("bench_keyed", args) + (f" --keys {args.keys}" if variant else "")
+    command = (
+        common.command_line("bench_keyed", args)
+        + (f" --keys {args.keys}" if args.keys != common.KEY_TYPES[0] else "")
+        + (f" --distribution {args.distribution}" if args.distribution != "uniform" else "")
+    )
     return common.run_and_save(
         "keyed",
         config.mode,

@@ -304,6 +304,19 @@ def uniform_batches(keys, n_keys: int, rows: int, batches: int, rng) -> list:
     return [batch_over(keys, rng.integers(0, n_keys, rows)) for _ in range(batches)]
 
 
+ZIPF_S = 1.1
+"""The exponent of ``zipf_batches``: word frequencies of real text follow Zipf's law with s near 1."""
+
+
+def zipf_batches(keys, n_keys: int, rows: int, batches: int, rng) -> list:
+    """``batches`` tables of ``rows`` keys of the first ``n_keys``, Zipf-skewed (``ZIPF_S``), the frequent ones
+    spread over the key space by a fixed permutation (as words' hashes spread them)."""
+    import numpy as np
+
+    spread = np.random.default_rng(1).permutation(n_keys)
+    return [batch_over(keys, spread[np.minimum(rng.zipf(ZIPF_S, rows) - 1, n_keys - 1)]) for _ in range(batches)]
+
+
 def changing_batch(keys, total_keys: int, changed: int, rows: int, rng):
     """``rows`` rows over exactly ``changed`` distinct keys (each at least once) of the first ``total_keys``."""
     import numpy as np

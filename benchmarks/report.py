@@ -306,6 +306,23 @@ def commit_section(data: dict, file: str) -> list[str]:
     return out
 
 
+def skewed_keys_lines(data: dict, file: str) -> list[str]:
+    """``bench_keyed --distribution zipf``: the throughput ratios over Zipf-skewed keys, one paragraph."""
+    t = data["throughput"]
+    ratios = "; ".join(
+        f"at parallelism {p}: "
+        + ", ".join(f"{_x_exact(v['ratio'])} {system}" for system, v in n["keyed_count_vs"].items())
+        for p, n in t["by_parallelism"].items()
+    )
+    load = data["environment"]["load_average_1m"]
+    return [
+        f"With Zipf-skewed keys, as words in text (`benchmarks/results/{file}`, `{data['command']}`, load average "
+        f"{load:.1f} at start; {t['distinct_keys']:,} keys, {t['rows_per_batch']:,} rows per batch): ours / "
+        f"theirs {ratios}.",
+        "",
+    ]
+
+
 def long_keys_lines(data: dict, file: str) -> list[str]:
     """``bench_keyed --keys long``: the same throughput and state-size ratios with long keys, one paragraph."""
     t, s = data["throughput"], data["state_size"]
@@ -1185,6 +1202,9 @@ def render(results: Path = RESULTS) -> str:
     keyed_long = _optional("keyed_long", results)
     if keyed_long is not None:
         lines += long_keys_lines(*keyed_long)
+    keyed_zipf = _optional("keyed_zipf", results)
+    if keyed_zipf is not None:
+        lines += skewed_keys_lines(*keyed_zipf)
     lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
     lines += manifest_section(*load("manifest", results))
