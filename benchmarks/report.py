@@ -613,11 +613,12 @@ def cluster_section(data: dict, file: str) -> list[str]:
         f"parallelism {c['parallelism']} over {c['keys']:,} keys of state, {c['batches']} batches of "
         f"{c['rows']:,} rows, uniform and Zipf-skewed (s = {c['zipf_s']}), against `groupBy().count()` at as many "
         "shuffle partitions. Steady instance tasks: resident / caught up / restored (with a memory bound, a "
-        "restore reads only the key groups its rows touch). Hosts: instance hosts alive, and their RSS, "
-        f"{c['settle_seconds']:g} s after the query stopped.",
+        "restore reads only the key groups its rows touch). Hosts: the proportional set size of the hosts "
+        f"whose instance ran last elsewhere, at the last batch and {c['settle_seconds']:g} s later, idle; and of "
+        "every host against those holding the latest copies, settled.",
         "",
         "| keys | rows/s ours | HDFS | RocksDB | ours / HDFS | ours / RocksDB | tasks resident / caught up / "
-        "restored | bound per executor | hosts at stop / settled | settled hosts' RSS |",
+        "restored | bound per executor | stale hosts' PSS, last batch / settled | all hosts / latest copies' |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for distribution, s in data["summary"].items():
@@ -627,8 +628,8 @@ def cluster_section(data: dict, file: str) -> list[str]:
             f"| {distribution} | {rates['keyed_count']:,.0f} | {rates['groupby_count_hdfs']:,.0f} | "
             f"{rates['groupby_count_rocksdb']:,.0f} | {_x(s['ours_vs_hdfs'])} | {_x(s['ours_vs_rocksdb'])} | "
             f"{tasks['resident']} / {tasks['caught_up']} / {tasks['restored']} | "
-            f"{_mb(bound) if bound else 'none'} | {s['hosts_at_stop']} / {s['hosts_settled']} | "
-            f"{_mb(s['hosts_settled_rss_bytes'])} |"
+            f"{_mb(bound) if bound else 'none'} | {s['stale_hosts']}: {_mb(s['stale_hosts_pss_bytes_at_last_batch'])}"
+            f" / {_mb(s['stale_hosts_pss_bytes_settled'])} | {_x(s['hosts_vs_latest_copies_hosts'])} |"
         )
     out += [
         "",
