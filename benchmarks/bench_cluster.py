@@ -268,7 +268,7 @@ def summarize(raw: dict, config: Config) -> dict:
             "ours_vs_rocksdb": round(rates["keyed_count"] / rates["groupby_count_rocksdb"], 3),
             "steady_tasks": tasks,
             "steady_tasks_resident_or_caught_up": round((tasks["resident"] + tasks["caught_up"]) / total, 3),
-            "memory_bound_bytes_per_executor": steady[0]["memory_limit_bytes"] if steady else None,
+            "memory_bound_bytes_per_host": steady[0]["memory_limit_bytes"] if steady else None,
             "bounded": bounded,
             "latest_copies_resident_bytes": ours["latest_copies_resident_bytes"],
             "hosts": len(before),

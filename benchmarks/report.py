@@ -618,12 +618,12 @@ def cluster_section(data: dict, file: str) -> list[str]:
         "every host against those holding the latest copies, settled.",
         "",
         "| keys | rows/s ours | HDFS | RocksDB | ours / HDFS | ours / RocksDB | tasks resident / caught up / "
-        "restored | bound per executor | stale hosts' PSS, last batch / settled | all hosts / latest copies' |",
+        "restored | bound per host | stale hosts' PSS, last batch / settled | all hosts / latest copies' |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for distribution, s in data["summary"].items():
         rates, tasks = s["rows_per_second"], s["steady_tasks"]
-        bound = s["memory_bound_bytes_per_executor"]
+        bound = s["memory_bound_bytes_per_host"]
         out.append(
             f"| {distribution} | {rates['keyed_count']:,.0f} | {rates['groupby_count_hdfs']:,.0f} | "
             f"{rates['groupby_count_rocksdb']:,.0f} | {_x(s['ours_vs_hdfs'])} | {_x(s['ours_vs_rocksdb'])} | "
