@@ -118,6 +118,9 @@ def spark():
         .config("spark.driver.extraJavaOptions", driver_jvm_options())
         .config(map=FAST_LOCAL_CHECKPOINTS)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        # The clock (on by default) costs each query's start a Python source runner, 1.5-2 s here, which most
+        # tests' dozens of queries do not need: its tests, the campaign's and the subprocess drivers' run with it.
+        .config("spark.state.clock", "false")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

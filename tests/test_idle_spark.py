@@ -40,6 +40,7 @@ IDLE_SECONDS = 3.0
 
 @pytest.fixture(autouse=True)
 def _conf(spark):
+    spark.conf.set("spark.state.clock", "true")  # the default, which the test session turns off
     spark.conf.set("spark.state.clockPollSeconds", "0.2")
     yield
     for key in ("spark.state.parallelism", "spark.state.store", "spark.state.clockPollSeconds", "spark.state.clock"):
@@ -222,7 +223,7 @@ def test_a_query_with_nothing_due_runs_no_batch_and_one_begun_without_the_clock_
         assert first.await_batches(1, timeout=120), stalled(spark)
     finally:
         first.stop()
-    spark.conf.unset("spark.state.clock")  # on by default: the checkpoint keeps the sources it began with
+    spark.conf.set("spark.state.clock", "true")  # as by default: the checkpoint keeps the sources it began with
     with caplog.at_level(logging.WARNING, logger="spark_state"):
         second = counts()
     try:

@@ -60,8 +60,16 @@ def _sessions_oracle(events: pd.DataFrame, gap_ms: int) -> list[tuple]:
     return sorted(out)
 
 
+@pytest.fixture
+def clock_on(spark):
+    """The query's clock, on by default, which the test session turns off."""
+    spark.conf.set("spark.state.clock", "true")
+    yield
+    spark.conf.unset("spark.state.clock")
+
+
 def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_equal_a_batch_computation(
-    spark, tmp_path, monkeypatch
+    spark, tmp_path, monkeypatch, clock_on
 ):
     events = (
         spark.read.format("replayable")
