@@ -123,7 +123,7 @@ SMOKE = Config(
     (1_000, 20_000),
     100,
     3,
-    3.0,
+    4.0,
     1_000,
     clock_files=4,
     clock_rows=1_000,
