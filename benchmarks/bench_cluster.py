@@ -103,11 +103,10 @@ def _inputs(config: Config, distribution: str, directory: Path) -> common.InputF
 
 def _executor_of(pid: int) -> str | None:
     """``<app id>/<executor id>`` of a process of an executor (Spark runs it in the executor's directory)."""
-    try:
-        directory = Path(os.readlink(f"/proc/{pid}/cwd"))
-    except OSError:
-        return None
-    return f"{directory.parent.name}/{directory.name}"
+    from tests.cluster import _process_dir
+
+    directory = _process_dir(pid)
+    return None if directory is None else f"{Path(directory).parent.name}/{Path(directory).name}"
 
 
 def _classify(instance: dict) -> str:
@@ -168,14 +167,7 @@ def _ours(spark, files: dict, config: dict, work: Path) -> dict:
 def _pss(pid: int) -> int | None:
     """The proportional set size of ``pid`` (its private pages, and its share of those it shares with the
     processes it was forked from or forked): RSS counts every shared page in every process."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as rollup:
-            for line in rollup:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return common.proc_bytes(pid, "smaps_rollup", "Pss")
 
 
 def _hosts(pids: set[int]) -> dict:

@@ -430,13 +430,7 @@ def _steady_summary(reports: list[dict]) -> dict:
 
 def _rss_bytes(pid: int) -> int | None:
     """Resident set size of process ``pid`` (None if it exited)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return common.proc_bytes(pid, "status", "VmRSS")
 
 
 def _resident_bytes(report: dict) -> dict:

@@ -243,19 +243,15 @@ def _processes_cpu(jvm: int) -> dict[int, tuple[str, int, int, int]]:
     """Per process of the session, from ``/proc``: (kind, user ticks, system ticks, page faults); kinds: ``jvm``
     and ``python`` (PySpark's daemon, its workers and the instance hosts they fork, which share its command line)."""
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, fields in common.process_stats().items():
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        kind = "jvm" if int(entry) == jvm else "python" if b"pyspark.daemon" in command else None
+        kind = "jvm" if pid == jvm else "python" if b"pyspark.daemon" in command else None
         if kind is not None:
-            out[int(entry)] = (kind, int(fields[11]), int(fields[12]), int(fields[7]) + int(fields[9]))
+            out[pid] = (kind, int(fields[11]), int(fields[12]), int(fields[7]) + int(fields[9]))
     return out
 
 

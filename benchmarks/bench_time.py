@@ -687,24 +687,9 @@ def _tree_cpu_seconds() -> float:
     """CPU seconds (user + system) taken so far by this process and all its descendants alive now (the JVM,
     Python workers, the sources' runners), from ``/proc``."""
     tick = os.sysconf("SC_CLK_TCK")
-    parents, cpu = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    mine = {os.getpid()}
-    grew = True
-    while grew:
-        grown = {pid for pid, parent in parents.items() if parent in mine} - mine
-        grew = bool(grown)
-        mine |= grown
-    return sum(cpu.get(pid, 0.0) for pid in mine)
+    stats = common.process_stats()
+    mine = common.with_descendants(os.getpid(), stats)
+    return sum((int(stats[pid][11]) + int(stats[pid][12])) / tick for pid in mine if pid in stats)
 
 
 def _nothing_due(spark, config: Config, clock: bool) -> dict:

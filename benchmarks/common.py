@@ -217,6 +217,47 @@ def interference(spark) -> dict[str, float]:
     return {name: value for name, value in taken.items() if value is not None}
 
 
+def process_stats() -> dict[int, list[str]]:
+    """Every running process: pid -> the fields of ``/proc/<pid>/stat`` after ``pid (comm)`` (field 1 of these is
+    the parent pid, 11 and 12 the user and system ticks, 7 and 9 the page faults)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                found[int(entry)] = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+    return found
+
+
+def with_descendants(pid: int, stats: dict[int, list[str]]) -> set[int]:
+    """``pid`` and its children, grandchildren, ... among ``stats`` (``process_stats``)."""
+    children: dict[int, list[int]] = {}
+    for child, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(child)
+    found, queue = {pid}, [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.add(child)
+            queue.append(child)
+    return found
+
+
+def proc_bytes(pid: int, file: str, key: str) -> int | None:
+    """The ``key:`` line of ``/proc/<pid>/<file>`` (``status`` VmRSS, ``smaps_rollup`` Pss), in bytes; None if the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/{file}") as lines:
+            for line in lines:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def timed(action: Callable[[], Any]) -> tuple[Any, float]:
     started = time.perf_counter()
     result = action()

@@ -67,6 +67,11 @@ def _targets(targets: list[dict]) -> str:
     )
 
 
+def _targets_and_figure(data: dict, file: str, alt: str) -> list[str]:
+    """A section's last lines: its targets, then its benchmark's figure (the PNG beside ``file``)."""
+    return [_targets(data["targets"]), "", f"![{alt}](../benchmarks/results/{file.replace('.json', '.png')})", ""]
+
+
 def _slower_than_naive(size: dict) -> tuple[list[dict], float, float, float] | None:
     """Pairs where the naive store restarted faster, ours' worst ratio, max restore and min first-batch seconds."""
     slower = [r for r in size["summary"] if r["ours_vs_naive"] < 1]
@@ -256,10 +261,7 @@ def rescale_s3_section(data: dict, file: str) -> list[str]:
             )
     out += [
         "",
-        _targets(data["targets"]),
-        "",
-        f"![rescale on S3](../benchmarks/results/{file.replace('.json', '.png')})",
-        "",
+        *_targets_and_figure(data, file, "rescale on S3"),
     ]
     return out
 
@@ -507,10 +509,7 @@ def memory_section(data: dict, file: str) -> list[str]:
         "its checkpoint, and the chains of one chunk of key groups, so the peak and the RSS follow the batch "
         "size, not the state size.",
         "",
-        _targets(data["targets"]),
-        "",
-        f"![memory](../benchmarks/results/{file.replace('.json', '.png')})",
-        "",
+        *_targets_and_figure(data, file, "memory"),
     ]
     return out
 
@@ -594,10 +593,7 @@ def time_section(data: dict, file: str) -> list[str]:
         "",
         *_timer_checkpoint_lines(data.get("timer_checkpoint")),
         *_idle_lines(data.get("idle")),
-        _targets(data["targets"]),
-        "",
-        f"![time](../benchmarks/results/{file.replace('.json', '.png')})",
-        "",
+        *_targets_and_figure(data, file, "time"),
     ]
     return out
 
@@ -633,10 +629,7 @@ def cluster_section(data: dict, file: str) -> list[str]:
         )
     out += [
         "",
-        _targets(data["targets"]),
-        "",
-        f"![cluster](../benchmarks/results/{file.replace('.json', '.png')})",
-        "",
+        *_targets_and_figure(data, file, "cluster"),
     ]
     return out
 
@@ -715,10 +708,7 @@ def manifest_section(data: dict, file: str) -> list[str]:
         )
     out += [
         "",
-        _targets(data["targets"]),
-        "",
-        f"![manifest](../benchmarks/results/{file.replace('.json', '.png')})",
-        "",
+        *_targets_and_figure(data, file, "manifest"),
     ]
     return out
 
@@ -750,10 +740,7 @@ def reader_section(data: dict, file: str) -> list[str]:
         f"`spark-state plan -p 7` planned {cli['plan_requests']:,} ranged reads in {cli['plan_seconds']:.2f} s "
         "(console script wall time, Python start-up included).",
         "",
-        _targets(data["targets"]),
-        "",
-        f"![reader](../benchmarks/results/{file.replace('.json', '.png')})",
-        "",
+        *_targets_and_figure(data, file, "reader"),
     ]
     return out
 
