@@ -1,5 +1,5 @@
 """Reading Spark's checkpoint: offsets entries and the leftovers of an interrupted first write (no Spark), and the
-reads through Spark's Hadoop file system (the last test)."""
+reads through spark-state's storage and through Spark's Hadoop file system (the last tests, on both)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ import uuid
 import pytest
 
 from spark_state.errors import CheckpointLocationError
-from spark_state.spark.checkpoint import SparkCheckpoint, interrupted_first_batch, parse_offsets_entry
+from spark_state.driver.conf import checkpoint_storage_uri
+from spark_state.spark.checkpoint import (
+    HadoopFiles,
+    SparkCheckpoint,
+    StoredFiles,
+    checkpoint_files,
+    interrupted_first_batch,
+    parse_offsets_entry,
+    qualified_location,
+)
 
 WHERE = "file:/chk"
 
@@ -72,8 +81,43 @@ def test_commits_without_offsets_is_refused():
         interrupted_first_batch([tmp], ["0"], WHERE)
 
 
+def test_checkpoint_locations_map_to_the_storage_that_reads_them():
+    assert checkpoint_storage_uri("file:/data/chk") == "/data/chk"
+    assert checkpoint_storage_uri("file:///data/chk/") == "/data/chk"
+    assert checkpoint_storage_uri("webhdfs://nn:9870/chk") == "webhdfs://nn:9870/chk"
+    settings = {"spark.state.s3.endpoint": "http://127.0.0.1:9000"}
+    assert checkpoint_storage_uri("s3a://bucket/chk", settings.get).startswith("s3://bucket/chk?")
+    assert checkpoint_storage_uri("abfs://c@a.dfs.core.windows.net/chk") is None  # Hadoop's, on classic only
+    assert checkpoint_storage_uri("dbfs:/chk") is None
+
+
+class _Connect:
+    """A session as Spark Connect's client sees it: settings, no JVM."""
+
+    def __init__(self, **settings):
+        self.conf = type("Conf", (), {"get": staticmethod(lambda key, default=None: settings.get(key, default))})
+
+
+def test_without_a_jvm_paths_are_local_unless_the_default_file_system_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert qualified_location(_Connect(), "chk") == f"file:{tmp_path}/chk"
+    assert qualified_location(_Connect(), "file:///data/chk") == "file:/data/chk"
+    assert qualified_location(_Connect(), "s3a://b/chk") == "s3a://b/chk"
+    hdfs = _Connect(**{"spark.hadoop.fs.defaultFS": "webhdfs://nn:9870"})
+    assert qualified_location(hdfs, "/chk") == "webhdfs://nn:9870/chk"
+    files = checkpoint_files(_Connect(), str(tmp_path), checkpoint_storage_uri)
+    assert isinstance(files, StoredFiles) and files.uri == f"file:{tmp_path}"
+    with pytest.raises(CheckpointLocationError, match="over Spark Connect .* no backend for that scheme"):
+        checkpoint_files(_Connect(), "abfs://c@a.dfs.core.windows.net/chk", checkpoint_storage_uri)
+
+
+def _files(kind: str, spark, path) -> HadoopFiles | StoredFiles:
+    return HadoopFiles(spark, str(path)) if kind == "hadoop" else StoredFiles(str(path), f"file:{path}")
+
+
 @pytest.mark.spark
-def test_a_checkpoint_reads_its_metadata_offsets_and_commits_through_hadoop_and_hands_out_copies(spark, tmp_path):
+@pytest.mark.parametrize("kind", ["stored", "hadoop"])
+def test_a_checkpoint_reads_its_metadata_offsets_and_commits_and_hands_out_copies(spark, tmp_path, kind):
     for directory in ("offsets", "commits"):
         (tmp_path / directory).mkdir()
     (tmp_path / "metadata").write_text('{"id":"q-1"}\n')
@@ -82,7 +126,8 @@ def test_a_checkpoint_reads_its_metadata_offsets_and_commits_through_hadoop_and_
             f'v1\n{{"batchTimestampMs":{5 + batch}}}\n{{"source_id":"log","splits":{{"0":{batch}}}}}\n'
         )
     (tmp_path / "commits" / "0").write_text("v1\n{}\n")
-    checkpoint = SparkCheckpoint(spark, str(tmp_path))
+    checkpoint = SparkCheckpoint(_files(kind, spark, tmp_path))
+    assert checkpoint.uri == f"file:{tmp_path}"
     assert checkpoint.query_id() == "q-1" and checkpoint.last_committed_batch() == 0
     assert checkpoint.offsets_entry(1) == ({"log": {"source_id": "log", "splits": {"0": 1}}}, 6)
     assert checkpoint.offsets_entry(2) is None  # no entry yet: None, not an error
@@ -91,11 +136,12 @@ def test_a_checkpoint_reads_its_metadata_offsets_and_commits_through_hadoop_and_
     entry = checkpoint.offsets(0)
     entry["log"]["splits"]["0"] = 99  # a caller's change
     assert checkpoint.offsets(0) == {"log": {"source_id": "log", "splits": {"0": 0}}}
-    assert SparkCheckpoint(spark, str(tmp_path / "elsewhere")).query_id() is None
+    assert SparkCheckpoint(_files(kind, spark, tmp_path / "elsewhere")).query_id() is None
 
 
 @pytest.mark.spark
-def test_listings_name_every_file_whatever_its_name_and_however_many(spark, tmp_path):
+@pytest.mark.parametrize("kind", ["stored", "hadoop"])
+def test_listings_name_every_file_whatever_its_name_and_however_many(spark, tmp_path, kind):
     """A listing is a few JVM calls however many files there are; names with spaces, commas, escapes or a line
     break come back whole."""
     for directory in ("offsets", "commits"):
@@ -106,7 +152,7 @@ def test_listings_name_every_file_whatever_its_name_and_however_many(spark, tmp_
     tmp, crc = temp(0)
     for name in (tmp, crc):
         (tmp_path / "offsets" / name).write_text("x")
-    checkpoint = SparkCheckpoint(spark, str(tmp_path))
+    checkpoint = SparkCheckpoint(_files(kind, spark, tmp_path))
     assert sorted(checkpoint._names("commits")) == sorted([str(batch) for batch in range(100)] + odd)
     assert checkpoint.last_committed_batch() == 120
     (tmp_path / "commits" / "line\nbreak").unlink()

@@ -126,11 +126,20 @@ KNOWN_KEYS = (
     *S3_KEYS,
 )
 COMPRESSIONS = ("none", "lz4", "zstd")
+RUN_PREFIX = PREFIX + "run."
+"""``spark.state.run.<run id>.parallelism``: the parallelism ``StatefulQuery.set_parallelism`` chose for one run
+of a query over Spark Connect, where the driver's part of its batches runs in the server's Python process and
+reads the client's session conf (``run_parallelism_key``)."""
+
+
+def run_parallelism_key(run_id: str) -> str:
+    """The setting through which ``set_parallelism`` reaches run ``run_id``'s batches over Spark Connect."""
+    return f"{RUN_PREFIX}{run_id}.parallelism"
 
 
 def check_known(keys: Iterable[str]) -> None:
     """Raise ``ConfigError`` for a ``spark.state.*`` key this version does not know (a typo is never ignored)."""
-    unknown = sorted(k for k in keys if k.startswith(PREFIX) and k not in KNOWN_KEYS)
+    unknown = sorted(k for k in keys if k.startswith(PREFIX) and k not in KNOWN_KEYS and not _is_run_parallelism(k))
     if unknown:
         names = {k[len(PREFIX) :].lower(): k for k in KNOWN_KEYS}
         hints = []
@@ -311,19 +320,26 @@ class StateConf:
         return cls.parse(conf.get, **defaults)
 
     @classmethod
-    def from_session(cls, session: Any, *, default_store: str | Callable[[], str]) -> StateConf:
+    def from_session(
+        cls, session: Any, *, default_store: str | Callable[[], str], run_id: str | None = None
+    ) -> StateConf:
         """``parse`` over a Spark session's conf; unknown ``spark.state.*`` keys are refused.
 
         The parallelism defaults to ``spark.sql.shuffle.partitions``; the
         memory bound to ``default_resident_memory`` of Spark's settings.
+        With ``run_id``, ``run_parallelism_key(run_id)`` overrides the
+        parallelism where set.
         """
         every = _settings(session)
         settings = {key: value for key, value in every.items() if key.startswith(PREFIX)}
         check_known(settings)
         partitions = every.get(SHUFFLE_PARTITIONS) or session.conf.get(SHUFFLE_PARTITIONS, "200")
         conf = cls.parse(settings.get, default_store=default_store, default_parallelism=int(partitions))
+        override = settings.get(run_parallelism_key(run_id)) if run_id is not None else None
+        if override is not None:
+            conf = replace(conf, parallelism=_int(PARALLELISM, override.strip(), 1))
         if conf.resident_memory is None and not settings.get(RESIDENT_MEMORY, "").strip():
-            master = every.get("spark.master") or session.sparkContext.master
+            master = every.get("spark.master") or session_master(session)
             derived = default_resident_memory(every, master)
             if derived is not None:
                 conf = replace(conf, resident_memory=derived)
@@ -367,6 +383,37 @@ def default_resident_memory(settings: Mapping[str, str], master: str) -> int | N
             factor = 0.1
         python = max(384 << 20, int(factor * executor))
     return max(MIN_RESIDENT_MEMORY, int(STATE_SHARE_OF_PYTHON_MEMORY * python))
+
+
+def _is_run_parallelism(key: str) -> bool:
+    return key.startswith(RUN_PREFIX) and key.endswith(".parallelism")
+
+
+def session_master(session: Any) -> str:
+    """The session's master (``local[2]``, ``spark://...``): its context's on a classic session, its
+    ``spark.master`` setting over Spark Connect (which has no context)."""
+    if getattr(session, "_jsparkSession", None) is not None:
+        return session.sparkContext.master
+    return session.conf.get("spark.master", None) or "local"
+
+
+def checkpoint_storage_uri(location: str, get: Callable[[str], str | None] = lambda key: None) -> str | None:
+    """The storage URI through which Spark's checkpoint at ``location`` (qualified: ``file:/path``,
+    ``webhdfs://...``, ``s3a://...``) is read (``spark.checkpoint.StoredFiles``), None where spark-state has no
+    backend for its scheme. An ``s3``/``s3a`` location takes the ``spark.state.s3.*`` settings that ``get``
+    returns, as the store does (Hadoop's ``fs.s3a.*`` are the JVM's, which Spark Connect's clients do not see)."""
+    location = location.rstrip("/")
+    scheme = location.split(":", 1)[0].lower() if ":" in location else ""
+    if scheme in ("", "file"):
+        path = location[len("file:") :] if scheme else location
+        path = "/" + path.lstrip("/") if path.startswith("//") else path
+        return path if path.startswith("/") else None
+    if scheme == "webhdfs":
+        return location
+    if scheme in s3_location.SCHEMES:
+        settings = {parameter: (get(key) or None) for key, parameter in S3_KEYS.items()}
+        return _with_s3_settings("s3" + location[len(scheme) :], settings)
+    return None
 
 
 def _settings(session: Any) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Spark's own checkpoint of a query, read on the driver through Spark's Hadoop ``FileSystem``.
+"""Spark's own checkpoint of a query, read on the driver.
 
 Layout Spark writes under ``checkpointLocation`` (the parts read here)::
 
@@ -6,9 +6,14 @@ Layout Spark writes under ``checkpointLocation`` (the parts read here)::
     offsets/<N>     "v1", a metadata line, then one offset per source: micro-batch N's end offsets
     commits/<N>     micro-batch N is done
 
-Every file goes through Hadoop's ``FileSystem`` for the location's scheme, so
-``checkpointLocation`` may be anywhere the user's Spark can write (``file:``,
-``hdfs:``, ``webhdfs:``, ``s3a:``, ``abfs:`` ...). Spark writes each file with
+The files are read through spark-state's own storage layer (``StoredFiles``)
+wherever it has a backend for the location's scheme (local disk,
+``webhdfs:``, ``s3:``/``s3a:``): public calls only, the same on a classic
+session and over Spark Connect. A location on any other file system Spark
+can write (``abfs:``, ``gs:``, ``dbfs:`` ...) is read through Hadoop's
+``FileSystem`` in the driver's JVM (``HadoopFiles``, py4j: classic sessions
+only). A path without a scheme is on Hadoop's default file system
+(``qualified_location``). Spark writes each file with
 ``CheckpointFileManager.createAtomic``: a hidden temp file
 ``.<name>.<uuid>.tmp`` renamed into place (on local disk with a
 ``..<name>.<uuid>.tmp.crc`` checksum beside it). A driver killed during the
@@ -17,7 +22,7 @@ refuses to start the query ("offsets should be empty on batch 0");
 ``clear_interrupted_first_batch`` recognises exactly that and removes them.
 
 The parsing and the classification of leftovers are pure functions; the
-``SparkCheckpoint`` class does the I/O with py4j calls into the driver JVM.
+``SparkCheckpoint`` class does the I/O through its ``CheckpointFiles``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from spark_state.errors import CheckpointLocationError
 from spark_state.store.sources import canonical_offsets, canonical_source_id
@@ -109,7 +115,7 @@ def interrupted_first_batch(offsets: Iterable[str], commits: Iterable[str], wher
 
 
 class _Jvm:
-    """The JVM classes and methods a ``SparkCheckpoint`` calls, looked up once per driver JVM: each dotted lookup
+    """The JVM classes and methods a ``HadoopFiles`` calls, looked up once per driver JVM: each dotted lookup
     of a JVM class costs a py4j round trip per name (``org``, ``apache``, ...), and a query's start looked up
     about twenty."""
 
@@ -137,8 +143,60 @@ def _jvm_of(session) -> _Jvm:
     return found
 
 
-class SparkCheckpoint:
-    """Spark's checkpoint at ``location`` (see the module docstring), through the session's Hadoop conf."""
+def has_jvm(session) -> bool:
+    """Whether ``session`` is a classic session, with Spark's JVM in this process (not Spark Connect)."""
+    return getattr(session, "_jsparkSession", None) is not None
+
+
+class CheckpointFiles(Protocol):
+    """The three file operations a ``SparkCheckpoint`` needs, on paths relative to the location (``a/b``)."""
+
+    uri: str
+
+    def names(self, directory: str) -> list[str]:
+        """The names in ``directory`` (hidden ones too), ``[]`` when it does not exist."""
+        ...
+
+    def read(self, path: str) -> str | None:
+        """The text of ``path``, None when it does not exist."""
+        ...
+
+    def delete(self, path: str) -> None: ...
+
+
+class StoredFiles:
+    """Spark's checkpoint files through spark-state's own storage layer (``spark_state.storage``): the public
+    path, on classic sessions and over Spark Connect, for the schemes it has (local disk, ``webhdfs://``,
+    ``s3://``/``s3a://``)."""
+
+    def __init__(self, store: str, uri: str):
+        from spark_state.storage import open_storage
+
+        self.store, self.uri = store, uri
+        self.storage = open_storage(store)
+
+    def __reduce__(self):  # shipped to Spark Connect's server with the query's batch function: opened there
+        return StoredFiles, (self.store, self.uri)
+
+    def names(self, directory: str) -> list[str]:
+        return self.storage.list(directory)
+
+    def read(self, path: str) -> str | None:
+        from spark_state.errors import BlobNotFoundError
+
+        try:
+            return self.storage.read(path).decode("utf-8")
+        except BlobNotFoundError:
+            return None
+
+    def delete(self, path: str) -> None:
+        self.storage.delete(path)
+
+
+class HadoopFiles:
+    """Spark's checkpoint files through Hadoop's ``FileSystem`` in the driver's JVM (py4j): for a location on a
+    file system spark-state's storage has no backend for (``abfs:``, ``gs:``, ``dbfs:`` ...), classic sessions
+    only."""
 
     def __init__(self, session, location: str):
         self._jvm = jvm = _jvm_of(session)
@@ -149,15 +207,13 @@ class SparkCheckpoint:
         # A checksummed (local) file system hides ``.crc`` files from listings: look at the raw one.
         self._fs = fs.getRawFileSystem() if jvm.checksummed.isInstance(fs) else fs
         self.uri = self._root.toString()
-        self._entries: dict[int, tuple[dict[str, Any], int]] = {}
-        """The offsets entries read lately, by batch id (Spark never rewrites one)."""
 
-    def _path(self, *parts: str):
-        return self._jvm.path(self._root, "/".join(parts)) if parts else self._root
+    def _path(self, path: str = ""):
+        return self._jvm.path(self._root, path) if path else self._root
 
-    def _names(self, directory: str) -> list[str]:
-        """The names of the files in ``directory``, in a few py4j round trips however many there are (one or
-        more per file otherwise: a query keeps a hundred batches' files in each directory by default)."""
+    def names(self, directory: str) -> list[str]:
+        """A few py4j round trips however many files there are (one or more per file otherwise: a query keeps a
+        hundred batches' files in each directory by default)."""
         path = self._path(directory)
         if not self._fs.exists(path):
             return []
@@ -173,11 +229,11 @@ class SparkCheckpoint:
             names = [p.getName() for p in paths]
         return names
 
-    def _read(self, *parts: str) -> str | None:
+    def read(self, path: str) -> str | None:
         from py4j.protocol import Py4JJavaError
 
         try:
-            stream = self._fs.open(self._path(*parts))
+            stream = self._fs.open(self._path(path))
         except Py4JJavaError as error:
             if self._jvm.not_found.isInstance(error.java_exception):
                 return None
@@ -187,6 +243,68 @@ class SparkCheckpoint:
         finally:
             stream.close()
         return bytes(data).decode("utf-8")
+
+    def delete(self, path: str) -> None:
+        self._fs.delete(self._path(path), False)
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def qualified_location(session, location: str) -> str:
+    """``location`` as Spark qualifies a checkpoint location: a path without a scheme is on the default file
+    system, which Hadoop's configuration names. On a classic session Hadoop says (one py4j call); without a JVM
+    here (Spark Connect) ``spark.hadoop.fs.defaultFS`` does if the session sets it, else it is a local path,
+    absolute from this process's directory. A local path comes back as ``file:/path``, as Hadoop writes it."""
+    if _SCHEME.match(location) and not location.startswith("file:"):
+        return location
+    if has_jvm(session):
+        return HadoopFiles(session, location).uri
+    if location.startswith("file:"):
+        path = location[len("file://") :] if location.startswith("file://") else location[len("file:") :]
+    else:
+        default_fs = (session.conf.get("spark.hadoop.fs.defaultFS", None) or "").rstrip("/")
+        if default_fs and not default_fs.startswith("file:"):
+            return default_fs + "/" + location.lstrip("/") if location.startswith("/") else location
+        path = location
+    return "file:" + os.path.abspath(path)
+
+
+def checkpoint_files(session, location: str, storage_uri: Callable[[str], str | None]) -> CheckpointFiles:
+    """The files of Spark's checkpoint at ``location``: through spark-state's storage where ``storage_uri`` maps
+    the qualified location to a store URI (``conf.checkpoint_storage_uri``), else through Hadoop (classic
+    sessions); a location neither can read is refused with what to do."""
+    uri = qualified_location(session, location)
+    store = storage_uri(uri)
+    if store is not None:
+        return StoredFiles(store, uri)
+    if has_jvm(session):
+        return HadoopFiles(session, uri)
+    raise CheckpointLocationError(
+        f"checkpointLocation {location!r}: over Spark Connect spark-state reads Spark's checkpoint through its own "
+        "storage, which has no backend for that scheme; put the checkpoint on local disk (a Connect server on this "
+        "machine), webhdfs:// or s3://, or run the query on a classic session"
+    )
+
+
+class SparkCheckpoint:
+    """Spark's checkpoint (see the module docstring), read through ``files`` (``checkpoint_files``)."""
+
+    def __init__(self, files: CheckpointFiles):
+        self.files = files
+        self.uri = files.uri
+        self._entries: dict[int, tuple[dict[str, Any], int]] = {}
+        """The offsets entries read lately, by batch id (Spark never rewrites one)."""
+
+    @classmethod
+    def open(cls, session, location: str, storage_uri: Callable[[str], str | None]) -> SparkCheckpoint:
+        return cls(checkpoint_files(session, location, storage_uri))
+
+    def _names(self, directory: str) -> list[str]:
+        return self.files.names(directory)
+
+    def _read(self, *parts: str) -> str | None:
+        return self.files.read("/".join(parts))
 
     def query_id(self) -> str | None:
         """The query id Spark recorded in ``metadata``, or None before the query first started."""
@@ -241,7 +359,7 @@ class SparkCheckpoint:
             return []
         doomed = interrupted_first_batch(offsets, self._names("commits"), self.uri)
         for name in doomed:
-            self._fs.delete(self._path("offsets", name), False)
+            self.files.delete(f"offsets/{name}")
         if doomed:
             _LOG.warning(
                 "removed %s from %s/offsets: the leftovers of a driver killed while writing the first "
@@ -265,6 +383,9 @@ def batch_start_offsets(session, query_id: str | None, batch_id: int, checkpoint
     if batch_id > 0:
         previous = checkpoint.offsets(batch_id - 1)
         return {} if previous is None else previous
+    if not has_jvm(session):  # Spark Connect tells no source's initial offset
+        _LOG.info("query %s: the first batch's start offsets are unknown over Spark Connect", query_id)
+        return {}
     try:
         query = session._jsparkSession.streams().get(query_id)
         sources = query.streamingQuery().sources()
@@ -287,7 +408,12 @@ def batch_start_offsets(session, query_id: str | None, batch_id: int, checkpoint
 
 
 __all__ = [
+    "CheckpointFiles",
+    "HadoopFiles",
     "SparkCheckpoint",
+    "StoredFiles",
+    "checkpoint_files",
+    "qualified_location",
     "batch_timestamp_ms",
     "batch_start_offsets",
     "interrupted_first_batch",

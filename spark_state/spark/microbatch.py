@@ -51,7 +51,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.accumulators import AccumulatorParam
 
-from spark_state.driver.conf import StateConf, check_store_reachable, default_store
+from spark_state.driver.conf import StateConf, check_store_reachable, default_store, session_master
 from spark_state.driver.coordinator import BatchClock, Coordinator, SparkBatch, check_reports
 from spark_state.errors import CheckpointError
 from spark_state.executor.report import InstanceReport
@@ -67,6 +67,12 @@ from spark_state.spark.stop_watch import unwatch as unwatch_stops
 from spark_state.store.drain import finish_request, pending_requests
 from spark_state.store.manifest import ComponentManifest, ComponentSpec, check_compatible
 from spark_state.store.manifestlog import open_manifest_log
+from spark_state.store.reports import (
+    clear_task_reports,
+    task_reports,
+    write_batch_report,
+    write_task_report,
+)
 from spark_state.store.sources import is_clock_source
 from spark_state.store.stops import record_stop
 
@@ -115,6 +121,22 @@ def reports_of(received: list[tuple[str, str]], attempt: str) -> dict[int, Insta
     return reports
 
 
+@dataclass(frozen=True)
+class _StoredReports:
+    """Where tasks send their reports over Spark Connect, which has no accumulators: the store
+    (``store.reports``); ``add`` takes what an accumulator's would."""
+
+    store_uri: str
+    instance: int
+
+    def add(self, received: list[tuple[str, str]]) -> None:
+        from spark_state.storage import open_storage
+
+        storage = open_storage(self.store_uri)
+        for attempt, meta in received:
+            write_task_report(storage, attempt, self.instance, meta)
+
+
 def _strip_reports(batches, reports, attempt: str, schema: pa.Schema):
     """A task's output batches in the declared (nullable) ``schema``; its report batch goes to ``reports``."""
     for batch in batches:
@@ -122,6 +144,10 @@ def _strip_reports(batches, reports, attempt: str, schema: pa.Schema):
             reports.add([(attempt, batch.column(0)[0].as_py())])
         else:
             yield batch if batch.schema == schema else pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+
+
+_NOT_PICKLED = ("session", "query", "_lock", "_stop_lock", "_coordinators", "_task_plans", "_preparing", "_reports")
+"""What of a ``MicroBatch`` stays in the process that made it (``MicroBatch.__getstate__``)."""
 
 
 @dataclass
@@ -155,6 +181,35 @@ class MicroBatch:
     started_store: str | None = None  # the store the query started with (``conf``), once started
     accelerated: bool = True  # whether step 3's plans take ``plan.TaskPlan.java`` (``plan.accelerated``)
     _warned_store: bool = False
+    remote: bool = False  # whether it runs in a Spark Connect server's Python process (``__setstate__``)
+    run_id: str | None = None  # the run it serves over Spark Connect, once its first batch found it
+
+    def __getstate__(self) -> dict:
+        """What Spark Connect ships to the server's Python process that runs the query's ``foreachBatch``.
+
+        Over Connect the driver's part of each batch runs there, not in the
+        client that started the query: the client's session, query, threads
+        and caches stay behind, and so does the stream's DataFrame (each
+        batch's own has its schema). The client then reads the batches'
+        reports from the store (``store.reports``), and ``set_parallelism``
+        reaches the server through the client's session conf, which the
+        server reads at every batch (``conf.run_parallelism_key``).
+        """
+        state = {name: value for name, value in self.__dict__.items() if name not in _NOT_PICKLED}
+        state["stream"] = replace(self.stream, keyed=replace(self.stream.keyed, df=None))
+        state["history"], state["_stopper"], state["fault_hook"] = [], None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from pyspark.sql import SparkSession
+
+        self.__dict__.update(state)
+        # Spark Connect's foreachBatch worker unpickles the function while the client's own session is active:
+        # its conf is the client's, live, and its streams list the query (``spark_batch``).
+        self.session = SparkSession.getActiveSession()
+        self.query, self._reports, self.remote = None, None, True
+        self._lock, self._stop_lock = threading.Lock(), threading.Lock()
+        self._coordinators, self._task_plans, self._preparing = {}, {}, {}
 
     def coordinator(self, conf: StateConf) -> Coordinator:
         """One per setting, kept for the query's life, so parsed manifests are reused across batches."""
@@ -172,7 +227,9 @@ class MicroBatch:
         of those settings while it runs is for the next query to start, and
         is logged once.
         """
-        conf = StateConf.from_session(self.session, default_store=lambda: default_store(self.checkpoint_location))
+        conf = StateConf.from_session(
+            self.session, default_store=lambda: default_store(self.checkpoint_location), run_id=self.run_id
+        )
         if self.started_store is not None and conf.store != self.started_store:
             if not self._warned_store:
                 self._warned_store = True
@@ -183,7 +240,7 @@ class MicroBatch:
                     redact(self.started_store),
                 )
             conf = replace(conf, store=self.started_store)
-        check_store_reachable(conf.store, self.session.sparkContext.master, shared=conf.shared_local_store)
+        check_store_reachable(conf.store, session_master(self.session), shared=conf.shared_local_store)
         if self.parallelism_override is not None:
             conf = replace(conf, parallelism=self.parallelism_override)
         return conf
@@ -213,9 +270,8 @@ class MicroBatch:
 
     def spark_batch(self, batch_df, batch_id: int) -> SparkBatch:
         """What Spark's checkpoint says about micro-batch ``batch_id`` (see ``coordinator.SparkBatch``)."""
-        context = batch_df.sparkSession.sparkContext
         checkpoint = self.spark_checkpoint
-        query_id = context.getLocalProperty(QUERY_ID_PROPERTY) or checkpoint.query_id()
+        query_id, run_id = self._identity(batch_df)
         if query_id is None:  # a binding without a query id would pass for any query's
             raise CheckpointError(
                 f"Spark's checkpoint {checkpoint.uri} has no metadata file naming the query's id, and Spark did not "
@@ -231,7 +287,7 @@ class MicroBatch:
         start = batch_start_offsets(self.session, query_id, batch_id, checkpoint)
         return SparkBatch(  # the clock holds no rows: the state records the query's own sources only
             query_id=query_id,
-            run_id=context.getLocalProperty(RUN_ID_PROPERTY),
+            run_id=run_id,
             batch_id=batch_id,
             checkpoint_location=self.checkpoint_location,
             end={source: offsets for source, offsets in end.items() if not is_clock_source(source)},
@@ -239,14 +295,29 @@ class MicroBatch:
             timestamp_ms=timestamp_ms,
         )
 
+    def _identity(self, batch_df) -> tuple[str | None, str | None]:
+        """The ids of the query and of its run. A classic session names both to the batch's thread (local
+        properties); over Spark Connect the query's id is in its checkpoint and the client's session lists the
+        query, with its run id (found at the first batch, kept for the run: each start ships a new copy)."""
+        if not self.remote:
+            context = batch_df.sparkSession.sparkContext
+            query_id = context.getLocalProperty(QUERY_ID_PROPERTY) or self.spark_checkpoint.query_id()
+            return query_id, context.getLocalProperty(RUN_ID_PROPERTY)
+        query_id = self.spark_checkpoint.query_id()
+        if self.run_id is None and query_id is not None:
+            query = self.session.streams.get(query_id)
+            if query is not None:
+                self.query, self.run_id = query, str(query.runId)
+        return query_id, self.run_id
+
     def run(self, batch_df, batch_id: int) -> None:
         with self._lock:
             self._run(batch_df, batch_id)
 
     def _run(self, batch_df, batch_id: int) -> None:
+        spark_batch = self.spark_batch(batch_df, batch_id)
         conf = self.conf()
         coordinator = self.coordinator(conf)
-        spark_batch = self.spark_batch(batch_df, batch_id)
         stream = self.stream
         event_time = stream.keyed.event_time
         plan = coordinator.plan(spark_batch, restore_from=conf.restore_from)
@@ -283,10 +354,10 @@ class MicroBatch:
         attempt = uuid.uuid4().hex  # names this attempt's reports among any late ones of an earlier attempt
         output = self._run_tasks(batch_df, task, conf.instance_hosts, attempt)
         self.sink.write(output, batch_id)
-        by_instance = reports_of(self._reports.value, attempt)
+        by_instance = self._received(coordinator, attempt)
         if sorted(by_instance) != list(range(conf.parallelism)):  # the sink ran no action on (all of) the output
             output.write.format("noop").mode("overwrite").save()
-            by_instance = reports_of(self._reports.value, attempt)
+            by_instance = self._received(coordinator, attempt)
         reports = [by_instance[i] for i in sorted(by_instance)]
         check_reports(reports, conf.parallelism)
         self._fault("output_written", batch_id)
@@ -303,31 +374,43 @@ class MicroBatch:
             cleaning, wire = time.perf_counter(), storage.counters()
             coordinator.cleanup(manifest, grace_seconds=conf.orphan_grace_seconds)
             cleanup_seconds, cleanup_requests = time.perf_counter() - cleaning, _requests_since(storage, wire)
+        if self.remote:
+            clear_task_reports(storage)
         if drain:
             self._drained(coordinator, spark_batch)
         if self.accelerated:
-            self._task_plan(task).java(batch_df.sparkSession.sparkContext).prepare()  # the next batch's, meanwhile
-        self.history.append(
-            {
-                "batch_id": batch_id,
-                "checkpoint_id": plan.checkpoint_id,
-                "replayed": plan.replayed,
-                "parallelism": conf.parallelism,
-                "watermark_ms": task.watermark_ms,
-                "processing_ms": task.processing_ms,
-                "late_rows": sum(r.info.get("late_rows", 0) for r in reports),
-                "timers_fired": sum(r.info.get("timers_fired", 0) for r in reports),
-                "expired": sum(r.info.get("expired", 0) for r in reports),
-                "drained": drain,
-                "drain_requests_ignored": ignored,
-                "wake_ms": _wake_of(manifest, stream.keyed.name),  # when the clock next runs a batch (None: never)
-                "commit_seconds": round(commit_seconds, 4),  # the driver's step 5: the manifest record, created
-                "cleanup_seconds": round(cleanup_seconds, 4),  # step 6: what no retained checkpoint needs, deleted
-                "commit_requests": commit_requests,  # storage requests of step 5 (None: the backend does not count)
-                "cleanup_requests": cleanup_requests,
-                "instances": sorted((r.to_json() for r in reports), key=lambda m: m["instance"]),
-            }
-        )
+            self._task_plan(task, batch_df).java(
+                batch_df.sparkSession.sparkContext
+            ).prepare()  # the next batch's, meanwhile
+        entry = {
+            "batch_id": batch_id,
+            "checkpoint_id": plan.checkpoint_id,
+            "replayed": plan.replayed,
+            "parallelism": conf.parallelism,
+            "watermark_ms": task.watermark_ms,
+            "processing_ms": task.processing_ms,
+            "late_rows": sum(r.info.get("late_rows", 0) for r in reports),
+            "timers_fired": sum(r.info.get("timers_fired", 0) for r in reports),
+            "expired": sum(r.info.get("expired", 0) for r in reports),
+            "drained": drain,
+            "drain_requests_ignored": ignored,
+            "wake_ms": _wake_of(manifest, stream.keyed.name),  # when the clock next runs a batch (None: never)
+            "commit_seconds": round(commit_seconds, 4),  # the driver's step 5: the manifest record, created
+            "cleanup_seconds": round(cleanup_seconds, 4),  # step 6: what no retained checkpoint needs, deleted
+            "commit_requests": commit_requests,  # storage requests of step 5 (None: the backend does not count)
+            "cleanup_requests": cleanup_requests,
+            "instances": sorted((r.to_json() for r in reports), key=lambda m: m["instance"]),
+        }
+        self.history.append(entry)
+        if self.remote and spark_batch.run_id is not None:  # the client reads it from the store
+            write_batch_report(storage, spark_batch.run_id, entry)
+
+    def _received(self, coordinator: Coordinator, attempt: str) -> dict[int, InstanceReport]:
+        """The reports the tasks of ``attempt`` sent: through the accumulator, or the store over Connect."""
+        if self.remote:
+            texts = task_reports(coordinator.manifests.storage, attempt)
+            return reports_of([(attempt, text) for text in texts], attempt)
+        return reports_of(self._reports.value, attempt)
 
     def _drain_wanted(self, coordinator: Coordinator, batch: SparkBatch, plan) -> tuple[bool, list[str]]:
         """Whether this batch drains, and the drain requests that name another run (ignored)."""
@@ -386,17 +469,21 @@ class MicroBatch:
         Each task sends its report through the ``_Reports`` accumulator,
         tagged with ``attempt``.
         """
-        plan = self._task_plan(task)
+        plan = self._task_plan(task, batch_df)
         run = run_hosted if hosted else run_instance
-        if self._reports is None:
-            self._reports = batch_df.sparkSession.sparkContext.accumulator([], _Reports())
-        self._reports.value = []  # reports of earlier batches (a late one of a failed attempt is not this attempt's)
-        reports, schema = self._reports, task_output_schema(task.output_schema)
+        remote, schema = self.remote, task_output_schema(task.output_schema)
+        if not remote:
+            if self._reports is None:
+                self._reports = batch_df.sparkSession.sparkContext.accumulator([], _Reports())
+            self._reports.value = []  # earlier batches' (a late one of a failed attempt is not this attempt's)
+        accumulated = self._reports
 
         def process(batches):
             from pyspark import TaskContext
 
-            yield from _strip_reports(run(task, TaskContext.get().partitionId(), batches), reports, attempt, schema)
+            instance = TaskContext.get().partitionId()
+            reports = _StoredReports(task.store_uri, instance) if remote else accumulated
+            yield from _strip_reports(run(task, instance, batches), reports, attempt, schema)
 
         if not self.accelerated:
             return plan.tasks(batch_df, task.parallelism, process)
@@ -413,14 +500,19 @@ class MicroBatch:
                 self.stream.keyed.name,
             )
 
-    def _task_plan(self, task: TaskSpec) -> TaskPlan:
+    def _task_plan(self, task: TaskSpec, batch_df=None) -> TaskPlan:
         """The Spark expressions of step 3 for ``task``'s parallelism, built once (each costs JVM round trips):
-        by ``prepare_plan``'s thread when it was asked for, else now."""
+        by ``prepare_plan``'s thread when it was asked for, else now (from ``batch_df``'s columns over Spark
+        Connect, where the stream's own DataFrame stayed with the client)."""
         key = (task.parallelism, task.max_parallelism)
         plan = self._task_plans.get(key)
         if plan is None:
             plan = self._prepared(key) or TaskPlan.build(
-                self.stream, task.parallelism, task.max_parallelism, accelerated=self.accelerated
+                self.stream,
+                task.parallelism,
+                task.max_parallelism,
+                accelerated=self.accelerated,
+                frame=batch_df if self.stream.keyed.df is None else None,
             )
             self._task_plans[key] = plan
         return plan

@@ -86,17 +86,19 @@ class TaskPlan:
         return self._java[0]
 
     @classmethod
-    def build(cls, stream, parallelism: int, max_parallelism: int, *, accelerated: bool = True) -> TaskPlan:
+    def build(cls, stream, parallelism: int, max_parallelism: int, *, accelerated: bool = True, frame=None) -> TaskPlan:
         """The plan of ``stream`` (a ``streaming.StatefulStream``, whose schema, function and event time every
         ``TaskSpec`` of the query repeats) at ``parallelism`` instances of ``max_parallelism`` key groups; its
-        columns made by single JVM calls when ``accelerated``, else by ``pyspark.sql.functions``."""
+        columns made by single JVM calls when ``accelerated``, else by ``pyspark.sql.functions``. The key
+        columns' types are read from ``frame`` (a batch's rows), else from the stream's DataFrame."""
         from spark_state.spark.routing import routing_columns
 
-        jf = _JvmColumns(stream.keyed.df.sparkSession.sparkContext) if accelerated else _PublicColumns()
+        df = frame if frame is not None else stream.keyed.df
+        jf = _JvmColumns(df.sparkSession.sparkContext) if accelerated else _PublicColumns()
         key_columns = list(stream.schema.key_columns)
         event_time = stream.keyed.event_time
         # The key types from the stream (its schema is resolved once), not from analysing every batch.
-        key_group, instance = routing_columns(stream.keyed.df, key_columns, parallelism, max_parallelism)
+        key_group, instance = routing_columns(df, key_columns, parallelism, max_parallelism)
         event_column = [event_time.column] if event_time is not None else []
         inputs = [c for c in stream.input_columns if c != EVENT_MS_COLUMN]  # added by the task
         needed = list(dict.fromkeys(key_columns + inputs + event_column))

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from spark_state.driver.conf import PARALLELISM
+from spark_state.driver.conf import PARALLELISM, checkpoint_storage_uri, run_parallelism_key
 from spark_state.driver.coordinator import check_query_start
 from spark_state.errors import ConfigError
 from spark_state.executor.aggregates import AGGREGATES, Aggregate, AggregateDef, on_register
@@ -40,7 +40,7 @@ from spark_state.model.eventtime import EventTime, check_event_time_type, parse_
 from spark_state.model.evolution import with_default
 from spark_state.model.schema import VALUE, KeyedSchema, StateVariable
 from spark_state.model.timers import EVENT, PROCESSING, TIMERS
-from spark_state.spark.checkpoint import SparkCheckpoint
+from spark_state.spark.checkpoint import SparkCheckpoint, has_jvm
 from spark_state.spark.microbatch import MicroBatch, location_name
 from spark_state.spark.plan import accelerated
 from spark_state.spark.routing import check_key_type
@@ -48,6 +48,7 @@ from spark_state.spark.sinks import open_sink
 from spark_state.spark.stop_watch import watch as watch_stops
 from spark_state.store.drain import request_drain
 from spark_state.store.manifest import check_component_name
+from spark_state.store.reports import batch_reports, clear_batch_reports
 from spark_state.store.sources import is_clock_source
 from spark_state.store.startfrom import start_from_savepoint
 from spark_state.store.stops import STOPPED, unneeded_stop_record
@@ -61,6 +62,8 @@ _advised: list[bool] = []
 
 def python_on_unix_sockets(session) -> bool:
     """Whether ``session``'s Python workers talk to the JVM over Unix sockets (``UNIX_SOCKETS``)."""
+    if not has_jvm(session):
+        return (session.conf.get(UNIX_SOCKETS, None) or "false").lower() == "true"
     # The running context's own SparkConf, read by one call (``getConf()`` copies every setting, one call each).
     return session.sparkContext._jsc.sc().conf().get(UNIX_SOCKETS, "false").lower() == "true"
 
@@ -73,8 +76,8 @@ def advise_unix_sockets(session) -> bool:
     its last input arrives: a keyed batch of a hundred rows took about 40 ms
     longer per micro-batch than with ``UNIX_SOCKETS`` on.
     """
-    if _advised or python_on_unix_sockets(session):
-        return False
+    if _advised or not has_jvm(session) or python_on_unix_sockets(session):
+        return False  # over Spark Connect the server's settings are its operator's
     _advised.append(True)
     _LOG.warning(
         "%s is off: each Python task of a keyed query may wait about 40 ms on TCP. Set it to true when "
@@ -393,7 +396,11 @@ class StatefulStreamWriter:
             )
         session = self._stream.keyed.df.sparkSession
         advise_unix_sockets(session)
-        spark_checkpoint = SparkCheckpoint(session, checkpoint_location)
+        spark_checkpoint = SparkCheckpoint.open(
+            session,
+            checkpoint_location,
+            lambda uri: checkpoint_storage_uri(uri, lambda key: session.conf.get(key, None)),
+        )
         name = location_name(spark_checkpoint.uri)
         batch = MicroBatch(
             stream=self._stream,
@@ -407,6 +414,8 @@ class StatefulStreamWriter:
         batch.accelerated = accelerated(session, conf.plan_accelerator)
         spark_checkpoint.clear_interrupted_first_batch()
         manifests = batch.coordinator(conf).manifests
+        if not has_jvm(session):  # over Spark Connect: earlier runs' batch reports (``store.reports``)
+            clear_batch_reports(manifests.storage)
         _clear_unneeded_stop_record(spark_checkpoint, manifests.storage)
         savepoint, allow = self._savepoint or (conf.from_savepoint, conf.allow_non_restored)
         if savepoint and conf.restore_from is not None:
@@ -513,17 +522,35 @@ class StatefulQuery:
     def __init__(self, query, batch: MicroBatch):
         self.query = query
         self._batch = batch
+        self._remote = not has_jvm(batch.session)  # Spark Connect: the batches run in the server (``__getstate__``)
+        self._remote_history: list[dict] = []
 
     def set_parallelism(self, parallelism: int) -> None:
-        """Use ``parallelism`` instances from the next micro-batch on (no restart needed)."""
+        """Use ``parallelism`` instances from the next micro-batch on (no restart needed).
+
+        Over Spark Connect it is set in the session's conf for this run
+        (``conf.run_parallelism_key``), which the server reads at each batch.
+        """
         if not isinstance(parallelism, int) or isinstance(parallelism, bool):
             raise ConfigError(
                 f"set_parallelism({parallelism!r}): the parallelism must be a whole number (an int), like {PARALLELISM}"
             )
         conf = self._batch.conf()
-        key_space = replace(conf, parallelism=parallelism).key_space(self._batch.key_space)
+        key_space = replace(conf, parallelism=parallelism).key_space(self._stored_key_space(conf))
+        if self._remote:
+            self._batch.session.conf.set(run_parallelism_key(self.run_id), str(parallelism))
+            return
         self._batch.parallelism_override = parallelism
         self._batch.prepare_plan(parallelism, key_space)  # built while the current batch runs
+
+    def _stored_key_space(self, conf) -> int | None:
+        """The store's key space: known to this process once a batch ran here, else from the store's latest
+        checkpoint (over Spark Connect the batches run in the server)."""
+        if self._batch.key_space is not None or not self._remote:
+            return self._batch.key_space
+        latest = self._batch.coordinator(conf).manifests.latest()
+        stored = latest.components.get(self._batch.stream.keyed.name) if latest is not None else None
+        return stored.max_parallelism if stored is not None else None
 
     def drain(self, timeout: float | None = None) -> bool:
         """Drain the query at its next micro-batch and stop it (see ``spark_state.store.drain``).
@@ -536,7 +563,8 @@ class StatefulQuery:
         """
         self.request_drain()
         self.awaitTermination(timeout)
-        return self._batch.drained_batch is not None and not self.query.isActive
+        drained = self._batch.drained_batch is not None or any(entry["drained"] for entry in self.batches)
+        return drained and not self.query.isActive
 
     def stop(self) -> None:
         """Stop the query (``StreamingQuery.stop``) and record in its store that this run stopped: the instance
@@ -578,11 +606,11 @@ class StatefulQuery:
                 return False
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            time.sleep(0.05)
+            time.sleep(0.2 if self._remote else 0.05)  # over Spark Connect each look lists the store
         return True
 
     def _completed(self, count: int) -> bool:
-        history = self._batch.history
+        history = self.batches
         if len(history) < count:
             return False
         if count == 0:
@@ -604,8 +632,17 @@ class StatefulQuery:
 
     @property
     def batches(self) -> list[dict]:
-        """Per completed micro-batch: ids, parallelism and each instance's report (restore cost, keys)."""
-        return list(self._batch.history)
+        """Per completed micro-batch: ids, parallelism and each instance's report (restore cost, keys).
+
+        Over Spark Connect they are read from the store, where the server
+        writes each (``store.reports``): its last ``KEPT_BATCH_REPORTS``.
+        """
+        if not self._remote:
+            return list(self._batch.history)
+        history = self._remote_history
+        storage = self._batch.coordinator(self._batch.conf()).manifests.storage
+        history.extend(batch_reports(storage, self.run_id, history[-1]["batch_id"] if history else -1))
+        return list(history)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.query, name)
