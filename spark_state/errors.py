@@ -37,6 +37,10 @@ class UnsupportedKeyError(ConfigError, TypeError):
     """A key has a type that has no canonical encoding for hashing."""
 
 
+class UnsupportedOverConnectError(ConfigError):
+    """What a query asks for cannot work over Spark Connect; the message says why and what to do instead."""
+
+
 class StorageError(SparkStateError):
     """A storage backend failed; the message names the path and the backend."""
 

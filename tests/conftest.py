@@ -36,6 +36,7 @@ def pytest_configure(config):
 
 SLOWEST_FILES = (
     "test_benchmarks.py",
+    "test_connect_spark.py",
     "test_keyed_spark.py",
     "test_driver_kill.py",
     "test_cluster.py",

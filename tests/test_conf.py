@@ -209,8 +209,9 @@ def test_a_query_start_advises_unix_sockets_once_when_python_tasks_use_tcp(monke
     def session(value):
         conf = {} if value is None else {streaming.UNIX_SOCKETS: value}
         java_conf = SimpleNamespace(get=conf.get)  # the context's SparkConf in the JVM
-        return SimpleNamespace(
-            sparkContext=SimpleNamespace(_jsc=SimpleNamespace(sc=lambda: SimpleNamespace(conf=lambda: java_conf)))
+        return SimpleNamespace(  # a classic session: a JVM (over Spark Connect the server's settings are not ours)
+            _jsparkSession=object(),
+            sparkContext=SimpleNamespace(_jsc=SimpleNamespace(sc=lambda: SimpleNamespace(conf=lambda: java_conf))),
         )
 
     monkeypatch.setattr(streaming, "_advised", [])

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from spark_state.errors import CheckpointLocationError
 from spark_state.driver.conf import checkpoint_storage_uri
+from spark_state.errors import CheckpointLocationError
 from spark_state.spark.checkpoint import (
     HadoopFiles,
     SparkCheckpoint,

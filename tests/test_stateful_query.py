@@ -22,7 +22,7 @@ class _Query:
 
 
 def _stateful():
-    query, batch = _Query(), SimpleNamespace(history=[])
+    query, batch = _Query(), SimpleNamespace(history=[], session=SimpleNamespace(_jsparkSession=object()))  # classic
     return StatefulQuery(query, batch), query, batch
 
 

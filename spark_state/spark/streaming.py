@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from spark_state.driver.conf import PARALLELISM, checkpoint_storage_uri, run_parallelism_key
 from spark_state.driver.coordinator import check_query_start
-from spark_state.errors import ConfigError
+from spark_state.errors import ConfigError, UnsupportedOverConnectError
 from spark_state.executor.aggregates import AGGREGATES, Aggregate, AggregateDef, on_register
 from spark_state.executor.columns import EVENT_MS_COLUMN
 from spark_state.executor.functions import PythonFunction, TimeToLive
@@ -418,6 +418,8 @@ class StatefulStreamWriter:
             clear_batch_reports(manifests.storage)
         _clear_unneeded_stop_record(spark_checkpoint, manifests.storage)
         savepoint, allow = self._savepoint or (conf.from_savepoint, conf.allow_non_restored)
+        if not has_jvm(session):
+            _check_connect_start(savepoint, spark_checkpoint, manifests)
         if savepoint and conf.restore_from is not None:
             raise ConfigError(
                 f"spark.state.restoreFrom={conf.restore_from} and a start from savepoint {savepoint} both choose the "
@@ -500,6 +502,31 @@ def _with_clock(stream: StatefulStream, conf) -> StatefulStream:
         .load()
     )
     return replace(stream, keyed=replace(stream.keyed, df=df.unionByName(clock)))
+
+
+def _check_connect_start(savepoint: str | None, spark_checkpoint: SparkCheckpoint, manifests) -> None:
+    """Over Spark Connect, refuse a first batch that would continue state another checkpoint wrote (a start from
+    a savepoint, a new ``checkpointLocation`` on a store that holds state).
+
+    Such a batch is safe only if its sources start where that state ends,
+    and Spark tells the first batch's start offsets (the sources' initial
+    offsets) to the JVM's own API only: over Connect they are unknown, and
+    the first batch would be refused (``coordinator``) after the query started.
+    """
+    if spark_checkpoint.has_planned_batch():
+        return
+    what = f"a start from savepoint {savepoint}" if savepoint else None
+    if what is None and manifests.latest() is not None:
+        what = (
+            f"a new checkpointLocation ({spark_checkpoint.uri}) on the store {manifests.storage.uri}, which holds state"
+        )
+    if what is not None:
+        raise UnsupportedOverConnectError(
+            f"{what} cannot be checked over Spark Connect: its first batch must prove that its sources start where "
+            "the state ends, and Spark tells a query's initial offsets only to its JVM API, which Connect clients "
+            "do not have. Run the query's first batch on a classic session (trigger availableNow), then run it "
+            "over Connect with the same checkpointLocation; or start over Connect with an empty store"
+        )
 
 
 def _clear_unneeded_stop_record(spark_checkpoint: SparkCheckpoint, storage) -> None:
