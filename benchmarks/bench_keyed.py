@@ -74,10 +74,13 @@ and absolute numbers mean little.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -95,6 +98,10 @@ TARGETS = {
     "throughput_vs_groupby_hdfs": 1.0,  # ours / Spark groupBy().count() on its default HDFS-backed store, at least
     "throughput_vs_groupby_rocksdb": 1.5,  # ours / Spark groupBy().count() on RocksDB, at least
     "throughput_vs_apply_in_pandas_with_state": 10.0,  # ours / applyInPandasWithState, at least
+    "public_path_vs_groupby_hdfs": 1.0,  # ours without the plan accelerator / Spark groupBy().count() HDFS, at least
+    "connect_vs_groupby_hdfs": 1.0,  # over Connect: ours / Spark groupBy().count() HDFS-backed, at least
+    "connect_vs_transform_with_state": 10.0,  # over Connect: ours / transformWithStateInPandas, at least
+    "connect_rescaled_restart_vs_spark_restart": 1.2,  # over Connect, 1M keys: ours rescaled / Spark's, at most
     "state_size_batch_time_ratio": 1.2,  # steady batch time with the largest state / with 10k keys, at most
     "steady_batches_reloading_state": 0,  # steady batches that read state from the store, at most
     "steady_batch_max_over_median": 1.5,  # slowest steady batch / median steady batch, largest state, at most
@@ -126,6 +133,7 @@ class Config:
     key_type: str = "string"  # of common.KEY_TYPES
     distribution: str = "uniform"  # of the throughput batches' keys: uniform, or zipf (``--distribution zipf``)
     warm_up: bool = True  # every system over the files before the measured rounds (smoke: no rounds to protect)
+    connect: bool = True  # the Connect section (``--no-connect``: without it)
 
     @property
     def schema_ddl(self) -> str:
@@ -151,6 +159,7 @@ QUICK = Config(
     parallelisms=(2,),
     systems=(
         "keyed_count",
+        "keyed_count_public",
         "groupby_count_rocksdb",
         "groupby_count_hdfs",
         "apply_in_pandas_with_state",
@@ -172,6 +181,7 @@ FULL = Config(
     parallelisms=(2, 4),
     systems=(
         "keyed_count",
+        "keyed_count_public",
         "groupby_count_rocksdb",
         "groupby_count_hdfs",
         "apply_in_pandas_with_state",
@@ -193,6 +203,7 @@ SMOKE = Config(  # tests/test_benchmarks.py: every code path, in seconds
     parallelisms=(2,),
     systems=(
         "keyed_count",
+        "keyed_count_public",
         "groupby_count_rocksdb",
         "groupby_count_hdfs",
         "apply_in_pandas_with_state",
@@ -220,12 +231,14 @@ def _count_rows(key, frames, state):
     yield pd.DataFrame({"key": [key[0]], "count": [total]})
 
 
-def run_keyed(spark, files: common.InputFiles, parallelism: int, work: Path):
-    """Our keyed count; the returned query's ``batches`` has each instance's report."""
+def run_keyed(spark, files: common.InputFiles, parallelism: int, work: Path, *, accelerated: bool = True):
+    """Our keyed count; the returned query's ``batches`` has each instance's report. Not ``accelerated``: each
+    batch's plan is made by PySpark's public calls (``spark.state.planAccelerator=false``), as over Connect."""
     from spark_state import keyed
 
     spark.conf.set("spark.state.parallelism", str(parallelism))
     spark.conf.set("spark.state.store", str(common.fresh_dir(work / "state")))
+    spark.conf.set("spark.state.planAccelerator", str(accelerated).lower())
     stream = keyed(files.stream(spark), "key", name=common.KEYED_COMPONENT).count()
     writer = stream.writeStream.foreachBatch(common.noop_sink)
     try:
@@ -233,6 +246,11 @@ def run_keyed(spark, files: common.InputFiles, parallelism: int, work: Path):
     finally:
         spark.conf.unset("spark.state.parallelism")
         spark.conf.unset("spark.state.store")
+        spark.conf.unset("spark.state.planAccelerator")
+
+
+def run_keyed_public(spark, files: common.InputFiles, parallelism: int, work: Path):
+    return run_keyed(spark, files, parallelism, work, accelerated=False)
 
 
 def _spark_stateful(provider: str, build: Callable):
@@ -287,6 +305,7 @@ def _apply_in_pandas(df):
 
 SYSTEMS: dict[str, tuple[Callable, str | None]] = {
     "keyed_count": (run_keyed, None),
+    "keyed_count_public": (run_keyed_public, None),
     "groupby_count_rocksdb": (
         _spark_stateful(common.ROCKSDB_PROVIDER, lambda df: df.groupBy("key").count()),
         common.ROCKSDB_PROVIDER,
@@ -308,6 +327,20 @@ SYSTEMS: dict[str, tuple[Callable, str | None]] = {
 
 def _rate(batch_seconds: dict[int, float], batch_ids: list[int], rows: dict[int, int]) -> float:
     return sum(rows[b] for b in batch_ids) / sum(batch_seconds[b] for b in batch_ids)
+
+
+def _versus(ours: list[dict], theirs: list[dict], rows: dict[int, int]) -> dict:
+    """Our runs' rate over theirs, round by round over the batch ids both measured; the median."""
+    ratios = []
+    common_ids: list[int] = []
+    for mine, other in zip(ours, theirs):
+        common_ids = sorted(set(mine["measured_batch_ids"]) & set(other["measured_batch_ids"]))
+        ratios.append(_rate(mine["batch_seconds"], common_ids, rows) / _rate(other["batch_seconds"], common_ids, rows))
+    return {
+        "ratio": round(statistics.median(ratios), 3),
+        "per_round": [round(r, 3) for r in ratios],
+        "batch_ids": common_ids,
+    }
 
 
 def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) -> dict:
@@ -365,23 +398,15 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
     by_parallelism = {}
     for parallelism in config.parallelisms:
         of = {s: [r for r in runs if r["system"] == s and r["parallelism"] == parallelism] for s in config.systems}
-        versus = {}
-        for system in config.systems[1:]:
-            ratios = []
-            for ours, theirs in zip(of["keyed_count"], of[system]):
-                common_ids = sorted(set(ours["measured_batch_ids"]) & set(theirs["measured_batch_ids"]))
-                ratios.append(
-                    _rate(ours["batch_seconds"], common_ids, rows) / _rate(theirs["batch_seconds"], common_ids, rows)
-                )
-            versus[system] = {
-                "ratio": round(statistics.median(ratios), 3),
-                "per_round": [round(r, 3) for r in ratios],
-                "batch_ids": common_ids,
-            }
-        by_parallelism[str(parallelism)] = {
+        numbers = {
             "rows_per_s": {s: round(statistics.median(r["rows_per_s"] for r in of[s])) for s in config.systems},
-            "keyed_count_vs": versus,
+            "keyed_count_vs": {s: _versus(of["keyed_count"], of[s], rows) for s in config.systems[1:]},
         }
+        if "keyed_count_public" in config.systems:  # the public path against Spark's systems
+            numbers["keyed_count_public_vs"] = {
+                s: _versus(of["keyed_count_public"], of[s], rows) for s in config.systems if not s.startswith("keyed")
+            }
+        by_parallelism[str(parallelism)] = numbers
     return {
         "rows_per_batch": config.rows_per_batch,
         "warmup_rows": config.warmup_rows,
@@ -397,6 +422,128 @@ def throughput(spark, config: Config, keys: pa.Array, rng: np.random.Generator) 
         "state_store_provider": {s: SYSTEMS[s][1] for s in config.systems},
         "by_parallelism": by_parallelism,
         "runs": runs,
+    }
+
+
+# 4. Over Spark Connect ------------------------------------------------------
+
+CONNECT_SYSTEMS = ("keyed_count", "groupby_count_hdfs", "transform_with_state_in_pandas")
+"""What runs over Connect: ours (its public path: Connect has no plan accelerator) and the two Spark systems the
+targets name."""
+
+
+def connect(config: Config) -> dict:
+    """``throughput`` and ``restart`` over Spark Connect: a Connect server from the pip package on loopback
+    (``tests/connect.py``, this benchmark's session settings) and a client process running this file with
+    ``--connect-client`` (a Connect client turns its whole process to Connect mode)."""
+    import subprocess
+
+    from tests.connect import ConnectServer
+
+    settings = {  # as ``common.session``'s
+        "spark.driver.memory": "4g",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.streaming.numRecentProgressUpdates": "1000",
+    }
+    root = common.fresh_dir(WORK / "connect-server")
+    server = ConnectServer(root, settings=settings, paths=(Path(__file__).resolve().parent,)).start()
+    try:
+        mode = {"smoke": ["--smoke"], "full": ["--full"]}.get(config.mode, [])
+        command = [sys.executable, __file__, "--connect-client", server.url, "--keys", config.key_type, *mode]
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=server.env(), check=False)
+    finally:
+        server.stop()
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the Connect client exited {done.returncode}:\n{done.stdout[-3000:]}\n{server.log_tail()}")
+    return json.loads(lines[-1])
+
+
+def connect_client(url: str, config: Config) -> dict:
+    """The client process of ``connect``: the same files as the classic runs (the same seed), over Connect."""
+    from pyspark.sql import SparkSession
+
+    global WORK
+    WORK = common.WORK_DIR / "keyed-connect"
+    common.fresh_dir(WORK)
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    spark.conf.set("spark.state.clock", "false")
+    rng = np.random.default_rng(20240601)
+    keys = config.key_space(max(max(config.state_sizes), config.throughput_keys))
+    try:
+        over = replace(config, systems=CONNECT_SYSTEMS, parallelisms=config.parallelisms[:1])
+        return {"throughput": throughput(spark, over, keys, rng), "restart": restart(spark, config, keys, rng)}
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+
+RESTARTS = (  # system, the first run's parallelism, the restart's
+    ("keyed_count_rescaled", 2, 4),
+    ("keyed_count", 2, 2),
+    ("groupby_count_hdfs", 2, 2),
+)
+
+
+def restart(spark, config: Config, keys: pa.Array, rng: np.random.Generator) -> dict:
+    """A restart with the largest state of ``state_sizes``: each system's first run takes a batch of that many
+    distinct keys at parallelism 2; its restart (ours at 4, and at 2; Spark's at 2: it cannot change it) one
+    steady batch (``rows_per_batch`` rows over ``steady_keys`` keys), which first loads the state. Measured:
+    the restart's wall time from ``start()`` to its end, and its batch's ``triggerExecution``."""
+    from spark_state import keyed
+
+    size = max(config.state_sizes)
+    prefill = common.batch_over(keys, np.arange(size))
+    steady = common.uniform_batches(keys, config.steady_keys, config.rows_per_batch, 1, rng)[0]
+    files = common.write_input(WORK / "restart-input", [prefill, steady], config.schema_ddl)
+    runs = {}
+    for system, first, then in RESTARTS:
+        work = common.fresh_dir(WORK / f"restart-{system}")
+        directory = common.fresh_dir(work / "input")
+        common.release_file(files, 0, directory)
+        stream_files = common.InputFiles(directory, files.schema_ddl, files.rows)
+        measured = {}
+        for phase, parallelism in (("first", first), ("restart", then)):
+            if phase == "restart":
+                common.release_file(files, 1, directory)
+            if system.startswith("keyed"):
+                spark.conf.set("spark.state.parallelism", str(parallelism))
+                spark.conf.set("spark.state.store", str(work / "state"))
+                writer = keyed(stream_files.stream(spark), "key", name=common.KEYED_COMPONENT).count().writeStream
+                writer = writer.foreachBatch(common.noop_sink)
+            else:
+                spark.conf.set(common.PROVIDER_CONF, common.HDFS_PROVIDER)
+                spark.conf.set("spark.sql.shuffle.partitions", str(parallelism))
+                grouped = stream_files.stream(spark).groupBy("key").count()
+                writer = grouped.writeStream.format("noop").outputMode("update")
+            began = time.perf_counter()
+            query = writer.option("checkpointLocation", str(work / "chk")).trigger(availableNow=True).start()
+            query.awaitTermination()
+            wall = time.perf_counter() - began
+            batches = common.batch_progress(query)
+            measured[phase] = {"parallelism": parallelism, "wall_seconds": round(wall, 3), "batches": batches}
+        for key in ("spark.state.parallelism", "spark.state.store", common.PROVIDER_CONF):
+            spark.conf.unset(key)
+        spark.conf.set("spark.sql.shuffle.partitions", "2")
+        restarted = measured["restart"]["batches"]
+        if [b["rows"] for b in measured["first"]["batches"] + restarted] != list(files.rows):
+            raise RuntimeError(f"{system} ran {measured}, expected rows {files.rows}")
+        runs[system] = {**measured, "restart_batch_seconds": restarted[-1]["seconds"]}
+        print(f"restart {system}: {runs[system]['restart']['wall_seconds']} s", file=sys.stderr)
+    spark_wall = runs["groupby_count_hdfs"]["restart"]["wall_seconds"]
+    spark_batch = runs["groupby_count_hdfs"]["restart_batch_seconds"]
+    return {
+        "state_keys": size,
+        "steady_rows": config.rows_per_batch,
+        "runs": runs,
+        "versus_spark_restart": {
+            system: {
+                "wall_ratio": round(runs[system]["restart"]["wall_seconds"] / spark_wall, 3),
+                "batch_ratio": round(runs[system]["restart_batch_seconds"] / spark_batch, 3),
+            }
+            for system, _, _ in RESTARTS[:2]
+        },
+        "ratio_rule": "ours / Spark's groupBy().count() (HDFS-backed), the restart's wall time from start() to its "
+        "end (batch_ratio: its batch's triggerExecution)",
     }
 
 
@@ -552,6 +699,10 @@ def state_size(spark, config: Config, keys: pa.Array, rng: np.random.Generator, 
 # Report --------------------------------------------------------------------
 
 
+def _at_least(name: str, measured: float, **where) -> dict:
+    return {"target": name, **where, "at_least": TARGETS[name], "measured": measured, "met": measured >= TARGETS[name]}
+
+
 def targets(result: dict) -> list[dict]:
     out = []
     versus = result["throughput"]["by_parallelism"]
@@ -569,6 +720,29 @@ def targets(result: dict) -> list[dict]:
                     "met": measured >= TARGETS[name],
                 }
             )
+    for parallelism, numbers in versus.items():
+        public = numbers.get("keyed_count_public_vs", {}).get("groupby_count_hdfs")
+        if public is not None:
+            out.append(_at_least("public_path_vs_groupby_hdfs", public["ratio"], parallelism=int(parallelism)))
+    over = result.get("connect")
+    if over is not None:
+        for parallelism, numbers in over["throughput"]["by_parallelism"].items():
+            for name, system in (
+                ("connect_vs_groupby_hdfs", "groupby_count_hdfs"),
+                ("connect_vs_transform_with_state", "transform_with_state_in_pandas"),
+            ):
+                out.append(_at_least(name, numbers["keyed_count_vs"][system]["ratio"], parallelism=int(parallelism)))
+        measured = over["restart"]["versus_spark_restart"]["keyed_count_rescaled"]["wall_ratio"]
+        limit = TARGETS["connect_rescaled_restart_vs_spark_restart"]
+        out.append(
+            {
+                "target": "connect_rescaled_restart_vs_spark_restart",
+                "compares": f"{over['restart']['state_keys']:,} keys, parallelism 2 -> 4 vs Spark's 2 -> 2",
+                "at_most": limit,
+                "measured": measured,
+                "met": measured <= limit,
+            }
+        )
     state = result.get("state_size")
     sizes = state["versus_smallest"] if state is not None else {}
     if state is not None and "10000" in state["runs"]:
@@ -737,6 +911,8 @@ def run(spark, config: Config) -> dict:
         if config.distribution == "uniform":  # skewed keys: the throughput alone
             result["state_size"] = state_size(spark, config, keys, rng)
             result["rocksdb_memory"] = rocksdb_memory(spark, config, keys, rng)
+            if config.connect:
+                result["connect"] = connect(config)
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
     result["targets"] = targets(result)
@@ -757,6 +933,8 @@ def _arguments(parser) -> None:
         help="the throughput batches' keys: Zipf-skewed as words in text (results in keyed_zipf*.json, "
         "throughput only)",
     )
+    parser.add_argument("--no-connect", action="store_true", help="without the section over Spark Connect")
+    parser.add_argument("--connect-client", metavar="URL", help=argparse.SUPPRESS)  # ``connect``'s client process
 
 
 def main(argv=None) -> dict:
@@ -767,7 +945,10 @@ def main(argv=None) -> dict:
         argv,
         _arguments,
     )
-    config = replace(config, key_type=args.keys, distribution=args.distribution)
+    config = replace(config, key_type=args.keys, distribution=args.distribution, connect=not args.no_connect)
+    if args.connect_client:
+        print(json.dumps(connect_client(args.connect_client, config)), flush=True)
+        return {}
     variant = ("" if args.keys == common.KEY_TYPES[0] else f"_{args.keys}") + (
         "" if args.distribution == "uniform" else f"_{args.distribution}"
     )

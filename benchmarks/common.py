@@ -145,6 +145,8 @@ def batch_progress(query) -> list[dict]:
     seen: dict[int, dict] = {}
     for p in query.recentProgress:
         rows = p["numInputRows"]
+        if rows is None:  # over Spark Connect: the sources' sum
+            rows = sum(source["numInputRows"] for source in p["sources"])
         if rows == 0 and p["batchId"] in seen:
             continue
         seen[p["batchId"]] = {

@@ -43,10 +43,12 @@ SETTINGS = {
 class ConnectServer:
     """A ``local[2]`` Spark Connect server on ``127.0.0.1:port``, its logs and scratch below ``root``."""
 
-    def __init__(self, root: Path, port: int | None = None):
+    def __init__(self, root: Path, port: int | None = None, *, settings: dict | None = None, paths: tuple = ()):
         self.root = Path(root)
         self.port = port or free_port()
         self.url = f"sc://{LOOPBACK}:{self.port}"
+        self.settings = {**SETTINGS, **(settings or {})}
+        self.paths = (str(REPO), *map(str, paths))  # the Python path of the server's Python processes
         self._proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -58,7 +60,7 @@ class ConnectServer:
             SPARK_LOCAL_IP=LOOPBACK,
             SPARK_LOCAL_DIRS=str(self.root / "local"),
             PYSPARK_PYTHON=sys.executable,
-            PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            PYTHONPATH=os.pathsep.join([*self.paths, *filter(None, [os.environ.get("PYTHONPATH")])]),
         )
         return env
 
@@ -66,7 +68,7 @@ class ConnectServer:
         (self.root / "conf").mkdir(parents=True, exist_ok=True)
         self.starts += 1
         settings = {
-            **SETTINGS,
+            **self.settings,
             "spark.connect.grpc.binding.address": LOOPBACK,
             "spark.connect.grpc.binding.port": str(self.port),
             "spark.driver.host": LOOPBACK,

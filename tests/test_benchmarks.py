@@ -215,6 +215,7 @@ def test_keyed_smoke(keyed):
     rates = keyed["throughput"]["by_parallelism"]["2"]["rows_per_s"]
     assert set(rates) == {
         "keyed_count",
+        "keyed_count_public",
         "groupby_count_rocksdb",
         "groupby_count_hdfs",
         "apply_in_pandas_with_state",
@@ -231,6 +232,16 @@ def test_keyed_smoke(keyed):
     assert keyed["rocksdb_memory"]["num_rows_total"] == 10_000 and keyed["rocksdb_memory"]["sst_bytes_per_key"] > 0
     targets = {t["target"] for t in keyed["targets"]}
     assert {"throughput_vs_groupby_hdfs", "steady_batches_reloading_state", "steady_batch_max_over_median"} <= targets
+    # the public path beside the accelerator, and the Connect column: the same systems' rates over Connect, a
+    # restart at 10k keys rescaled, at the same parallelism, and Spark's
+    assert {"public_path_vs_groupby_hdfs", "connect_vs_groupby_hdfs", "connect_rescaled_restart_vs_spark_restart"} <= (
+        targets
+    )
+    over = keyed["connect"]
+    assert all(r > 0 for r in over["throughput"]["by_parallelism"]["2"]["rows_per_s"].values())
+    restarts = over["restart"]["runs"]
+    assert restarts["keyed_count_rescaled"]["restart"]["parallelism"] == 4
+    assert all(run["restart"]["batches"][-1]["rows"] == 2_000 for run in restarts.values())
     # each batch records what the machine and the JVM took while it ran (a number, 0 when nothing: small runs often
     # collect no garbage in a batch); the slowest steady batch is named with them
     for run in keyed["state_size"]["runs"].values():
