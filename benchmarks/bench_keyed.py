@@ -471,7 +471,9 @@ def connect_client(url: str, config: Config) -> dict:
     rng = np.random.default_rng(20240601)
     keys = config.key_space(max(max(config.state_sizes), config.throughput_keys))
     try:
-        over = replace(config, systems=CONNECT_SYSTEMS, parallelisms=config.parallelisms[:1])
+        # At least three rounds in rotated order: one round's ratio moved 0.80-1.1 between runs here.
+        rounds = config.rounds if config.mode == "smoke" else max(config.rounds, len(CONNECT_SYSTEMS))
+        over = replace(config, systems=CONNECT_SYSTEMS, parallelisms=config.parallelisms[:1], rounds=rounds)
         return {"throughput": throughput(spark, over, keys, rng), "restart": restart(spark, config, keys, rng)}
     finally:
         shutil.rmtree(WORK, ignore_errors=True)

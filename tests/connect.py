@@ -120,13 +120,43 @@ class ConnectServer:
         self.kill()
 
 
-def run_client(server: ConnectServer, scenario: str, timeout: float = 240.0, **arguments) -> dict:
-    """Run ``scenario`` of ``tests/connect_client.py`` against ``server`` in a process of its own; its JSON."""
+PYSPARK_CLIENT = "4.2.0"
+"""The pure-Python Connect client tested (``pyspark-client``: no JVM, no py4j; its newest release)."""
+CLIENT_DIR = REPO / "work-dirs" / f"pyspark-client-{PYSPARK_CLIENT}"
+
+
+def pyspark_client_python() -> Path:
+    """The Python of a virtualenv with ``pyspark-client`` and spark-state (without its ``pyspark``
+    dependency, which ships the same ``pyspark`` package and cannot be installed beside it), made once under
+    ``work-dirs/`` and reused while ``pyproject.toml`` is unchanged."""
+    import hashlib
+
+    python = CLIENT_DIR / "bin" / "python"
+    stamp = CLIENT_DIR / f".installed-{hashlib.sha1((REPO / 'pyproject.toml').read_bytes()).hexdigest()[:16]}"
+    if stamp.exists():
+        return python
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    needs = [d for d in project["dependencies"] if not d.startswith("pyspark")]
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(CLIENT_DIR)], check=True)
+    install = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*install, f"pyspark-client=={PYSPARK_CLIENT}", *needs], check=True, timeout=900)
+    subprocess.run([*install, "--no-deps", "-e", str(REPO)], check=True, timeout=300)
+    stamp.touch()
+    return python
+
+
+def run_client(
+    server: ConnectServer, scenario: str, timeout: float = 240.0, python: Path | None = None, **arguments
+) -> dict:
+    """Run ``scenario`` of ``tests/connect_client.py`` against ``server`` in a process of its own (``python``'s,
+    by default this one's); its JSON."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.pop("SPARK_CONNECT_MODE_ENABLED", None)
     done = subprocess.run(
-        [sys.executable, "-m", "tests.connect_client", server.url, scenario, json.dumps(arguments)],
+        [str(python or sys.executable), "-m", "tests.connect_client", server.url, scenario, json.dumps(arguments)],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -37,12 +37,22 @@ def session(url: str, settings: dict) -> SparkSession:
 
 
 def _report(query) -> dict:
+    import pyspark
+
     error = query.exception()
     return {
         "batches": query.batches,
         "error": None if error is None else f"{type(error).__name__}: {error}"[:3000],
         "run_id": query.run_id,
+        "pyspark": pyspark.__version__,
+        "py4j": _has_py4j(),
     }
+
+
+def _has_py4j() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("py4j") is not None
 
 
 def run(spark, a: dict) -> dict:

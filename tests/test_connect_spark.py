@@ -123,6 +123,26 @@ def test_every_kind_gives_the_classic_results_across_a_restart_at_another_parall
     assert sum(i["restore"]["bytes_read"] for i in restored) > 0  # the restart read the state from the store
 
 
+def test_the_pure_python_pyspark_client_runs_and_restarts_a_keyed_query(server, tmp_path):
+    """``pyspark-client`` (no JVM, no py4j) cannot be installed beside ``pyspark`` (both are the ``pyspark``
+    package): it runs from a virtualenv of its own, against the same server."""
+    from tests.connect import PYSPARK_CLIENT, pyspark_client_python
+
+    python = pyspark_client_python()
+    files = Files(tmp_path)
+    for salt in range(3):
+        files.add(200, 30, salt)
+    common = {"input": str(files.dir), "out": str(tmp_path / "out"), "checkpoint": str(tmp_path / "chk")}
+    first = run_client(server, "run", python=python, kind="count", parallelism=3, **common)
+    assert (first["pyspark"], first["py4j"]) == (PYSPARK_CLIENT, False)
+    for salt in range(3, 5):
+        files.add(200, 30, salt)
+    second = run_client(server, "run", python=python, kind="count", parallelism=2, **common)
+    assert first["error"] is None and second["error"] is None, (first, second)
+    assert [b["parallelism"] for b in first["batches"] + second["batches"]] == [3, 3, 3, 2, 2]
+    assert counts_of(tmp_path / "out") == files.counts()
+
+
 def test_a_live_rescale_through_the_session_conf(server, tmp_path):
     files = Files(tmp_path)
     for salt in range(6):
