@@ -786,13 +786,43 @@ def targets(result: dict) -> list[dict]:
     return out
 
 
+def _plot_connect(ax, over: dict) -> None:
+    """The Connect column: each system's rows/s over Connect, ours' ratio on theirs, and the restart ratios."""
+    numbers = next(iter(over["throughput"]["by_parallelism"].values()))
+    systems = list(numbers["rows_per_s"])
+    ax.bar(range(len(systems)), [numbers["rows_per_s"][s] for s in systems], color="tab:purple")
+    for j, system in enumerate(systems):
+        versus = numbers["keyed_count_vs"].get(system)
+        label = f"ours {versus['ratio']}x" if versus else f"{numbers['rows_per_s'][system]:,}"
+        ax.annotate(
+            label,
+            (j, numbers["rows_per_s"][system]),
+            ha="center",
+            fontsize=8,
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
+    ax.set_xticks(range(len(systems)))
+    ax.set_xticklabels([s.replace("_", "\n", 2) for s in systems], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("rows/s over Spark Connect (log scale)")
+    restart = over["restart"]
+    ratios = "\n".join(f"{s}: {v['wall_ratio']}x" for s, v in restart["versus_spark_restart"].items())
+    ax.set_ylim(bottom=min(numbers["rows_per_s"].values()) / 20)
+    ax.set_xlabel(f"restart at {restart['state_keys']:,} keys, ours / Spark's:\n{ratios}", fontsize=8)
+    ax.set_title("Over Spark Connect: throughput and a restart")
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
+    over = result.get("connect")
+    fig, axes = plt.subplots(1, 5 if over else 4, figsize=(26 if over else 21, 4.8))
+    if over:
+        _plot_connect(axes[4], over)
     ax = axes[0]
     by_p = result["throughput"]["by_parallelism"]
     systems = list(next(iter(by_p.values()))["rows_per_s"])
@@ -832,7 +862,7 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8)
 
     if "state_size" not in result:  # skewed keys: the throughput alone
-        for unused in axes[1:]:
+        for unused in axes[1:4]:
             unused.set_visible(False)
         common.save_figure(fig, path, f"Keyed count, {result['distribution']} keys", result)
         return

@@ -45,6 +45,12 @@ def _optional(name: str, results: Path) -> tuple[dict, str] | None:
     return None
 
 
+def _optional_file(file: str, results: Path) -> tuple[dict, str] | None:
+    """The results in ``file`` (one mode's), or None."""
+    path = results / file
+    return (json.loads(path.read_text()), file) if path.exists() else None
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -459,6 +465,91 @@ def throughput_section(data: dict, file: str) -> list[str]:
             ),
         ]
     out += ["", f"![keyed](../benchmarks/results/{file.replace('.json', '.png')})", ""]
+    return out
+
+
+CONNECT_TARGETS = (
+    "public_path_vs_groupby_hdfs",
+    "connect_vs_groupby_hdfs",
+    "connect_vs_transform_with_state",
+    "connect_rescaled_restart_vs_spark_restart",
+)
+
+
+def connect_section(data: dict, file: str) -> list[str]:
+    """``bench_keyed``'s Connect column and its public path beside the plan accelerator."""
+    over, classic = data["connect"], data["throughput"]["by_parallelism"]
+    t = over["throughput"]
+    systems = list(next(iter(t["by_parallelism"].values()))["rows_per_s"])
+    restart = over["restart"]
+    out = [
+        "## Over Spark Connect, and the public path",
+        "",
+        _source_line(data, file),
+        "",
+        "The same files over a Spark Connect server on this machine (a client process; `docs/connect.md`), "
+        f"{t['rounds']} round{'s' if t['rounds'] > 1 else ''} in rotated order; ratio = ours / theirs over the "
+        "batches both ran.",
+        "",
+        "| parallelism | "
+        + " | ".join(f"{s} rows/s" for s in systems)
+        + " | "
+        + " | ".join(f"ours vs {s}" for s in systems[1:])
+        + " |",
+        "| ---: | " + " | ".join("---:" for _ in systems) + " | " + " | ".join("---:" for _ in systems[1:]) + " |",
+    ]
+    for parallelism, numbers in t["by_parallelism"].items():
+        out.append(
+            f"| {parallelism} | "
+            + " | ".join(f"{numbers['rows_per_s'][s]:,}" for s in systems)
+            + " | "
+            + " | ".join(_x(numbers["keyed_count_vs"][s]["ratio"]) for s in systems[1:])
+            + " |"
+        )
+    runs = restart["runs"]
+    out += [
+        "",
+        f"A restart over Connect with {restart['state_keys']:,} keys of state, its first batch "
+        f"{restart['steady_rows']:,} rows: seconds from `start()` to its end (its batch's `triggerExecution`).",
+        "",
+        "| system | parallelism | restart s (batch s) | vs Spark's restart |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    versus = restart["versus_spark_restart"]
+    for system, run in runs.items():
+        ratio = versus.get(system, {}).get("wall_ratio")
+        out.append(
+            f"| {system} | {run['first']['parallelism']} -> {run['restart']['parallelism']} "
+            f"| {run['restart']['wall_seconds']:.2f} ({run['restart_batch_seconds']:.2f}) "
+            f"| {_x(ratio) if ratio is not None else '1.00x'} |"
+        )
+    public = [
+        f"{_x(n['keyed_count_public_vs']['groupby_count_hdfs']['ratio'])} at parallelism {p} "
+        f"({_x(n['keyed_count_vs']['keyed_count_public']['ratio'])} with the accelerator over without)"
+        for p, n in classic.items()
+        if "keyed_count_public_vs" in n
+    ]
+    if public:
+        out += [
+            "",
+            "On a classic session without the plan accelerator (PySpark's public calls only, as over Connect), "
+            "ours against `groupBy().count()` on the HDFS-backed store: " + ", ".join(public) + ".",
+        ]
+    targets = [t for t in data["targets"] if t["target"] in CONNECT_TARGETS]
+    out += [
+        "",
+        _targets(
+            [
+                {
+                    **t,
+                    "value": f"{t['measured']}"
+                    + (f" at parallelism {t['parallelism']}" if "parallelism" in t else f" ({t.get('compares')})"),
+                }
+                for t in targets
+            ]
+        ),
+        "",
+    ]
     return out
 
 
@@ -1193,6 +1284,11 @@ def render(results: Path = RESULTS) -> str:
     keyed_zipf = _optional("keyed_zipf", results)
     if keyed_zipf is not None:
         lines += skewed_keys_lines(*keyed_zipf)
+    over_connect = next(
+        (found for found in (keyed, _optional_file("keyed.json", results)) if found and "connect" in found[0]), None
+    )
+    if over_connect is not None:
+        lines += connect_section(*over_connect)
     lines += memory_section(*load("memory", results))
     lines += checkpoint_section(*checkpoint)
     lines += manifest_section(*load("manifest", results))
