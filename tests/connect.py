@@ -126,23 +126,50 @@ CLIENT_DIR = REPO / "work-dirs" / f"pyspark-client-{PYSPARK_CLIENT}"
 
 
 def pyspark_client_python() -> Path:
-    """The Python of a virtualenv with ``pyspark-client`` and spark-state (without its ``pyspark``
-    dependency, which ships the same ``pyspark`` package and cannot be installed beside it), made once under
-    ``work-dirs/`` and reused while ``pyproject.toml`` is unchanged."""
-    import hashlib
+    """The Python of a virtualenv with ``pyspark-client``, made once under ``work-dirs/`` and reused.
+
+    ``pyspark-client`` is the same ``pyspark`` package as ``pyspark`` (less the JVM's parts), so it cannot be
+    installed beside it. Its virtualenv takes every other package from this one (a directory of links to this
+    environment's packages, all but ``pyspark`` and ``py4j``, named by a ``.pth`` file), so that only
+    ``pyspark-client`` itself is downloaded.
+    """
+    import sysconfig
 
     python = CLIENT_DIR / "bin" / "python"
-    stamp = CLIENT_DIR / f".installed-{hashlib.sha1((REPO / 'pyproject.toml').read_bytes()).hexdigest()[:16]}"
+    stamp = CLIENT_DIR / ".installed"
     if stamp.exists():
         return python
-    import tomllib
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    needs = [d for d in project["dependencies"] if not d.startswith("pyspark")]
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(CLIENT_DIR)], check=True)
-    install = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*install, f"pyspark-client=={PYSPARK_CLIENT}", *needs], check=True, timeout=900)
-    subprocess.run([*install, "--no-deps", "-e", str(REPO)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(CLIENT_DIR)], check=True)
+    shared = CLIENT_DIR / "shared-site"
+    shared.mkdir()
+    ours = Path(sysconfig.get_paths()["purelib"])
+    for entry in ours.iterdir():
+        if not entry.name.lower().startswith(("pyspark", "py4j", "_distutils_hack", "distutils-precedence")):
+            (shared / entry.name).symlink_to(entry)
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    (site / "spark-state-shared.pth").write_text(f"{shared}\n")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            f"pyspark-client=={PYSPARK_CLIENT}",
+        ],
+        check=True,
+        timeout=600,
+    )
     stamp.touch()
     return python
 
