@@ -104,7 +104,12 @@ def test_every_kind_gives_the_classic_results_across_a_restart_at_another_parall
     files = Files(tmp_path)
     for salt in range(3):
         files.add(300, 40, salt)
-    kinds = ["count", "apply", "timers", "sessions", "deduplicate"]  # sum and ttl take the paths of count and apply
+    kinds = [
+        "count",
+        "apply",
+        "timers",
+        "sessions",
+    ]  # sum, ttl and deduplicate take the paths of count, apply, sessions
     common = {"input": str(files.dir), "out": str(tmp_path / "out"), "checkpoint": str(tmp_path / "chk")}
     first = run_client(server, "run", kinds=kinds, parallelism=3, **common)
     for salt in range(3, 6):
