@@ -52,7 +52,7 @@ def _as_the_benchmarks_session(spark):
     """The benchmarks' session runs without the clock (``common.session``: they count batches as files)."""
     spark.conf.set("spark.state.clock", "false")
     yield
-    spark.conf.unset("spark.state.clock")
+    spark.conf.set("spark.state.clock", "false")  # the test session's too (an unset would leave the default, on)
 
 
 @pytest.fixture(scope="module")

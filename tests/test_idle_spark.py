@@ -43,8 +43,9 @@ def _conf(spark):
     spark.conf.set("spark.state.clock", "true")  # the default, which the test session turns off
     spark.conf.set("spark.state.clockPollSeconds", "0.2")
     yield
-    for key in ("spark.state.parallelism", "spark.state.store", "spark.state.clockPollSeconds", "spark.state.clock"):
+    for key in ("spark.state.parallelism", "spark.state.store", "spark.state.clockPollSeconds"):
         spark.conf.unset(key)
+    spark.conf.set("spark.state.clock", "false")  # the session's (an unset would leave the default, on)
 
 
 def on_order(key, rows, state):

@@ -65,7 +65,9 @@ def clock_on(spark):
     """The query's clock, on by default, which the test session turns off."""
     spark.conf.set("spark.state.clock", "true")
     yield
-    spark.conf.unset("spark.state.clock")
+    # Back to the test session's: an unset drops the builder's setting too, which leaves the default (on) to the
+    # worker's later tests (a drain test then raced the clock's batch against its next file).
+    spark.conf.set("spark.state.clock", "false")
 
 
 def test_sessions_through_a_failed_driver_a_restart_a_live_rescale_and_a_drain_equal_a_batch_computation(
