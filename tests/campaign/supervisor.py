@@ -676,7 +676,11 @@ class Campaign:
         *,
         max_records: int | None = None,
         bound: float | None = None,
+        rows_after_drain: bool = True,
     ) -> None:
+        """One cycle of ``query``'s driver with fault ``kind``. A drain (``kind="drain"``) gets new rows right after
+        its request unless not ``rows_after_drain`` (the final drains: their drained batch must end at the end of
+        the log, and the query's clock may run it before rows appended after the request arrive)."""
         parallelism = self.rng.randint(1, self.max_parallelism)
         live = None
         if self.rng.random() < 0.3:
@@ -769,7 +773,8 @@ class Campaign:
                     while process.poll() is None and not (control / "drain-requested").exists() and _now() < deadline:
                         time.sleep(0.1)
                     if (control / "drain-requested").exists():
-                        self.events.append(self.rng.randint(5, 30))
+                        if rows_after_drain:
+                            self.events.append(self.rng.randint(5, 30))
                         injected.append("drain")
                 else:
                     (control / "finish").write_text("")
@@ -1137,6 +1142,7 @@ class Campaign:
                 "drain",
                 max_records=FINAL_DRAIN_RECORDS,
                 bound=self.cycle_timeout + backlog / FINAL_DRAIN_EVENTS_PER_S,
+                rows_after_drain=False,
             )
             self.faults["drain"] -= 1 if json.loads((cycle_dir / "cycle.json").read_text())["injected"] else 0
             query.runs += 1
