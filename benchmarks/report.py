@@ -361,6 +361,27 @@ def long_keys_lines(data: dict, file: str) -> list[str]:
     ]
 
 
+def _rates_table(by_parallelism: dict, systems: list[str]) -> list[str]:
+    """Rows/s per system and ours' ratio on each other system, one row per parallelism (``bench_keyed``)."""
+    rows = [
+        "| parallelism | "
+        + " | ".join(f"{s} rows/s" for s in systems)
+        + " | "
+        + " | ".join(f"ours vs {s}" for s in systems[1:])
+        + " |",
+        "| ---: | " + " | ".join("---:" for _ in systems) + " | " + " | ".join("---:" for _ in systems[1:]) + " |",
+    ]
+    for parallelism, numbers in by_parallelism.items():
+        rows.append(
+            f"| {parallelism} | "
+            + " | ".join(f"{numbers['rows_per_s'][s]:,}" for s in systems)
+            + " | "
+            + " | ".join(_x(numbers["keyed_count_vs"][s]["ratio"]) for s in systems[1:])
+            + " |"
+        )
+    return rows
+
+
 def throughput_section(data: dict, file: str) -> list[str]:
     t = data["throughput"]
     systems = list(next(iter(t["by_parallelism"].values()))["rows_per_s"])
@@ -372,21 +393,8 @@ def throughput_section(data: dict, file: str) -> list[str]:
         f"Rows/s of a running count per key over the same files ({t['distinct_keys']:,} keys, "
         f"{t['rows_per_batch']:,}-row batches); ratio = ours / theirs over the batches both ran.",
         "",
-        "| parallelism | "
-        + " | ".join(f"{s} rows/s" for s in systems)
-        + " | "
-        + " | ".join(f"ours vs {s}" for s in systems[1:])
-        + " |",
-        "| ---: | " + " | ".join("---:" for _ in systems) + " | " + " | ".join("---:" for _ in systems[1:]) + " |",
+        *_rates_table(t["by_parallelism"], systems),
     ]
-    for parallelism, numbers in t["by_parallelism"].items():
-        out.append(
-            f"| {parallelism} | "
-            + " | ".join(f"{numbers['rows_per_s'][s]:,}" for s in systems)
-            + " | "
-            + " | ".join(_x(numbers["keyed_count_vs"][s]["ratio"]) for s in systems[1:])
-            + " |"
-        )
     limits = {s: n for s, n in t["measured_batches_by_system"].items() if n < t["measured_batches"]}
     if limits:
         out += [
@@ -491,21 +499,8 @@ def connect_section(data: dict, file: str) -> list[str]:
         f"{t['rounds']} round{'s' if t['rounds'] > 1 else ''} in rotated order; ratio = ours / theirs over the "
         "batches both ran.",
         "",
-        "| parallelism | "
-        + " | ".join(f"{s} rows/s" for s in systems)
-        + " | "
-        + " | ".join(f"ours vs {s}" for s in systems[1:])
-        + " |",
-        "| ---: | " + " | ".join("---:" for _ in systems) + " | " + " | ".join("---:" for _ in systems[1:]) + " |",
+        *_rates_table(t["by_parallelism"], systems),
     ]
-    for parallelism, numbers in t["by_parallelism"].items():
-        out.append(
-            f"| {parallelism} | "
-            + " | ".join(f"{numbers['rows_per_s'][s]:,}" for s in systems)
-            + " | "
-            + " | ".join(_x(numbers["keyed_count_vs"][s]["ratio"]) for s in systems[1:])
-            + " |"
-        )
     runs = restart["runs"]
     out += [
         "",

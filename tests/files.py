@@ -29,3 +29,22 @@ def publish(table: pa.Table, path: Path, index: int) -> None:
     pq.write_table(table, hidden)
     os.utime(hidden, (BASE_MTIME + index, BASE_MTIME + index))
     os.rename(hidden, path)
+
+
+def append_users(log: str, users: list[str]) -> None:
+    """Append ``users`` to the ``replayable`` log at ``log`` (created with 2 splits), half to each split."""
+    from datasources.log import ReplayableLog
+    from datasources.logindex import LogMeta
+    from spark_state.storage.local import LocalStorage
+
+    schema = pa.schema([pa.field("user", pa.string())])
+    storage = LocalStorage(log)
+    replayable = (
+        ReplayableLog.open(storage)
+        if storage.exists("_log.json")
+        else ReplayableLog.create(storage, LogMeta("events", 2, schema))
+    )
+    writer = replayable.segment_writer(order=0, max_records=1_000_000)
+    for split in (0, 1):
+        writer.add(split, pa.record_batch([pa.array(users[split::2], pa.string())], schema=schema))
+    replayable.append(writer.finish())

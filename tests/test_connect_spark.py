@@ -24,7 +24,7 @@ from spark_state.store.manifestlog import open_manifest_log
 from spark_state.store.savepoints import create_savepoint
 from tests import connect_queries as queries
 from tests.connect import REPO, ConnectServer, run_client
-from tests.files import publish
+from tests.files import append_users, publish
 
 pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
@@ -202,37 +202,19 @@ def test_a_drain_on_an_idle_source_completes_through_the_clock(server, tmp_path)
     assert {row[0] for row in quiet} == {user for rows in files.batches for user, _, _ in rows}  # every timer fired
 
 
-def _append(log: str, users: list[str]) -> None:
-    from datasources.log import ReplayableLog
-    from datasources.logindex import LogMeta
-    from spark_state.storage.local import LocalStorage
-
-    schema = pa.schema([pa.field("user", pa.string())])
-    storage = LocalStorage(log)
-    replayable = (
-        ReplayableLog.open(storage)
-        if storage.exists("_log.json")
-        else ReplayableLog.create(storage, LogMeta("events", 2, schema))
-    )
-    writer = replayable.segment_writer(order=0, max_records=1_000_000)
-    for split in (0, 1):
-        writer.add(split, pa.record_batch([pa.array(users[split::2], pa.string())], schema=schema))
-    replayable.append(writer.finish())
-
-
 def test_replayable_source_and_sink_a_savepoint_and_the_state_reader(server, spark, tmp_path):
     """A start from a savepoint cannot be checked over Connect (its first batch's start offsets are the JVM's):
     refused at ``start()`` with the way round, a first batch on a classic session; the query then goes on over
     Connect at another parallelism, and the store reads back over Connect with ``format("spark-state")``."""
     log = str(tmp_path / "events")
     batches = [[f"u{(i * 7 + b) % 23}" for i in range(300)] for b in range(3)]
-    _append(log, batches[0])
+    append_users(log, batches[0])
     common = {"log": log, "out": str(tmp_path / "out-a"), "checkpoint": str(tmp_path / "chk-a")}
     first = run_client(server, "replayable", store=str(tmp_path / "a"), parallelism=3, **common)
     assert first["error"] is None and first["state"] == Counter(batches[0]), first
     assert {b["parallelism"] for b in first["batches"]} == {3} and len(first["batches"]) == 2  # 150 rows a batch
     savepoint = create_savepoint(open_manifest_log(str(tmp_path / "a")), "sp", reason="connect test")
-    _append(log, batches[1])
+    append_users(log, batches[1])
     from_savepoint = {"log": log, "out": str(tmp_path / "out-b"), "checkpoint": str(tmp_path / "chk-b")}
     uri = f"{tmp_path / 'a'}/savepoints/{savepoint.name}"
     refused = run_client(
@@ -244,7 +226,7 @@ def test_replayable_source_and_sink_a_savepoint_and_the_state_reader(server, spa
     # the first batch from the savepoint on the classic session, then on over Connect at another parallelism
     classic = _classic_replayable(spark, log, tmp_path / "b", tmp_path / "chk-b", uri, parallelism=2)
     assert classic == 1
-    _append(log, batches[2])
+    append_users(log, batches[2])
     second = run_client(server, "replayable", store=str(tmp_path / "b"), parallelism=5, **from_savepoint)
     assert second["error"] is None, second
     assert {b["parallelism"] for b in second["batches"]} == {5}

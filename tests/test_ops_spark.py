@@ -24,6 +24,7 @@ from spark_state.errors import IncompatibleSchemaError, SavepointMismatchError
 from spark_state.ops.reader import read_changes, read_state
 from spark_state.store.manifestlog import open_manifest_log
 from spark_state.store.restore import MAX_OVERREAD
+from tests.files import append_users
 from tests.test_keyed_spark import Job
 
 pytestmark = pytest.mark.spark
@@ -267,27 +268,6 @@ def test_cli_on_a_store_on_hdfs(spark, tmp_path):
 # --------------------------------------------------------------------------- savepoints and schema evolution
 
 
-def _append(log: str, users: list[str]) -> None:
-    """Append ``users`` to the ``replayable`` log at ``log`` (created with 2 splits), half to each split."""
-    import pyarrow as pa
-
-    from datasources.log import ReplayableLog
-    from datasources.logindex import LogMeta
-    from spark_state.storage.local import LocalStorage
-
-    schema = pa.schema([pa.field("user", pa.string())])
-    storage = LocalStorage(log)
-    replayable = (
-        ReplayableLog.open(storage)
-        if storage.exists("_log.json")
-        else ReplayableLog.create(storage, LogMeta("events", 2, schema))
-    )
-    writer = replayable.segment_writer(order=0, max_records=1_000_000)
-    for split in (0, 1):
-        writer.add(split, pa.record_batch([pa.array(users[split::2], pa.string())], schema=schema))
-    replayable.append(writer.finish())
-
-
 def test_a_query_started_from_a_savepoint_continues_with_exact_output(spark, tmp_path):
     log, store_a, store_b = str(tmp_path / "events"), str(tmp_path / "a"), str(tmp_path / "b")
     latest: dict[str, int] = {}
@@ -315,10 +295,10 @@ def test_a_query_started_from_a_savepoint_continues_with_exact_output(spark, tmp
         return query
 
     batches = [[f"u{(i * 7 + b) % 23}" for i in range(300)] for b in range(2)]
-    _append(log, batches[0])
+    append_users(log, batches[0])
     start(str(tmp_path / "chk-a"), store_a, 3)  # two micro-batches of 150 rows: checkpoints 0 and 1
     savepoint = cli_json("savepoint", "create", store_a, "sp", "--checkpoint", "0")["uri"]
-    _append(log, batches[1])
+    append_users(log, batches[1])
     start(str(tmp_path / "chk-a"), store_a, 3)  # the old query goes on: checkpoint 0 leaves retention
     assert latest == Counter(u for rows in batches for u in rows)
     assert open_manifest_log(store_a).restorable() == {3: [], 2: [], 0: ["sp"]}
