@@ -132,7 +132,7 @@ def _forked_host(store: Path):
 def test_the_hosts_directory_is_made_private_whatever_the_umask_and_so_are_their_files(base, tmp_path):
     with _forked_host(tmp_path / "state") as (address, host):
         directory = address.parent
-        assert directory == base / f"spark-state-{os.getuid()}" / str(os.getpid())
+        assert directory == base / f"spark-state-{os.getuid()}" / host_trust.executor_name(os.getpid())
         for level in (directory, directory.parent):
             info = os.lstat(level)
             assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700, oct(info.st_mode)
@@ -182,14 +182,33 @@ def test_spark_s_local_directory_holds_the_hosts_when_their_paths_fit_there(base
     local = base / "blockmgr-0f1e2d3c"  # as in local mode: /tmp/blockmgr-<uuid>
     local.mkdir(mode=0o755)
     monkeypatch.setenv("SPARK_LOCAL_DIRS", f"{local},/elsewhere")
-    assert naming.host_address(4242, "/store", "c", 3).parent == local / f"spark-state-{os.getuid()}" / "4242"
+    assert naming.host_address(
+        4242, "/store", "c", 3
+    ).parent == local / f"spark-state-{os.getuid()}" / host_trust.executor_name(4242)
     host_trust.forget_directories()
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
     monkeypatch.setenv("SPARK_LOCAL_DIRS", str(deep))  # its socket paths would not fit AF_UNIX: the base instead
     address = naming.host_address(4243, "/store", "c", 3)
-    assert address.parent == base / f"spark-state-{os.getuid()}" / "4243"
+    assert address.parent == base / f"spark-state-{os.getuid()}" / host_trust.executor_name(4243)
     assert len(os.fsencode(address)) <= host_trust.MAX_SOCKET_PATH
+
+
+def test_a_daemon_given_a_dead_one_s_pid_never_meets_the_dead_one_s_hosts(base):
+    """Pids wrap (at 32768 on this machine): an executor's directory names its daemon's start too, so a later
+    daemon with the same pid gets a directory of its own, and the dead one's is removed as dead."""
+    name = host_trust.executor_name(os.getpid())
+    pid, _, started = name.partition("-")
+    assert pid == str(os.getpid()) and started, name  # Linux tells when a process started
+    before = host_trust._base36(int(started, 36) - 1)
+    earlier = f"{pid}-{before}"  # the same pid, given to a process that started before this one
+    assert host_trust.executor_alive(name) and not host_trust.executor_alive(earlier)
+    assert serving.alive(os.getpid(), started) and not serving.alive(os.getpid(), before)
+    address = naming.host_address(os.getpid(), "/store", "c", 0)
+    root = address.parent.parent
+    (root / earlier).mkdir(mode=0o700)
+    process.remove_dead_executors(root)
+    assert not (root / earlier).exists() and address.parent.is_dir()
 
 
 def test_a_temporary_directory_too_long_for_a_socket_path_is_a_typed_error(base, monkeypatch, tmp_path):
@@ -230,7 +249,9 @@ def test_another_user_cannot_connect_to_a_running_host(base, tmp_path, attacker)
 def test_another_user_s_directory_and_socket_planted_before_the_query_starts_are_never_used(base, attacker):
     """The attack that ran code in a worker: the other user makes the hosts' directory first and binds a socket
     where the worker would look for its host; the worker refuses the directory and sends nothing there."""
-    address = base / f"spark-state-{os.getuid()}" / str(os.getpid()) / naming.host_name("/store", "c", 0)
+    address = (
+        base / f"spark-state-{os.getuid()}" / host_trust.executor_name(os.getpid()) / naming.host_name("/store", "c", 0)
+    )
     got = base / "what-the-attacker-got"
     attack = subprocess.Popen(
         [

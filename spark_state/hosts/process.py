@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shutil
 import traceback
 from pathlib import Path
 
-from spark_state.hosts import listening, serving
+from spark_state.hosts import listening, serving, trust
+
+EXECUTOR_NAME = re.compile(r"\d+(-[0-9a-z]+)?")
+"""The name of an executor's directory (``trust.executor_name``)."""
 
 _WORKER_FROZEN = False
 """Whether this process froze its objects as a worker (``freeze_worker``)."""
@@ -139,5 +143,5 @@ def remove_dead_executors(root: Path) -> None:
     if not root.is_dir():
         return
     for directory in root.iterdir():
-        if directory.name.isdigit() and not serving.alive(int(directory.name)):
+        if EXECUTOR_NAME.fullmatch(directory.name) and not trust.executor_alive(directory.name):
             shutil.rmtree(directory, ignore_errors=True)

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from spark_state.hosts import adoption, listening, naming, policy, tasks, wire
+from spark_state.hosts import adoption, listening, naming, policy, tasks, trust, wire
 
 ACCEPT_SECONDS = 1.0
 """How often a host waiting for a task checks its executor, its idle time and its store."""
@@ -23,14 +23,9 @@ STACKS_SIGNAL = signal.SIGUSR1
 """Makes a host write its threads' stacks to its log (``faulthandler``); sent by a worker that waits long."""
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def alive(pid: int, started: str | None = None) -> bool:
+    """Whether process ``pid`` runs, and, given ``started`` (``trust.process_started``), is still that process."""
+    return trust.process_alive(pid) and (started is None or trust.process_started(pid) == started)
 
 
 def serve(
@@ -51,6 +46,7 @@ def serve(
     if listener is None:
         listener = listening.bound(address)
     inode = os.stat(address).st_ino
+    daemon_started = trust.process_started(daemon_pid)  # the daemon runs: it started the worker that forked this
     try:  # from here on, however the host leaves (a signal while it starts included), its socket goes with it
         listener.settimeout(ACCEPT_SECONDS)
         from spark_state.executor import resident
@@ -67,7 +63,7 @@ def serve(
         last_start: float | None = None
         while (
             _SIGNALLED is None
-            and alive(daemon_pid)
+            and alive(daemon_pid, daemon_started)
             and time.monotonic() - last_task < policy.idle_limit(gaps, idle_seconds)
         ):
             try:

@@ -6,7 +6,11 @@ the query's user. So nothing may reach either end but processes of the same
 executor. Three checks, each enough to keep another user of the machine out:
 
 1. **Place.** An executor's sockets, locks, logs and key live in a private
-   directory, ``<base>/spark-state-<uid>/<daemon pid>/``. ``base`` is
+   directory, ``<base>/spark-state-<uid>/<daemon>/``, ``<daemon>`` naming
+   the executor's Python daemon by its pid and, where the system tells
+   (Linux), when it started (``executor_name``): pids wrap (at 32768 by
+   default on many kernels), and a daemon given a dead one's pid must not
+   meet the dead one's hosts, whose key is not its own. ``base`` is
    Spark's local directory of the executor (the first of
    ``SPARK_LOCAL_DIRS``, which Spark removes with the executor) when the
    longest socket path there fits ``AF_UNIX`` (``MAX_SOCKET_PATH``), else
@@ -92,9 +96,57 @@ def socket_directory(daemon_pid: int) -> Path:
     once per process (see the module docstring), ``UnsafeHostDirectoryError`` if it cannot be private."""
     directory = _DIRECTORIES.get(daemon_pid)
     if directory is None or directory[0] != os.getpid():
-        path = _private_levels(_base(), (f"spark-state-{os.getuid()}", str(daemon_pid)))
+        path = _private_levels(_base(), (f"spark-state-{os.getuid()}", executor_name(daemon_pid)))
         directory = _DIRECTORIES[daemon_pid] = (os.getpid(), path)
     return directory[1]
+
+
+def executor_name(daemon_pid: int) -> str:
+    """The name of the private directory of the executor whose Python daemon is ``daemon_pid``: ``<pid>-<start>``,
+    ``<start>`` when the process started (``process_started``), or ``<pid>`` where the system does not tell."""
+    started = process_started(daemon_pid)
+    return str(daemon_pid) if started is None else f"{daemon_pid}-{started}"
+
+
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    text = ""
+    while True:
+        number, digit = divmod(number, 36)
+        text = digits[digit] + text
+        if number == 0:
+            return text
+
+
+def executor_alive(name: str) -> bool:
+    """Whether the Python daemon that directory ``name`` (``executor_name``) is of still runs: its pid is alive
+    and, where the name says when it started, is still that process (not a later one given the same pid)."""
+    pid, _, started = name.partition("-")
+    if not pid.isdigit() or not process_alive(int(pid)):
+        return False
+    return not started or process_started(int(pid)) == started
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def process_started(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``) written in base
+    36 (short: it is part of socket paths), or None where there is no ``/proc`` or no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()  # the command, field 2, may hold spaces and ')'
+    except (OSError, IndexError):
+        return None
+    return _base36(int(fields[19])) if len(fields) > 19 else None  # fields[0] is field 3
 
 
 _DIRECTORIES: dict[int, tuple[int, Path]] = {}
@@ -109,7 +161,8 @@ def forget_directories() -> None:
 
 def _base() -> Path:
     """Spark's local directory of this executor when the hosts' socket paths fit there, else the temporary one."""
-    room = len("/spark-state-/") + len(str(os.getuid())) + 10 + 1 + LONGEST_SOCKET_NAME  # uid, a daemon pid
+    # the uid; a daemon's pid (at most 2**22) and start (8 digits of base 36 last 80 years at 1,000 ticks a second)
+    room = len("/spark-state-/") + len(str(os.getuid())) + 7 + 1 + 8 + 1 + LONGEST_SOCKET_NAME
     local = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0].strip()
     if local and os.path.isabs(local) and os.path.isdir(local) and len(os.fsencode(local)) + room <= MAX_SOCKET_PATH:
         return Path(local)
