@@ -297,17 +297,24 @@ def _threaded_host(directory: Path):
     """The real serving loop (the real ``_serve_task``, which unpickles its task) at ``directory/q-0.sock`` in a
     thread; yields its address. Ends once the test's connections are done and it idles out."""
     address = directory / "q-0.sock"
+    in_loop = threading.Event()  # set once it checks its daemon: it listens from then on
+    checked = serving.alive
+
+    def alive(pid, started=None):
+        in_loop.set()
+        return checked(pid, started)
+
+    serving.alive = alive
     server = threading.Thread(
         target=serving.serve, args=(address, os.getpid()), kwargs={"idle_seconds": 1.0}, daemon=True
     )
     server.start()
-    deadline = time.monotonic() + 5
-    while not address.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
     try:
+        assert in_loop.wait(5), "the host did not start serving"
         yield address
     finally:
         server.join(timeout=10)
+        serving.alive = checked
 
 
 @pytest.mark.parametrize("attempt", ["no handshake", "a wrong key", "a replayed proof"])

@@ -7,8 +7,10 @@ where its source starts (offsets, or ``checkpoint``: a query started from a
 savepoint reads from its store's first checkpoint), the state store, Spark's
 checkpoint location, the sink (a replayable log), the parallelism and an
 optional live change, Spark's master and settings. The
-query runs with the default trigger; the driver watches the files the
-supervisor drops into ``control/``:
+query runs with the default trigger, or the spec's (a processing-time
+interval: under dynamic allocation, gaps in which executors idle; the driver
+then writes the executors it sees to ``control/executors.json``); the driver
+watches the files the supervisor drops into ``control/``:
 
 - ``finish``: process everything available, stop, exit 0;
 - ``stop``: stop the query at once (a clean stop, mid-batch or not), exit 0;
@@ -87,6 +89,33 @@ def build(shape: str, events):
     raise ValueError(f"unknown shape {shape!r}")
 
 
+class _Executors:
+    """The executors Spark runs (its ids, over py4j: a test's view), written to ``control/executors.json`` when
+    they change: those at the start, every one seen, and those removed since."""
+
+    def __init__(self, spark, control: Path):
+        self.context, self.path = spark.sparkContext._jsc.sc(), control / "executors.json"
+        self.first = self.now()
+        self.seen, self.removed = list(self.first), []
+        self.write()
+
+    def now(self) -> list[str]:
+        ids = self.context.getExecutorIds().mkString(",")
+        return [i for i in ids.split(",") if i]
+
+    def poll(self) -> None:
+        now = self.now()
+        gone = [e for e in self.seen if e not in now and e not in self.removed]
+        new = [e for e in now if e not in self.seen]
+        if gone or new:
+            self.removed += gone
+            self.seen += new
+            self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps({"first": self.first, "seen": self.seen, "removed": self.removed}))
+
+
 def run(spec: dict) -> int:
     from pyspark.sql import SparkSession
 
@@ -115,20 +144,25 @@ def run(spec: dict) -> int:
         events = reader.load().selectExpr(
             "key", "value", "event_time", "seq", "split AS src_split", "offset AS src_offset"
         )
-        query = (
+        writer = (
             build(spec["shape"], events)
             .writeStream.format("replayable")
             .option("path", spec["out"])
             .option("keyColumn", "key")
             .option("checkpointLocation", spec["checkpoint"])
-            .start()
         )
+        if spec.get("trigger"):
+            writer = writer.trigger(processingTime=spec["trigger"])
+        query = writer.start()
+        executors = _Executors(spark, control) if spec["conf"].get("spark.dynamicAllocation.enabled") else None
         (control / "started").write_text(str(query.run_id))
         if spec.get("stop_at_start"):  # a stop before the first batch: every later start must still work
             query.stop()
             return 0
         changed = spec.get("live_change") is None
         while query.isActive:
+            if executors is not None:
+                executors.poll()
             if not changed and len(query.batches) >= spec["live_change"][1]:
                 query.set_parallelism(spec["live_change"][0])
                 changed = True

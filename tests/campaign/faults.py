@@ -21,6 +21,7 @@ refusals ``delete_newest_record`` and ``second_checkpoint``, ``drain``,
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -46,6 +47,10 @@ DESCRIPTIONS = {
     "kill_worker": "SIGKILL of a Python worker",
     "kill_host": "SIGKILL of an instance host, one running a task if any",
     "kill_executor": "SIGKILL of an executor of a standalone cluster",
+    "decommission_executor": "an executor of a standalone cluster decommissioned (SIGPWR, with "
+    "spark.decommission.enabled): it takes no more tasks and leaves; the master starts another",
+    "dynamic_allocation": "a query on a standalone cluster under dynamic allocation with a trigger gap: Spark "
+    "removes executors idle between batches and adds executors for the next ones",
     "clean_stop": "the driver stops its query (query.stop) at a random moment",
     "drain": "a drain requested while the query runs",
     "fail_write": "a storage create fails with an I/O error",
@@ -71,7 +76,15 @@ KILLS = (
 )
 STORAGE = ("fail_write", "fail_read", "enospc", "stall", "truncate")
 REFUSALS = ("delete_newest_record", "second_checkpoint")
-FAULT_KINDS = KILLS + ("kill_executor", "clean_stop", "drain", "stop_before_first_batch") + STORAGE + REFUSALS
+CLUSTER = ("kill_executor", "decommission_executor", "dynamic_allocation")
+"""Kinds whose cycle runs its driver on a standalone cluster of one-core executors (``tests.cluster``)."""
+FAULT_KINDS = (
+    KILLS
+    + ("kill_executor", "clean_stop", "drain", "stop_before_first_batch")
+    + STORAGE
+    + REFUSALS
+    + ("decommission_executor", "dynamic_allocation")
+)
 SAVEPOINT_KINDS = ("savepoint", "fork")
 """With ``--savepoints``: a savepoint created while the query runs, and a new query forked from one."""
 assert set(DESCRIPTIONS) == set(FAULT_KINDS + SAVEPOINT_KINDS), "every fault kind is described"
@@ -127,6 +140,26 @@ def _kill_executor(moment: Moment) -> str | None:
     return f"executor {executor}"
 
 
+def _decommission_executor(moment: Moment) -> str | None:
+    executor = moment.campaign.executor(moment.cluster)
+    if executor is None:
+        return None
+    os.kill(executor, signal.SIGPWR)  # Spark's executor decommission signal (spark.executor.decommission.signal)
+    return f"decommissioned executor {executor}"
+
+
+def _dynamic_allocation(moment: Moment) -> str | None:
+    """Injected once the driver saw Spark remove an executor and add one (``control/executors.json``)."""
+    path = moment.control / "executors.json"
+    if not path.exists():
+        return None
+    seen = json.loads(path.read_text())
+    added = [e for e in seen["seen"] if e not in seen["first"]]
+    if not (added and seen["removed"]):
+        return None
+    return f"executors removed {seen['removed']}, added {added}"
+
+
 def _clean_stop(moment: Moment) -> str | None:
     if not moment.query_started:
         return None
@@ -140,6 +173,8 @@ TIMED: dict[str, Callable[[Moment], str | None]] = {
     "kill_worker": _kill_worker,
     "kill_host": _kill_host,
     "kill_executor": _kill_executor,
+    "decommission_executor": _decommission_executor,
+    "dynamic_allocation": _dynamic_allocation,
     "clean_stop": _clean_stop,
 }
 """Kinds injected at a random moment of the run; each returns what it injected, None to try again."""

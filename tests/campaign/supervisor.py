@@ -92,6 +92,7 @@ from spark_state.store.manifestlog import ManifestReader, manifest_path
 from spark_state.store.savepoints import Savepoints, parse_savepoint_uri
 from tests.campaign.events import EventLog
 from tests.campaign.faults import (
+    CLUSTER,
     FAULT_KINDS,
     PATTERNS,
     SAVEPOINT_KINDS,
@@ -322,7 +323,8 @@ class Campaign:
         head = plan[: self.cycles]
         self.rng.shuffle(head)
         if per_kind == 0:  # a short run: as many different kinds as there are cycles
-            head = self.rng.sample([k for k in kinds if k != "kill_executor"], min(self.cycles, len(kinds) - 1))
+            local = [k for k in kinds if k not in CLUSTER]
+            head = self.rng.sample(local, min(self.cycles, len(local)))
             head += [None] * (self.cycles - len(head))
         return head
 
@@ -388,6 +390,7 @@ class Campaign:
         out=None,
         cluster=None,
         max_records: int | None = None,
+        dynamic: bool = False,
     ) -> Path:
         conf = {
             "spark.master": "local[2,4]",
@@ -408,6 +411,21 @@ class Campaign:
             conf.update(cluster.driver_conf())
             conf["spark.task.maxFailures"] = "4"
             conf["spark.state.sharedLocalStore"] = "true"  # the cluster's workers run on this machine
+            conf["spark.decommission.enabled"] = "true"  # an executor sent SIGPWR leaves gracefully
+        if cluster is not None and dynamic:  # executors removed when idle 1 s between batches, added for the next
+            conf.update(
+                {
+                    "spark.dynamicAllocation.enabled": "true",
+                    "spark.dynamicAllocation.shuffleTracking.enabled": "true",
+                    "spark.dynamicAllocation.shuffleTracking.timeout": "1s",
+                    "spark.dynamicAllocation.executorIdleTimeout": "1s",
+                    "spark.dynamicAllocation.schedulerBacklogTimeout": "1s",
+                    "spark.dynamicAllocation.sustainedSchedulerBacklogTimeout": "1s",
+                    "spark.dynamicAllocation.minExecutors": "1",
+                    "spark.dynamicAllocation.initialExecutors": str(cluster.workers),
+                    "spark.dynamicAllocation.maxExecutors": str(cluster.workers),
+                }
+            )
         conf.update(
             {
                 "spark.state.parallelism": str(parallelism),
@@ -435,6 +453,7 @@ class Campaign:
             "starting_offsets": "checkpoint" if query.origin else {str(s): o for s, o in query.starting.items()},
             "max_records_per_batch": max_records or self.rng.choice([500, 1500, 4000]),
             "live_change": live_change,
+            "trigger": "4 seconds" if dynamic else None,  # gaps in which executors idle
             "control": str(control),
             "conf": conf,
         }
@@ -517,7 +536,7 @@ class Campaign:
             kind = None
         if kind == "second_checkpoint" and not self.refusal_applies(query):
             kind = None
-        if kind == "kill_executor" and not self.cluster_cycles:
+        if kind in CLUSTER and not self.cluster_cycles:
             kind = None
         self.planned[kind or "none"] += 1
         if kind in ("delete_newest_record", "second_checkpoint"):
@@ -685,13 +704,21 @@ class Campaign:
         live = None
         if self.rng.random() < 0.3:
             live = [self.rng.randint(1, self.max_parallelism), self.rng.randint(1, 3)]
-        cluster = self.ensure_cluster() if kind == "kill_executor" else None
+        cluster = self.ensure_cluster() if kind in CLUSTER else None
         if kind in PATTERNS:
             (query.checkpoint / PATTERNS[kind][0]).mkdir(parents=True, exist_ok=True)
         plan = self.storage_plan(query, cycle_dir, kind) if uses_storage_plan(kind) else None
         if kind == "fork" and self.rng.random() < 0.5:  # killed at its store's 1st-3rd file: mostly in the copy
             plan = self.storage_plan(query, cycle_dir, "kill_after_blob")
-        spec = self.spec(query, cycle_dir, parallelism, live_change=live, cluster=cluster, max_records=max_records)
+        spec = self.spec(
+            query,
+            cycle_dir,
+            parallelism,
+            live_change=live,
+            cluster=cluster,
+            max_records=max_records,
+            dynamic=kind == "dynamic_allocation",
+        )
         if kind == "stop_before_first_batch":
             spec.write_text(json.dumps({**json.loads(spec.read_text()), "stop_at_start": True}))
         before = committed_batches(query.checkpoint)
@@ -730,7 +757,8 @@ class Campaign:
             threads.append(threading.Thread(target=killer, args=(str(query.checkpoint / sub), pattern), daemon=True))
         for thread in threads:
             thread.start()
-        run_for = self.rng.uniform(1.0, 6.0)
+        # under dynamic allocation, long enough for Spark to remove an idle executor and start another
+        run_for = self.rng.uniform(25.0, 40.0) if kind == "dynamic_allocation" else self.rng.uniform(1.0, 6.0)
         deadline = started + (bound or self.cycle_timeout)
         early = self.rng.random() < 0.2  # a timed fault during start-up, else while batches run
         fault_delay = self.rng.uniform(1.0, 8.0) if early else self.rng.uniform(0.0, run_for + 2.0)
@@ -1173,7 +1201,7 @@ class Campaign:
 
     def kinds(self) -> list[str]:
         """The fault kinds this run may inject."""
-        kinds = [k for k in FAULT_KINDS if self.cluster_cycles or k != "kill_executor"]
+        kinds = [k for k in FAULT_KINDS if self.cluster_cycles or k not in CLUSTER]
         return kinds + list(SAVEPOINT_KINDS) if getattr(self, "use_savepoints", False) else kinds
 
     def command(self) -> str:
