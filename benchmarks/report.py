@@ -1214,6 +1214,20 @@ def campaign_hosts_lines(data: dict, file: str) -> list[str]:
     )
 
 
+def campaign_cluster_lines(data: dict, file: str) -> list[str]:
+    """A run of the cluster kinds: executors killed, decommissioned, and removed and added by dynamic allocation."""
+    faults = data["faults"]
+    return campaign_run_lines(
+        data,
+        file,
+        "On a cluster",
+        f"{data['queries']} queries on a standalone cluster of 2 one-core executors: "
+        f"{faults.get('kill_executor', 0)} executors killed, {faults.get('decommission_executor', 0)} "
+        f"decommissioned and {faults.get('dynamic_allocation', 0)} runs under dynamic allocation in which Spark "
+        "removed an idle executor and added another",
+    )
+
+
 def campaign_memory_lines(data: dict, file: str) -> list[str]:
     """A run with every query under a memory bound far below its state (evictions in every batch), with
     ``--s3`` and ``--savepoints`` when they were given."""
@@ -1300,6 +1314,8 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_savepoints_lines(*load("campaign_savepoints", results))
     if (results / "campaign_hosts.json").exists():
         lines += campaign_hosts_lines(*load("campaign_hosts", results))
+    if (results / "campaign_cluster.json").exists():
+        lines += campaign_cluster_lines(*load("campaign_cluster", results))
     for name in ("campaign_memory", "campaign_memory_s3"):
         if (results / f"{name}.json").exists():
             lines += campaign_memory_lines(*load(name, results))

@@ -41,7 +41,7 @@ for version in "${versions[@]}"; do
             args=(-m "spark and not cluster" --ignore=tests/test_benchmarks.py)
         fi
         echo "== pyspark $installed: $tier tests" | tee -a "$log"
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider "${args[@]}" >> "$log" 2>&1
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder "${args[@]}" >> "$log" 2>&1
         rc=$?
         result=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
         [ $rc -ne 0 ] && status=1
