@@ -34,11 +34,20 @@ idle (a copy left on an executor the instance moved away from is dropped
 at the host's next idle check, ``hosts.policy.OBSOLETE_CHECK_SECONDS``; the
 host stays, a spare holding nothing).
 
+Rescale (uniform keys): each system's first run builds the state (file 0)
+and takes one steady batch at parallelism ``parallelism``; then two
+restarts of one steady batch each, ours at ``rescales`` (6 -> 9 -> 4: each
+restore reads only the key-group ranges an instance now owns), Spark's
+``groupBy().count()`` at the same parallelism (it cannot change it).
+Measured: each restart's wall time from ``start()`` to its end and its
+batch's ``triggerExecution``, ours over Spark's.
+
 Targets (issue 63): steady throughput at least 1.0x ``groupby_count_hdfs`` and
 1.5x ``groupby_count_rocksdb``, uniform and skewed; at least 95% of steady
 instance tasks resident or reading only the key groups their batch touches
 (``resident`` + ``caught_up``, or ``restored`` under a bound); settled, the
-PSS of every host at most 1.25x that of the hosts holding the latest copies.
+PSS of every host at most 1.25x that of the hosts holding the latest copies;
+each rescaling restart's batch at most 1.2x Spark's restart without rescaling.
 """
 
 from __future__ import annotations
@@ -75,11 +84,12 @@ class Config:
     executor_memory: str = "1g"
     zipf_s: float = 1.1
     settle_seconds: float = 8.0
+    rescales: tuple[int, ...] = (6, 9, 4)
 
 
 QUICK = Config("quick", 1_000_000, 100_000, 10)
 FULL = Config("full", 1_000_000, 100_000, 24)
-SMOKE = Config("smoke", 20_000, 2_000, 4, parallelism=3, executors=2, executor_memory="512m")
+SMOKE = Config("smoke", 20_000, 2_000, 4, parallelism=3, executors=2, executor_memory="512m", rescales=(3, 4, 2))
 
 SYSTEMS = ("keyed_count", "groupby_count_hdfs", "groupby_count_rocksdb")
 
@@ -196,7 +206,70 @@ def _spark(provider: str):
     return run
 
 
+def _rescales(spark, files: dict, config: dict, work: Path) -> dict:
+    """The rescale section (module docstring): per system, its first run and its two restarts."""
+    from spark_state import keyed
+
+    source = Path(files["directory"])
+    parallelisms = config["rescales"]
+    runs = {}
+    for system in ("keyed_count", "groupby_count_hdfs"):
+        base = common.fresh_dir(work / system)
+        directory = common.fresh_dir(base / "input")
+        phases = []
+        for phase, parallelism in enumerate(parallelisms if system == "keyed_count" else [parallelisms[0]] * 3):
+            for index in (0, 1) if phase == 0 else (phase + 1,):
+                name = f"part-{index:05d}.parquet"
+                os.link(source / name, directory / name)
+            stream = spark.readStream.schema("key string").option("maxFilesPerTrigger", 1).parquet(str(directory))
+            if system == "keyed_count":
+                spark.conf.set("spark.state.parallelism", str(parallelism))
+                spark.conf.set("spark.state.store", str(base / "state"))
+                spark.conf.set("spark.state.sharedLocalStore", "true")
+                writer = keyed(stream, "key", name=COMPONENT).count().writeStream.foreachBatch(common.noop_sink)
+            else:
+                spark.conf.set(common.PROVIDER_CONF, common.HDFS_PROVIDER)
+                spark.conf.set("spark.sql.shuffle.partitions", str(parallelism))
+                writer = stream.groupBy("key").count().writeStream.format("noop").outputMode("update")
+            began = time.perf_counter()
+            query = writer.option("checkpointLocation", str(base / "chk")).trigger(availableNow=True).start()
+            query.awaitTermination()
+            wall = time.perf_counter() - began
+            batches = common.batch_progress(query)
+            if not batches or (phase and len(batches) != 1):
+                raise RuntimeError(f"{system} at {parallelism} ran {batches}, expected one batch a restart")
+            phases.append({"parallelism": parallelism, "wall_seconds": round(wall, 3), "batches": batches})
+        spark.conf.unset(common.PROVIDER_CONF)
+        runs[system] = phases
+    return runs
+
+
+def summarize_rescales(runs: dict) -> dict:
+    """Each restart of ours against Spark's restart at the same place: wall time and its batch's."""
+    restarts = []
+    for ours, spark in zip(runs["keyed_count"][1:], runs["groupby_count_hdfs"][1:], strict=True):
+        restarts.append(
+            {
+                "parallelism": ours["parallelism"],
+                "wall_seconds": {"keyed_count": ours["wall_seconds"], "groupby_count_hdfs": spark["wall_seconds"]},
+                "batch_seconds": {
+                    "keyed_count": ours["batches"][-1]["seconds"],
+                    "groupby_count_hdfs": spark["batches"][-1]["seconds"],
+                },
+                "wall_ratio": round(ours["wall_seconds"] / spark["wall_seconds"], 3),
+                "batch_ratio": round(ours["batches"][-1]["seconds"] / spark["batches"][-1]["seconds"], 3),
+            }
+        )
+    return {
+        "parallelisms": [phase["parallelism"] for phase in runs["keyed_count"]],
+        "restarts": restarts,
+        "ratio_rule": "ours / Spark's groupBy().count() (HDFS-backed) restarted at its first parallelism: the "
+        "restart's batch triggerExecution (wall_ratio: from start() to its end)",
+    }
+
+
 RUNNERS = {
+    "rescale": _rescales,
     "keyed_count": _ours,
     "groupby_count_hdfs": _spark(common.HDFS_PROVIDER),
     "groupby_count_rocksdb": _spark(common.ROCKSDB_PROVIDER),
@@ -309,6 +382,18 @@ def targets(summary: dict) -> list[dict]:
     return found
 
 
+def rescale_targets(rescale: dict) -> list[dict]:
+    worst = max(r["batch_ratio"] for r in rescale["restarts"])
+    path = " -> ".join(str(p) for p in rescale["parallelisms"])
+    return [
+        {
+            "target": f"a rescale {path}: each restart's batch <= 1.2x Spark's restart without rescaling",
+            "value": worst,
+            "met": worst <= 1.2,
+        }
+    ]
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -345,7 +430,8 @@ def run(config: Config) -> dict:
     for distribution in ("uniform", "zipf"):
         files = _inputs(config, distribution, work / f"in-{distribution}")
         inputs[distribution] = {"directory": str(files.directory), "count": len(files.rows)}
-    order = [("uniform", list(SYSTEMS)), ("zipf", list(reversed(SYSTEMS)))]
+    inputs["rescale"] = inputs["uniform"]
+    order = [("uniform", list(SYSTEMS)), ("zipf", list(reversed(SYSTEMS))), ("rescale", ["rescale"])]
     cluster = StandaloneCluster(work / "cluster", workers=config.executors, worker_memory="3g")
     cluster.start()
     try:
@@ -362,7 +448,11 @@ def run(config: Config) -> dict:
             "order": order,
             "inputs": inputs,
             "work": str(work / "runs"),
-            "config": {"parallelism": config.parallelism, "settle_seconds": config.settle_seconds},
+            "config": {
+                "parallelism": config.parallelism,
+                "settle_seconds": config.settle_seconds,
+                "rescales": list(config.rescales),
+            },
         }
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -381,11 +471,13 @@ def run(config: Config) -> dict:
         raw = json.loads(out.read_text())
     finally:
         cluster.stop()
+    rescales = raw.pop("rescale")["rescale"]
     summary = summarize(raw, config)
     for s in summary.values():
         s["parallelism"] = config.parallelism
-    result = {"config": config.__dict__, "summary": summary, "runs": raw}
-    result["targets"] = targets(summary)
+    rescale = {**summarize_rescales(rescales), "runs": rescales}
+    result = {"config": config.__dict__, "summary": summary, "runs": raw, "rescale": rescale}
+    result["targets"] = targets(summary) + rescale_targets(rescale)
     return result
 
 

@@ -713,6 +713,22 @@ def cluster_section(data: dict, file: str) -> list[str]:
             f"{_mb(bound) if bound else 'none'} | {s['stale_hosts']}: {_mb(s['stale_hosts_pss_bytes_at_last_batch'])}"
             f" / {_mb(s['stale_hosts_pss_bytes_settled'])} | {_x(s['hosts_vs_latest_copies_hosts'])} |"
         )
+    rescale = data.get("rescale")
+    if rescale is not None:  # results from before the rescale section have none
+        path = " -> ".join(str(p) for p in rescale["parallelisms"])
+        out += [
+            "",
+            f"A rescale {path} (uniform keys; each restart one steady batch, Spark's `groupBy().count()` restarted "
+            f"at {rescale['parallelisms'][0]}, as it cannot change it): "
+            + "; ".join(
+                f"at {r['parallelism']} our batch {r['batch_seconds']['keyed_count']:.2f} s against "
+                f"{r['batch_seconds']['groupby_count_hdfs']:.2f} s ({_x(r['batch_ratio'])}), from `start()` to its "
+                f"end {r['wall_seconds']['keyed_count']:.1f} s against {r['wall_seconds']['groupby_count_hdfs']:.1f} s "
+                f"({_x(r['wall_ratio'])})"
+                for r in rescale["restarts"]
+            )
+            + ".",
+        ]
     out += [
         "",
         *_targets_and_figure(data, file, "cluster"),
