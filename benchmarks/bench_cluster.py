@@ -401,7 +401,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = result["summary"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    rescale = result.get("rescale")
+    fig, axes = plt.subplots(1, 3 if rescale else 2, figsize=(17 if rescale else 12, 4.2))
     distributions = list(summary)
     width = 0.26
     for offset, system in enumerate(SYSTEMS):
@@ -419,6 +420,17 @@ def plot(result: dict, path: Path) -> None:
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     axes[1].set_title("our steady instance tasks", fontsize=10)
     axes[1].legend(fontsize=8)
+    if rescale:
+        labels = [f"at {r['parallelism']}" for r in rescale["restarts"]]
+        xs = range(len(labels))
+        axes[2].bar([x - 0.2 for x in xs], [r["batch_ratio"] for r in rescale["restarts"]], 0.4, label="batch")
+        axes[2].bar([x + 0.2 for x in xs], [r["wall_ratio"] for r in rescale["restarts"]], 0.4, label="wall")
+        axes[2].axhline(1.2, color="grey", linestyle="--", linewidth=1, label="target 1.2x")
+        axes[2].set_xticks(list(xs))
+        axes[2].set_xticklabels(labels)
+        steps = " -> ".join(str(p) for p in rescale["parallelisms"])
+        axes[2].set_title(f"restarts {steps}: ours / Spark's restart", fontsize=10)
+        axes[2].legend(fontsize=8)
     common.save_figure(fig, path, "Cluster", result)
 
 
