@@ -1230,6 +1230,19 @@ def campaign_hosts_lines(data: dict, file: str) -> list[str]:
     )
 
 
+def campaign_current_lines(data: dict, file: str) -> list[str]:
+    """A shorter run of every fault kind on the current code (the committed 200-cycle run is older)."""
+    kinds = [k for k, n in data["faults"].items() if n]
+    return campaign_run_lines(
+        data,
+        file,
+        "On the current code",
+        f"{data['queries']} queries, all {len(kinds)} of the {len(data['fault_kinds'])} fault kinds injected "
+        "(the two cluster kinds decommission_executor and dynamic_allocation included; its drivers are classic "
+        "sessions, none over Spark Connect)",
+    )
+
+
 def campaign_cluster_lines(data: dict, file: str) -> list[str]:
     """A run of the cluster kinds: executors killed, decommissioned, and removed and added by dynamic allocation."""
     faults = data["faults"]
@@ -1332,6 +1345,8 @@ def render(results: Path = RESULTS) -> str:
         lines += campaign_hosts_lines(*load("campaign_hosts", results))
     if (results / "campaign_cluster.json").exists():
         lines += campaign_cluster_lines(*load("campaign_cluster", results))
+    if (results / "campaign_current.json").exists():
+        lines += campaign_current_lines(*load("campaign_current", results))
     for name in ("campaign_memory", "campaign_memory_s3"):
         if (results / f"{name}.json").exists():
             lines += campaign_memory_lines(*load(name, results))
