@@ -200,7 +200,7 @@ def test_a_daemon_given_a_dead_one_s_pid_never_meets_the_dead_one_s_hosts(base):
     name = host_trust.executor_name(os.getpid())
     pid, _, started = name.partition("-")
     assert pid == str(os.getpid()) and started, name  # Linux tells when a process started
-    before = host_trust._base36(int(started, 36) - 1)
+    before = format(int(started, 16) - 1, "x")
     earlier = f"{pid}-{before}"  # the same pid, given to a process that started before this one
     assert host_trust.executor_alive(name) and not host_trust.executor_alive(earlier)
     assert serving.alive(os.getpid(), started) and not serving.alive(os.getpid(), before)

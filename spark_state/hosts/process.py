@@ -11,7 +11,7 @@ from pathlib import Path
 
 from spark_state.hosts import listening, serving, trust
 
-EXECUTOR_NAME = re.compile(r"\d+(-[0-9a-z]+)?")
+EXECUTOR_NAME = re.compile(r"\d+(-[0-9a-f]+)?")
 """The name of an executor's directory (``trust.executor_name``)."""
 
 _WORKER_FROZEN = False

@@ -108,45 +108,34 @@ def executor_name(daemon_pid: int) -> str:
     return str(daemon_pid) if started is None else f"{daemon_pid}-{started}"
 
 
-def _base36(number: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    text = ""
-    while True:
-        number, digit = divmod(number, 36)
-        text = digits[digit] + text
-        if number == 0:
-            return text
-
-
 def executor_alive(name: str) -> bool:
     """Whether the Python daemon that directory ``name`` (``executor_name``) is of still runs: its pid is alive
     and, where the name says when it started, is still that process (not a later one given the same pid)."""
     pid, _, started = name.partition("-")
-    if not pid.isdigit() or not process_alive(int(pid)):
-        return False
-    return not started or process_started(int(pid)) == started
+    return pid.isdigit() and process_alive(int(pid), started or None)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (a zombie counts)."""
+def process_alive(pid: int, started: str | None = None) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts) and, given ``started`` (``process_started``), is still
+    the process that started then."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return started is None or process_started(pid) == started
 
 
 def process_started(pid: int) -> str | None:
-    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``) written in base
-    36 (short: it is part of socket paths), or None where there is no ``/proc`` or no such process."""
+    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``) in hexadecimal
+    (short: it is part of socket paths), or None where there is no ``/proc`` or no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
             fields = file.read().rsplit(b")", 1)[1].split()  # the command, field 2, may hold spaces and ')'
     except (OSError, IndexError):
         return None
-    return _base36(int(fields[19])) if len(fields) > 19 else None  # fields[0] is field 3
+    return format(int(fields[19]), "x") if len(fields) > 19 else None  # fields[0] is field 3
 
 
 _DIRECTORIES: dict[int, tuple[int, Path]] = {}
@@ -161,8 +150,8 @@ def forget_directories() -> None:
 
 def _base() -> Path:
     """Spark's local directory of this executor when the hosts' socket paths fit there, else the temporary one."""
-    # the uid; a daemon's pid (at most 2**22) and start (8 digits of base 36 last 80 years at 1,000 ticks a second)
-    room = len("/spark-state-/") + len(str(os.getuid())) + 7 + 1 + 8 + 1 + LONGEST_SOCKET_NAME
+    # the uid; a daemon's pid (at most 2**22) and start (10 hexadecimal digits last 30 years at 1,000 ticks a second)
+    room = len("/spark-state-/") + len(str(os.getuid())) + 7 + 1 + 10 + 1 + LONGEST_SOCKET_NAME
     local = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0].strip()
     if local and os.path.isabs(local) and os.path.isdir(local) and len(os.fsencode(local)) + room <= MAX_SOCKET_PATH:
         return Path(local)
