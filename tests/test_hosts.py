@@ -621,12 +621,13 @@ def test_an_obsolete_host_stays_as_a_spare_holding_nothing_and_a_new_instance_ad
         if not connection.recv(1):
             return None  # ``_forked_host``'s first connection, which sends nothing
         connection.sendall(b"K")
-        return "its task"
+        return its_task
 
+    its_task = SimpleNamespace(resident_memory=None)  # no memory bound: it may stay as a spare
     monkeypatch.setattr(serving, "ACCEPT_SECONDS", 0.02)
     monkeypatch.setattr(policy, "OBSOLETE_CHECK_SECONDS", 0.2)
     monkeypatch.setattr(tasks, "serve_task", serve_task)
-    monkeypatch.setattr(policy, "obsolete", lambda served, idle_seconds: served == "its task")
+    monkeypatch.setattr(policy, "obsolete", lambda served, idle_seconds: served is its_task)
     with _forked_host() as (address, host):
         _run_task(address)
         deadline = time.monotonic() + 10
@@ -649,6 +650,16 @@ def test_no_more_spares_than_spare_hosts_stay(monkeypatch, tmp_path):
     for pid in (1, 2):
         (tmp_path / f"spare-{pid}.sock").touch()
     assert adoption.spare(tmp_path / "q-0.sock") == (None, None)
+
+
+def test_under_a_memory_bound_an_obsolete_host_leaves_rather_than_stay_as_a_spare(monkeypatch, tmp_path):
+    monkeypatch.setattr(adoption, "SPARE_HOSTS_BOUNDED", 1)
+    monkeypatch.setattr(adoption, "start_afresh", lambda: None)
+    (tmp_path / "spare-1.sock").touch()
+    assert adoption.spare(tmp_path / "q-0.sock", bounded=True) == (None, None)  # one waits already
+    spare, listener = adoption.spare(tmp_path / "q-1.sock")  # without a bound, up to SPARE_HOSTS wait
+    assert spare is not None and listener is not None
+    listener.close()
 
 
 def test_a_host_that_held_a_large_state_leaves_rather_than_stay_as_a_spare(monkeypatch, tmp_path):

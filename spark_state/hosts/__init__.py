@@ -36,7 +36,8 @@ touches from its worker (a large share of a restart's CPU). Only when none agree
 (forking skips an interpreter start-up, which would cost each new instance
 a third of a second; the worker reaps it once it has exited). An obsolete
 host that no worker adopted becomes a spare holding nothing (``adoption.spare``,
-at most ``adoption.SPARE_HOSTS`` per executor, each leaving after ``policy.IDLE_SECONDS``),
+at most ``adoption.SPARE_HOSTS`` per executor, none under a memory bound, each leaving after
+``policy.IDLE_SECONDS``),
 so that a restart in the same application, or a later rescale, takes
 warm hosts as PySpark's idle workers are taken. The host exits when the
 executor's Python daemon (its starter's parent, which lives as long as the

@@ -38,6 +38,12 @@ SPARE_HOSTS = 8
 each keeps some memory of its own (tens of megabytes)."""
 
 
+SPARE_HOSTS_BOUNDED = 0
+"""Under a memory bound (``spark.state.residentMemory``, or the bound Spark's settings give on a cluster), no spare
+stays: each would keep tens of megabytes that no state bound counts, in the memory a container limit does count (a
+cluster's executors move instances between them every batch, leaving an obsolete host behind at each move)."""
+
+
 SPARE = "spare"
 """A spare host's socket is ``spare-<pid>.sock`` in its executor's directory."""
 
@@ -96,11 +102,12 @@ def adopt(address: Path) -> bool:
     return False
 
 
-def spare(address: Path) -> tuple[Path | None, socket.socket | None]:
+def spare(address: Path, *, bounded: bool = False) -> tuple[Path | None, socket.socket | None]:
     """An obsolete host at ``address`` (unlinked): a spare's address and socket, or None twice (it leaves).
 
     It stays as a spare, holding no state, when fewer than ``SPARE_HOSTS``
-    spares wait on its executor and it held at most ``ADOPT_MAX_KEYS`` keys
+    spares wait on its executor (``SPARE_HOSTS_BOUNDED`` when its last task ran under a memory bound,
+    ``bounded``) and it held at most ``ADOPT_MAX_KEYS`` keys
     (a larger state would leave more memory behind, fragments the
     allocators keep, than a new host starts with): the next new instance
     there adopts it (``adopt``) instead of forking a host whose first task
@@ -110,7 +117,8 @@ def spare(address: Path) -> tuple[Path | None, socket.socket | None]:
     """
     from spark_state.executor.resident import held_keys
 
-    if held_keys() > ADOPT_MAX_KEYS or sum(1 for _ in address.parent.glob(f"{SPARE}-*.sock")) >= SPARE_HOSTS:
+    limit = SPARE_HOSTS_BOUNDED if bounded else SPARE_HOSTS
+    if held_keys() > ADOPT_MAX_KEYS or sum(1 for _ in address.parent.glob(f"{SPARE}-*.sock")) >= limit:
         return None, None
     start_afresh()
     spare = address.parent / f"{SPARE}-{os.getpid()}.sock"

@@ -74,7 +74,7 @@ def serve(
                     last_check = now
                     if policy.obsolete(served, now - last_task):
                         if listening.vacate(address, listener) and is_host:
-                            return adoption.spare(address)
+                            return adoption.spare(address, bounded=served.resident_memory is not None)
                         break
                 continue
             with connection:
