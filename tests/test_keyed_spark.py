@@ -867,6 +867,7 @@ def test_steady_batches_never_reload_state_whichever_worker_spark_picks(spark, t
     later = [i for b in query.batches[1:] for i in b["instances"]]
     assert len(later) == 5 * 4
     assert [(i["restore"]["resident"], i["restore"]["bytes_read"]) for i in later] == [(True, 0)] * 20
+    assert all(i["restore"]["key_groups_read_untouched"] == 0 < i["restore"]["key_groups_touched"] for i in later)
     assert len({i["pid"] for i in later}) == 4  # one host per instance
     first = query.batches[0]["instances"]  # new hosts: their first task touches memory, faulting it in
     assert all(
@@ -949,5 +950,9 @@ def test_a_memory_bound_below_the_state_holds_and_output_stays_exact_through_a_r
     ]
     assert sum(r > 0 for r in reloaded) >= 4  # evicted key groups came back from the store
     assert all(i["restore"]["bytes_read"] == 0 for i in second.batches[0]["instances"])  # a lazy rescale
+    assert all(
+        i["restore"]["key_groups_read_untouched"] == 0 < i["restore"]["key_groups_touched"]
+        for i in second.batches[0]["instances"]
+    )  # it read only what its rows touch
     # built-ins load evicted key groups chunk by chunk, releasing chains over the bound
     assert max(i["restore"].get("loaded", {}).get("chunks", 0) for i in instances) > 1

@@ -1055,3 +1055,14 @@ def test_a_key_groups_size_for_the_planner_is_its_largest_variables_and_zero_onl
     assert table.key_count(group) == 1  # a timer without a value still holds its key
     table.delete(group, (same[0],), 1)
     assert table.key_count(group) == 0
+
+
+def test_a_task_reports_how_many_key_groups_it_read_that_its_rows_do_not_touch():
+    from spark_state.executor.task import _note_touched
+
+    info = {"caught_up_key_groups": [3, 4, 9]}
+    _note_touched(info, np.array([4, 5], np.int64))
+    assert info == {"key_groups_touched": 2, "key_groups_read_untouched": 2}  # 3 and 9: a move that read more
+    info = {"caught_up_key_groups": []}
+    _note_touched(info, np.array([4, 5], np.int64))
+    assert info == {"key_groups_touched": 2, "key_groups_read_untouched": 0}  # a lazy restore reads them later

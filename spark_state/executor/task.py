@@ -164,9 +164,19 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
         requests=caught.stats.requests,
         key_groups_read=len(caught.plan.chains),
         key_groups_appended=len(caught.plan.appends),
+        caught_up_key_groups=sorted({*caught.plan.chains, *caught.plan.appends}),
         seconds=round(caught.stats.seconds, 4),
     )
     return state, info
+
+
+def _note_touched(restore_info: dict, touched: np.ndarray) -> None:
+    """Record in ``restore_info`` how many key groups the batch's rows touch and how many of those its catch-up
+    read lay outside them (``key_groups_touched``, ``key_groups_read_untouched``): a task that reads no more than
+    its batch touches moved cheaply, wherever Spark placed it."""
+    caught_up = restore_info.pop("caught_up_key_groups", [])
+    restore_info["key_groups_touched"] = int(touched.size)
+    restore_info["key_groups_read_untouched"] = int(np.setdiff1d(np.asarray(caught_up, np.int64), touched).size)
 
 
 def _check_key_groups(
@@ -309,14 +319,17 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     phases.end("input")
     time_info: dict = {}
     chunked = _in_chunks(task, state) and table is not None and table.num_rows > 0
+    touched = np.empty(0, np.int64)
     if table is not None and table.num_rows:
         _check_key_groups(table, task.schema.key_columns, task.max_parallelism, state.key_group_range)
+        touched = np.unique(table.column(KEY_GROUP_COLUMN).to_numpy())
         if not chunked:
-            loaded = state.load(blobs, np.unique(table.column(KEY_GROUP_COLUMN).to_numpy()))
+            loaded = state.load(blobs, touched)
             if loaded:
                 restore_info["loaded"] = loaded
         if task.event_time is not None:
             table, time_info = _event_times(task, table)
+    _note_touched(restore_info, touched)
     if chunked:
         outputs, restore_info["loaded"] = _aggregate_in_chunks(task, state, table, blobs)
         apply_info: dict = {}
