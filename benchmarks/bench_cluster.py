@@ -26,7 +26,9 @@ Throughput: rows of batches 2..n over the sum of their ``triggerExecution``
 instance task: ``resident`` (its state was in the host on the executor
 that ran it, nothing read), ``caught_up`` (resident, newer entries read),
 ``restored`` (nothing resident: every key group its task needed read from
-the store; with a memory bound, only those its rows touched); and memory:
+the store; with a memory bound, only those its rows touched), and whether
+it read from the store any key group its rows do not touch (the report's
+``key_groups_read_untouched``); and memory:
 the resident bytes of the latest copy of each instance (its last report),
 and the proportional set size (PSS) of every instance host the query
 used, right after its last batch and ``settle_seconds`` later, the query
@@ -45,7 +47,8 @@ batch's ``triggerExecution``, ours over Spark's.
 Targets (issue 63): steady throughput at least 1.0x ``groupby_count_hdfs`` and
 1.5x ``groupby_count_rocksdb``, uniform and skewed; at least 95% of steady
 instance tasks resident or reading only the key groups their batch touches
-(``resident`` + ``caught_up``, or ``restored`` under a bound); settled, the
+(``key_groups_read_untouched`` = 0: nothing, a catch-up of those, or a lazy
+restore under a bound; ``resident`` + ``caught_up`` is reported beside it); settled, the
 PSS of every host at most 1.25x that of the hosts holding the latest copies;
 each rescaling restart's batch at most 1.2x Spark's restart without rescaling.
 """
@@ -68,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common
+
+from spark_state.keyspace import default_max_parallelism
 
 WORK = common.WORK_DIR / "cluster"
 COMPONENT = "counts"
@@ -127,6 +132,11 @@ def _classify(instance: dict) -> str:
     return "caught_up" if read else "resident"
 
 
+def _within_touched(instance: dict) -> bool:
+    """Whether the task read from the store no key group its rows do not touch (lazily, or none at all)."""
+    return instance["restore"].get("key_groups_read_untouched", 1) == 0
+
+
 def _ours(spark, files: dict, config: dict, work: Path) -> dict:
     from spark_state import keyed
 
@@ -159,6 +169,12 @@ def _ours(spark, files: dict, config: dict, work: Path) -> dict:
                 "seconds": progress.get(batch["batch_id"], {}).get("seconds"),
                 "rows": progress.get(batch["batch_id"], {}).get("rows"),
                 **{kind: kinds.count(kind) for kind in ("resident", "caught_up", "restored")},
+                "within_touched": sum(map(_within_touched, batch["instances"])),
+                "key_groups_touched": [i["restore"].get("key_groups_touched") for i in batch["instances"]],
+                "task_seconds": {
+                    kind: [i["seconds"] for i, k in zip(batch["instances"], kinds) if k == kind]
+                    for kind in ("resident", "caught_up", "restored")
+                },
                 "executors": sorted({_executor_of(i["pid"]) or "gone" for i in batch["instances"]}),
                 "memory_limit_bytes": batch["instances"][0].get("memory", {}).get("limit_bytes"),
             }
@@ -333,6 +349,17 @@ def summarize(raw: dict, config: Config) -> dict:
             "ours_vs_rocksdb": round(rates["keyed_count"] / rates["groupby_count_rocksdb"], 3),
             "steady_tasks": tasks,
             "steady_tasks_resident_or_caught_up": round((tasks["resident"] + tasks["caught_up"]) / total, 3),
+            # resident, or reading from the store only key groups its rows touch (a lazy restore under the bound)
+            "steady_tasks_resident_or_reading_only_touched": round(sum(b["within_touched"] for b in steady) / total, 3),
+            "median_key_groups_touched_per_task": statistics.median(
+                n for b in steady for n in b["key_groups_touched"] if n is not None
+            ),
+            "key_groups_per_instance": round(default_max_parallelism(config.parallelism) / config.parallelism, 1),
+            "median_task_seconds": {
+                kind: round(statistics.median(times), 3) if times else None
+                for kind in ("resident", "caught_up", "restored")
+                for times in [[t for b in steady for t in b["task_seconds"][kind]]]
+            },
             "memory_bound_bytes_per_host": steady[0]["memory_limit_bytes"] if steady else None,
             "bounded": bounded,
             "latest_copies_resident_bytes": ours["latest_copies_resident_bytes"],
@@ -368,9 +395,10 @@ def targets(summary: dict) -> list[dict]:
                 "met": s["ours_vs_rocksdb"] >= 1.5,
             },
             {
-                "target": f"{distribution}: >= 95% of steady instance tasks find their state resident",
-                "value": s["steady_tasks_resident_or_caught_up"],
-                "met": s["steady_tasks_resident_or_caught_up"] >= 0.95,
+                "target": f"{distribution}: >= 95% of steady instance tasks find their state resident, or read at "
+                "most the key groups their batch touches",
+                "value": s["steady_tasks_resident_or_reading_only_touched"],
+                "met": s["steady_tasks_resident_or_reading_only_touched"] >= 0.95,
             },
             {
                 "target": f"{distribution}: settled, every host's memory <= 1.25x that of the hosts of the latest "

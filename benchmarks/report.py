@@ -684,6 +684,16 @@ def time_section(data: dict, file: str) -> list[str]:
     return out
 
 
+def _touched(s: dict) -> str:
+    """bench_cluster's share of steady tasks resident or reading only what they touch (none in older results)."""
+    if "steady_tasks_resident_or_reading_only_touched" not in s:
+        return "not measured"
+    return (
+        f"{s['steady_tasks_resident_or_reading_only_touched']:.0%} ({s['median_key_groups_touched_per_task']:g} / "
+        f"{s['key_groups_per_instance']:g})"
+    )
+
+
 def cluster_section(data: dict, file: str) -> list[str]:
     c = data["config"]
     out = [
@@ -695,13 +705,16 @@ def cluster_section(data: dict, file: str) -> list[str]:
         f"parallelism {c['parallelism']} over {c['keys']:,} keys of state, {c['batches']} batches of "
         f"{c['rows']:,} rows, uniform and Zipf-skewed (s = {c['zipf_s']}), against `groupBy().count()` at as many "
         "shuffle partitions. Steady instance tasks: resident / caught up / restored (with a memory bound, a "
-        "restore reads only the key groups its rows touch). Hosts: the proportional set size of the hosts "
+        "restore reads only the key groups its rows touch), and the share resident or reading from the store no key "
+        "group their rows do not touch (with the key groups a task's rows touch, of those its instance owns). Hosts: "
+        "the proportional set size of the hosts "
         f"whose instance ran last elsewhere, at the last batch and {c['settle_seconds']:g} s later, idle; and of "
         "every host against those holding the latest copies, settled.",
         "",
         "| keys | rows/s ours | HDFS | RocksDB | ours / HDFS | ours / RocksDB | tasks resident / caught up / "
-        "restored | bound per host | stale hosts' PSS, last batch / settled | all hosts / latest copies' |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "restored | resident or reading only touched (touched / owned) | bound per host | stale hosts' PSS, last "
+        "batch / settled | all hosts / latest copies' |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for distribution, s in data["summary"].items():
         rates, tasks = s["rows_per_second"], s["steady_tasks"]
@@ -709,7 +722,7 @@ def cluster_section(data: dict, file: str) -> list[str]:
         out.append(
             f"| {distribution} | {rates['keyed_count']:,.0f} | {rates['groupby_count_hdfs']:,.0f} | "
             f"{rates['groupby_count_rocksdb']:,.0f} | {_x(s['ours_vs_hdfs'])} | {_x(s['ours_vs_rocksdb'])} | "
-            f"{tasks['resident']} / {tasks['caught_up']} / {tasks['restored']} | "
+            f"{tasks['resident']} / {tasks['caught_up']} / {tasks['restored']} | {_touched(s)} | "
             f"{_mb(bound) if bound else 'none'} | {s['stale_hosts']}: {_mb(s['stale_hosts_pss_bytes_at_last_batch'])}"
             f" / {_mb(s['stale_hosts_pss_bytes_settled'])} | {_x(s['hosts_vs_latest_copies_hosts'])} |"
         )
