@@ -1060,9 +1060,9 @@ def test_a_key_groups_size_for_the_planner_is_its_largest_variables_and_zero_onl
 def test_a_task_reports_how_many_key_groups_it_read_that_its_rows_do_not_touch():
     from spark_state.executor.task import _note_touched
 
-    info = {"caught_up_key_groups": [3, 4, 9]}
-    _note_touched(info, np.array([4, 5], np.int64))
+    info: dict = {}
+    _note_touched(info, np.array([3, 4, 9], np.int64), np.array([4, 5], np.int64))
     assert info == {"key_groups_touched": 2, "key_groups_read_untouched": 2}  # 3 and 9: a move that read more
-    info = {"caught_up_key_groups": []}
-    _note_touched(info, np.array([4, 5], np.int64))
+    info = {}
+    _note_touched(info, np.empty(0, np.int64), np.array([4, 5], np.int64))
     assert info == {"key_groups_touched": 2, "key_groups_read_untouched": 0}  # a lazy restore reads them later

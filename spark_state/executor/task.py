@@ -124,8 +124,10 @@ def _base_component(task: TaskSpec, manifests: ManifestReader) -> ComponentManif
     return base.components.get(task.component)
 
 
-def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: ManifestReader) -> tuple[ResidentState, dict]:
-    """Step 1: the instance's state at the base checkpoint, and what that cost.
+def _restore(
+    task: TaskSpec, instance: int, blobs: BlobStore, manifests: ManifestReader
+) -> tuple[ResidentState, dict, np.ndarray]:
+    """Step 1: the instance's state at the base checkpoint, what that cost, and the key groups it read.
 
     ``bytes_read`` and ``requests`` are the restore plan's; on a backend that
     counts its traffic (S3), ``storage`` holds what the backend itself sent
@@ -153,7 +155,7 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
     if component is None:
         if state.has_keys() or state.chains.held():
             state = ResidentState(task.schema, state.key_group_range, bounded=state.bounded, native=native)
-        return state, info
+        return state, info, np.empty(0, np.int64)
     wire_before = blobs.storage.counters()
     caught = state.catch_up(blobs, component, instance, task.parallelism)
     wire_after = blobs.storage.counters()
@@ -164,19 +166,17 @@ def _restore(task: TaskSpec, instance: int, blobs: BlobStore, manifests: Manifes
         requests=caught.stats.requests,
         key_groups_read=len(caught.plan.chains),
         key_groups_appended=len(caught.plan.appends),
-        caught_up_key_groups=sorted({*caught.plan.chains, *caught.plan.appends}),
         seconds=round(caught.stats.seconds, 4),
     )
-    return state, info
+    return state, info, np.fromiter({*caught.plan.chains, *caught.plan.appends}, np.int64)
 
 
-def _note_touched(restore_info: dict, touched: np.ndarray) -> None:
+def _note_touched(restore_info: dict, caught_up: np.ndarray, touched: np.ndarray) -> None:
     """Record in ``restore_info`` how many key groups the batch's rows touch and how many of those its catch-up
-    read lay outside them (``key_groups_touched``, ``key_groups_read_untouched``): a task that reads no more than
-    its batch touches moved cheaply, wherever Spark placed it."""
-    caught_up = restore_info.pop("caught_up_key_groups", [])
+    read (``caught_up``) lay outside them (``key_groups_touched``, ``key_groups_read_untouched``): a task that reads
+    no more than its batch touches moved cheaply, wherever Spark placed it."""
     restore_info["key_groups_touched"] = int(touched.size)
-    restore_info["key_groups_read_untouched"] = int(np.setdiff1d(np.asarray(caught_up, np.int64), touched).size)
+    restore_info["key_groups_read_untouched"] = int(np.setdiff1d(caught_up, touched).size)
 
 
 def _check_key_groups(
@@ -312,7 +312,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
     started, usage = time.perf_counter(), _usage()
     phases = _Phases(started)
     blobs, manifests = _stores(task.store_uri)
-    state, restore_info = _restore(task, instance, blobs, manifests)
+    state, restore_info, caught_up = _restore(task, instance, blobs, manifests)
     phases.end("restore")
     input_batches = list(batches)
     table = pa.Table.from_batches(input_batches) if input_batches else None
@@ -329,7 +329,7 @@ def run_instance(task: TaskSpec, instance: int, batches: Iterable[pa.RecordBatch
                 restore_info["loaded"] = loaded
         if task.event_time is not None:
             table, time_info = _event_times(task, table)
-    _note_touched(restore_info, touched)
+    _note_touched(restore_info, caught_up, touched)
     if chunked:
         outputs, restore_info["loaded"] = _aggregate_in_chunks(task, state, table, blobs)
         apply_info: dict = {}
